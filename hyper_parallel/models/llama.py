@@ -1,0 +1,195 @@
+"""A Llama-style decoder: RMSNorm, rotary attention through SDPA (with GQA), SwiGLU MLP.
+
+Built so it can be created on the meta device, wrapped with ``fully_shard`` and then
+materialised with ``to_empty`` + ``init_weights``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass
+class LlamaConfig:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: Optional[int] = None  # None: same as n_heads (no grouped-query attention)
+    ffn_hidden_dim: Optional[int] = None  # None: the Llama rule from dim
+    multiple_of: int = 32
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 256
+    tie_embeddings: bool = False
+
+    def __post_init__(self) -> None:
+        if self.n_kv_heads is None:
+            self.n_kv_heads = self.n_heads
+        if self.dim % self.n_heads:
+            raise ValueError(f"dim={self.dim} is not divisible by n_heads={self.n_heads}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_heads={self.n_heads} is not divisible by n_kv_heads={self.n_kv_heads}")
+        if self.ffn_hidden_dim is None:
+            hidden = int(2 * 4 * self.dim / 3)
+            self.ffn_hidden_dim = self.multiple_of * math.ceil(hidden / self.multiple_of)
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-5):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        return normed.type_as(x) * self.weight
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim // 2)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x: (batch, heads, seq, head_dim)."""
+    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
+    rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    return rotated.type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        bsz, seq, _ = x.shape
+        # -1 head counts keep this correct when tensor parallelism shards the heads.
+        q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden_dim: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden_dim, bias=False)
+        self.w2 = nn.Linear(hidden_dim, dim, bias=False)
+        self.w3 = nn.Linear(dim, hidden_dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        if cfg.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: recomputed on materialisation, never checkpointed.
+        cos, sin = self._rope_tables(self.tok_embeddings.weight.device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def _rope_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
+        return rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+
+    @torch.no_grad()
+    def init_weights(self, seed: Optional[int] = None) -> None:
+        """(Re)initialise every parameter and the RoPE tables, e.g. after ``to_empty``.
+
+        Works on plain and on sharded (DTensor) parameters. Re-ties the output projection to
+        the embedding when ``tie_embeddings`` is set (``to_empty`` unties shared parameters).
+        """
+        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+            self.output.weight = self.tok_embeddings.weight
+        if seed is not None:
+            torch.manual_seed(seed)
+        std = 0.02
+        out_std = std / math.sqrt(2 * self.cfg.n_layers)
+        nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not self.cfg.tie_embeddings else std)
+        for layer in self.layers:
+            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1, layer.feed_forward.w3):
+                nn.init.trunc_normal_(lin.weight, std=std, a=-3 * std, b=3 * std)
+            for lin in (layer.attention.wo, layer.feed_forward.w2):
+                nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+            layer.attention_norm.reset_parameters()
+            layer.ffn_norm.reset_parameters()
+        self.norm.reset_parameters()
+        if not self.cfg.tie_embeddings:
+            bound = self.cfg.dim ** -0.5
+            nn.init.trunc_normal_(self.output.weight, std=bound, a=-3 * bound, b=3 * bound)
+        self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.output(self.norm(h))
+
+    def num_params(self) -> int:
+        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
+
+
+# Named sizes. llama_debug runs on CPU in well under a second per step.
+CONFIGS = {
+    "llama_debug": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256),
+    "llama_50m": dict(vocab_size=8192, dim=576, n_layers=10, n_heads=9, max_seq_len=256),
+    "llama_1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                     ffn_hidden_dim=8192, rope_theta=500000.0, max_seq_len=4096, tie_embeddings=True),
+    "llama_8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                     ffn_hidden_dim=14336, rope_theta=500000.0, max_seq_len=8192),
+}
+
+
+def build_llama(name: str = "llama_debug", **overrides) -> Transformer:
+    """Build a named model size (see ``CONFIGS``), with field overrides."""
+    if name not in CONFIGS:
+        raise ValueError(f"unknown model {name!r}; known: {sorted(CONFIGS)}")
+    return Transformer(LlamaConfig(**{**CONFIGS[name], **overrides}))

@@ -1,0 +1,14 @@
+"""Device and backend abstraction: cpu/gloo, cuda/nccl, npu/hccl.
+
+Everything in hyper_parallel asks this layer which device it runs on instead of probing
+``torch.cuda`` itself. ``torch_npu`` is imported only when the platform is NPU.
+"""
+
+from hyper_parallel.platform.platform import (
+    Platform,
+    get_platform,
+    init_distributed,
+    reset_platform,
+)
+
+__all__ = ["Platform", "get_platform", "init_distributed", "reset_platform"]

@@ -1,0 +1,165 @@
+"""Which accelerator and collective backend this process uses, and the process group setup."""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import importlib.util
+import os
+import resource
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+# device type -> collective backend
+_BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
+_DEVICE_ENV = "HYPER_PARALLEL_DEVICE"
+
+
+def _npu_available() -> bool:
+    # Only look for torch_npu when it is installed; importing it registers the "npu" device.
+    if importlib.util.find_spec("torch_npu") is None:
+        return False
+    importlib.import_module("torch_npu")
+    return bool(torch.npu.is_available())  # type: ignore[attr-defined]
+
+
+def _detect_device_type() -> str:
+    forced = os.environ.get(_DEVICE_ENV)
+    if forced:
+        if forced not in _BACKENDS:
+            raise ValueError(
+                f"{_DEVICE_ENV}={forced!r} is not one of {sorted(_BACKENDS)}"
+            )
+        if forced == "npu":
+            importlib.import_module("torch_npu")
+        return forced
+    if torch.cuda.is_available():
+        return "cuda"
+    if _npu_available():
+        return "npu"
+    return "cpu"
+
+
+@dataclass(frozen=True)
+class Platform:
+    """What this process runs on.
+
+    Attributes:
+        device_type: ``"cpu"``, ``"cuda"`` or ``"npu"``.
+        backend: the collective backend for that device (``gloo``, ``nccl``, ``hccl``).
+    """
+
+    device_type: str
+    backend: str
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+    @property
+    def world_size(self) -> int:
+        if dist.is_initialized():
+            return dist.get_world_size()
+        return int(os.environ.get("WORLD_SIZE", 1))
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", 0))
+
+    @property
+    def is_accelerator(self) -> bool:
+        return self.device_type != "cpu"
+
+    @property
+    def device_module(self):
+        """``torch.cuda`` / ``torch.npu``; None on CPU."""
+        return torch.get_device_module(self.device_type) if self.is_accelerator else None
+
+    def current_device(self) -> torch.device:
+        """The device this rank computes on (``cuda:<local_rank>`` etc., or ``cpu``)."""
+        if not self.is_accelerator:
+            return torch.device("cpu")
+        return torch.device(self.device_type, self.device_module.current_device())
+
+    def set_device(self) -> torch.device:
+        """Bind this process to ``LOCAL_RANK``'s accelerator; returns the device."""
+        if self.is_accelerator:
+            self.device_module.set_device(self.local_rank)
+        return self.current_device()
+
+    def synchronize(self) -> None:
+        if self.is_accelerator:
+            self.device_module.synchronize()
+
+    def pin_memory_available(self) -> bool:
+        return self.is_accelerator
+
+    def reset_peak_memory(self) -> None:
+        if self.is_accelerator:
+            self.device_module.reset_peak_memory_stats()
+
+    def peak_memory_bytes(self) -> int:
+        """Peak allocated accelerator memory; on CPU, the process's peak RSS."""
+        if self.is_accelerator:
+            return int(self.device_module.max_memory_allocated())
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+_PLATFORM: Optional[Platform] = None
+
+
+def get_platform() -> Platform:
+    """The platform of this process (detected once, then cached).
+
+    ``HYPER_PARALLEL_DEVICE=cpu|cuda|npu`` forces the choice.
+    """
+    global _PLATFORM
+    if _PLATFORM is None:
+        device_type = _detect_device_type()
+        _PLATFORM = Platform(device_type=device_type, backend=_BACKENDS[device_type])
+    return _PLATFORM
+
+
+def reset_platform() -> None:
+    """Forget the cached platform (tests that change ``HYPER_PARALLEL_DEVICE``)."""
+    global _PLATFORM
+    _PLATFORM = None
+
+
+def init_distributed(timeout_s: float = 600.0) -> Platform:
+    """Initialise the default process group from torchrun's environment, if not done yet.
+
+    Binds the process to its local accelerator first. Without ``WORLD_SIZE`` in the
+    environment (a plain ``python`` run) it starts a single-rank group on loopback.
+
+    Raises:
+        RuntimeError: if the environment names a rank outside the world size.
+    """
+    platform = get_platform()
+    if dist.is_initialized():
+        return platform
+    platform.set_device()
+    if "WORLD_SIZE" not in os.environ:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    if not 0 <= rank < world:
+        raise RuntimeError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    dist.init_process_group(
+        backend=platform.backend,
+        timeout=datetime.timedelta(seconds=timeout_s),
+        device_id=platform.current_device() if platform.is_accelerator else None,
+    )
+    return platform
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -1,0 +1,166 @@
+"""Run test functions on N gloo ranks on CPU, reusing the worker processes between tests.
+
+A pool of N spawned processes joins one gloo process group on loopback once; each
+``run(fn, *args)`` ships ``fn`` (a module-level function, pickled by reference) to every
+rank and returns the per-rank results. A rank that raises makes ``run`` raise with that
+rank's traceback; a call that does not finish within its timeout kills the pool (ranks stuck
+in a collective cannot be recovered) and the next call starts a fresh one.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import socket
+import time
+import traceback
+from multiprocessing.connection import wait
+from typing import Any, Callable, List
+
+_SPAWN = mp.get_context("spawn")
+
+
+class RankError(AssertionError):
+    """A rank raised; the message holds its traceback."""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, conn) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_WORLD_SIZE=str(world_size),
+        HYPER_PARALLEL_DEVICE="cpu",
+    )
+    import datetime
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+    )
+    conn.send(("ready", None))
+    while True:
+        msg = conn.recv()
+        if msg is None:
+            break
+        fn, args, kwargs = msg
+        try:
+            result = fn(*args, **kwargs)
+            conn.send(("ok", result))
+        except BaseException:  # noqa: BLE001 - report everything to the parent
+            conn.send(("error", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+class RankPool:
+    """N persistent gloo ranks on CPU."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self._procs: List[Any] = []
+        self._conns: List[Any] = []
+
+    def _start(self, timeout: float = 120.0) -> None:
+        port = _free_port()
+        for rank in range(self.world_size):
+            parent, child = _SPAWN.Pipe()
+            proc = _SPAWN.Process(
+                target=_worker, args=(rank, self.world_size, port, child), daemon=True
+            )
+            proc.start()
+            child.close()
+            self._procs.append(proc)
+            self._conns.append(parent)
+        self._collect(timeout, what="start-up")
+
+    def _collect(self, timeout: float, what: str) -> List[Any]:
+        deadline = time.monotonic() + timeout
+        results: dict = {}
+        errors: dict = {}
+        pending = dict(enumerate(self._conns))
+        while pending:
+            remaining = deadline - time.monotonic()
+            # Once one rank failed, the others get a short grace period: they are
+            # usually blocked in a collective the failed rank will never join.
+            if errors:
+                remaining = min(remaining, 5.0)
+            ready = wait(list(pending.values()), timeout=max(remaining, 0))
+            if not ready:
+                break
+            for conn in ready:
+                rank = next(r for r, c in pending.items() if c is conn)
+                del pending[rank]
+                try:
+                    status, payload = conn.recv()
+                except EOFError:
+                    status, payload = "error", f"rank {rank} died (exit code {self._procs[rank].exitcode})"
+                if status == "error":
+                    errors[rank] = payload
+                else:
+                    results[rank] = payload
+        if errors or pending:
+            self.close(force=True)
+        if errors:
+            first = min(errors)
+            raise RankError(f"rank {first} of {self.world_size} failed in {what}:\n{errors[first]}")
+        if pending:
+            raise TimeoutError(
+                f"{what} did not finish on ranks {sorted(pending)} of {self.world_size} "
+                f"within {timeout:.0f}s"
+            )
+        return [results[r] for r in range(self.world_size)]
+
+    def run(self, fn: Callable, *args, timeout: float = 180.0, **kwargs) -> List[Any]:
+        """Run ``fn(*args, **kwargs)`` on every rank; return the results in rank order.
+
+        Raises:
+            RankError: a rank raised (message: its traceback).
+            TimeoutError: some rank did not finish within ``timeout`` seconds.
+        """
+        if not self._procs:
+            self._start()
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
+        return self._collect(timeout, what=getattr(fn, "__qualname__", repr(fn)))
+
+    def close(self, force: bool = False) -> None:
+        for conn, proc in zip(self._conns, self._procs):
+            if not force:
+                try:
+                    conn.send(None)
+                except (BrokenPipeError, OSError):
+                    pass
+        for proc in self._procs:
+            proc.join(timeout=0 if force else 10)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout=10)
+        self._procs, self._conns = [], []
+
+
+_POOLS: dict = {}
+
+
+def run_on_ranks(world_size: int, fn: Callable, *args, timeout: float = 180.0, **kwargs) -> List[Any]:
+    """Run ``fn`` on a shared pool of ``world_size`` gloo ranks (created on first use)."""
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = RankPool(world_size)
+    return pool.run(fn, *args, timeout=timeout, **kwargs)
+
+
+def close_all_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
