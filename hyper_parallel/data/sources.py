@@ -1,0 +1,188 @@
+"""Token sources: synthetic Markov chain, local text files (bytes), flat binary token files.
+
+Every source answers ``samples(indices) -> LongTensor (len(indices), seq_len + 1)``: the
+tokens of each global sample, the same whatever process or batch asks for it.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from typing import Optional, Protocol, Sequence
+
+import numpy as np
+import torch
+
+_TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+
+
+class TokenSource(Protocol):
+    """A deterministic map from global sample index to ``seq_len + 1`` tokens."""
+
+    seq_len: int
+    vocab_size: int
+    # None: unbounded (every index is a fresh sample, no epochs).
+    num_samples: Optional[int]
+
+    def samples(self, indices: Sequence[int]) -> torch.Tensor: ...
+
+
+class MarkovSource:
+    """Sequences from a fixed, seeded, sparse first-order Markov chain over ``vocab_size`` tokens.
+
+    Each token has ``branching`` possible successors with random probabilities; sample ``i`` is
+    drawn with its own generator seeded by ``(seed, i)``. Because the chain and the start
+    distribution (uniform) are known, the best achievable mean next-token loss is exact:
+    see :meth:`loss_floor`.
+    """
+
+    def __init__(self, vocab_size: int, seq_len: int, *, seed: int = 0, branching: int = 4,
+                 concentration: float = 0.5):
+        if not 1 <= branching <= vocab_size:
+            raise ValueError(f"branching={branching} must be in [1, vocab_size={vocab_size}]")
+        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        self.num_samples: Optional[int] = None
+        chain_rng = np.random.default_rng([seed, 0x6D61726B])  # the chain itself, not the samples
+        self.successors = np.stack(
+            [chain_rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)]
+        )
+        self.probs = chain_rng.dirichlet(np.full(branching, concentration), size=vocab_size)
+        self._cdf = np.cumsum(self.probs, axis=1)
+        self._cdf[:, -1] = 1.0
+
+    def samples(self, indices: Sequence[int]) -> torch.Tensor:
+        n = len(indices)
+        uniforms = np.stack(
+            [np.random.default_rng([self.seed, int(i)]).random(self.seq_len + 1) for i in indices]
+        ) if n else np.zeros((0, self.seq_len + 1))
+        tokens = np.empty((n, self.seq_len + 1), dtype=np.int64)
+        tokens[:, 0] = np.minimum((uniforms[:, 0] * self.vocab_size).astype(np.int64), self.vocab_size - 1)
+        for t in range(1, self.seq_len + 1):
+            current = tokens[:, t - 1]
+            choice = (self._cdf[current] < uniforms[:, t : t + 1]).sum(axis=1)
+            tokens[:, t] = self.successors[current, np.minimum(choice, self.successors.shape[1] - 1)]
+        return torch.from_numpy(tokens)
+
+    def loss_floor(self) -> float:
+        """Exact expected cross-entropy (nats/token) of the Bayes-optimal next-token predictor.
+
+        Target ``t+1`` depends only on token ``t``; its best loss is the entropy of that token's
+        transition row, averaged over the marginal of token ``t`` (uniform at ``t=0``, then
+        pushed through the chain).
+        """
+        with np.errstate(divide="ignore", invalid="ignore"):
+            row_entropy = -np.nansum(np.where(self.probs > 0, self.probs * np.log(self.probs), 0.0), axis=1)
+        transition = np.zeros((self.vocab_size, self.vocab_size))
+        np.add.at(transition, (np.arange(self.vocab_size)[:, None], self.successors), self.probs)
+        marginal = np.full(self.vocab_size, 1.0 / self.vocab_size)
+        total = 0.0
+        for _ in range(self.seq_len):
+            total += float(marginal @ row_entropy)
+            marginal = marginal @ transition
+        return total / self.seq_len
+
+
+class TokenWindows:
+    """Non-overlapping ``seq_len + 1`` windows (sharing their boundary token) over a flat token array."""
+
+    def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: int, *, name: str = "tokens"):
+        self.tokens, self.seq_len, self.vocab_size, self.name = tokens, seq_len, vocab_size, name
+        self.num_samples = (len(tokens) - 1) // seq_len
+        if self.num_samples < 1:
+            raise ValueError(
+                f"{name}: {len(tokens)} tokens are fewer than one sample of seq_len + 1 = {seq_len + 1}"
+            )
+
+    def samples(self, indices: Sequence[int]) -> torch.Tensor:
+        rows = [np.asarray(self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1], dtype=np.int64)
+                for i in indices]
+        batch = torch.from_numpy(np.stack(rows)) if rows else torch.zeros(0, self.seq_len + 1, dtype=torch.long)
+        if batch.numel() and int(batch.max()) >= self.vocab_size:
+            raise ValueError(
+                f"{self.name}: token id {int(batch.max())} is outside the model's vocab_size={self.vocab_size}"
+            )
+        return batch
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as token ids (vocabulary of 256); documents are joined by ``separator``."""
+
+    vocab_size = 256
+
+    def __init__(self, separator: bytes = b"\n\n"):
+        self.separator = separator
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
+
+
+def _expand_paths(paths: str | Sequence[str]) -> list[str]:
+    patterns = [paths] if isinstance(paths, str) else list(paths)
+    found: list[str] = []
+    for pattern in patterns:
+        pattern = os.path.expanduser(str(pattern))
+        found.extend(sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern)
+                     else [pattern])
+    missing = [p for p in found if not os.path.isfile(p)]
+    if not found or missing:
+        raise FileNotFoundError(f"no such data file(s): {missing or patterns}")
+    return found
+
+
+def read_text_tokens(paths: str | Sequence[str], tokenizer: ByteTokenizer) -> np.ndarray:
+    """Read local text files (paths or glob patterns, in sorted order) into one byte-token array."""
+    separator = np.frombuffer(tokenizer.separator, dtype=np.uint8)
+    parts = []
+    for path in _expand_paths(paths):
+        with open(path, "rb") as f:
+            parts.extend([np.frombuffer(f.read(), dtype=np.uint8), separator])
+    return np.concatenate(parts[:-1])
+
+
+def read_token_file(path: str, dtype: str) -> np.ndarray:
+    """Memory-map a flat binary file of ``uint16``/``uint32`` token ids (native byte order)."""
+    if dtype not in _TOKEN_DTYPES:
+        raise ValueError(f"token dtype {dtype!r} is not one of {sorted(_TOKEN_DTYPES)}")
+    (path,) = _expand_paths(path)
+    itemsize = np.dtype(_TOKEN_DTYPES[dtype]).itemsize
+    if os.path.getsize(path) % itemsize:
+        raise ValueError(f"{path}: size {os.path.getsize(path)} is not a multiple of {dtype} ({itemsize} bytes)")
+    return np.memmap(path, dtype=_TOKEN_DTYPES[dtype], mode="r")
+
+
+def build_source(kind: str, *, seq_len: int, vocab_size: int, seed: int, **options) -> TokenSource:
+    """Build a token source from the ``data`` config group.
+
+    Args:
+        kind: ``synthetic`` (options: ``branching``, ``concentration``, ``seed``), ``text``
+            (``paths``) or ``tokens`` (``path``, ``dtype``).
+        seq_len: tokens per sample fed to the model (each sample holds ``seq_len + 1``).
+        vocab_size: the model's vocabulary; token ids must be below it.
+        seed: default seed for the synthetic chain.
+
+    Raises:
+        ValueError: unknown kind or options, or data that does not fit the model.
+        FileNotFoundError: a named file does not exist.
+    """
+    if kind == "synthetic":
+        return MarkovSource(vocab_size, seq_len, seed=options.pop("seed", seed), **options)
+    if kind == "text":
+        tokenizer = ByteTokenizer()
+        if vocab_size < tokenizer.vocab_size:
+            raise ValueError(f"data=text needs a model vocab_size >= 256 (byte tokens), got {vocab_size}")
+        tokens = read_text_tokens(options.pop("paths"), tokenizer)
+        _reject_unknown(kind, options)
+        return TokenWindows(tokens, seq_len, vocab_size, name="text")
+    if kind == "tokens":
+        tokens = read_token_file(options.pop("path"), options.pop("dtype", "uint16"))
+        _reject_unknown(kind, options)
+        return TokenWindows(tokens, seq_len, vocab_size, name="tokens")
+    raise ValueError(f"unknown data kind {kind!r}; expected synthetic, text or tokens")
+
+
+def _reject_unknown(kind: str, options: dict) -> None:
+    if options:
+        raise ValueError(f"data={kind}: unknown option(s) {sorted(options)}")

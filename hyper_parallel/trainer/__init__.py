@@ -1,0 +1,17 @@
+"""The pieces the training recipes share: config, mesh + model setup, LR schedule, metrics, loop."""
+
+from hyper_parallel.trainer.config import ConfigError, ParallelDims, compose_config, validate_config
+from hyper_parallel.trainer.loop import RunSummary, run_training, train_step
+from hyper_parallel.trainer.schedule import WarmupCosineSchedule, warmup_cosine_lr
+
+__all__ = [
+    "ConfigError",
+    "ParallelDims",
+    "RunSummary",
+    "WarmupCosineSchedule",
+    "compose_config",
+    "run_training",
+    "train_step",
+    "validate_config",
+    "warmup_cosine_lr",
+]

@@ -1,0 +1,100 @@
+"""Rank-0 metrics: one JSON line per step, a live console line, optional TensorBoard."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from typing import Any, Dict, Optional, TextIO
+
+
+def _format_duration(seconds: float) -> str:
+    seconds = int(round(seconds))
+    hours, rest = divmod(seconds, 3600)
+    return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
+
+
+def _format_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024:
+            return f"{n:.0f}{unit}"
+        n /= 1024
+    return f"{n:.1f}TiB"
+
+
+class MetricsLogger:
+    """Writes metrics on rank 0 only; every other rank's calls do nothing.
+
+    Args:
+        output_dir: ``metrics.jsonl`` (appended to) and ``tensorboard/`` go here.
+        total_steps: for the ETA.
+        is_main: whether this rank writes.
+        log_every: console line every N steps (the JSON line is written every step).
+        tensorboard: also write TensorBoard scalars.
+
+    Raises:
+        RuntimeError: ``tensorboard`` requested but the package is not installed.
+    """
+
+    def __init__(self, output_dir: str, *, total_steps: int, is_main: bool, log_every: int = 1,
+                 tensorboard: bool = False, stream: TextIO = sys.stdout):
+        self.total_steps, self.is_main, self.log_every, self.stream = total_steps, is_main, log_every, stream
+        self._tb = None
+        self._jsonl = None
+        self._start: Optional[float] = None
+        self._steps_timed = 0
+        if not is_main:
+            return
+        if tensorboard:
+            try:
+                from torch.utils.tensorboard import SummaryWriter
+            except ImportError:
+                raise RuntimeError(
+                    "logging.tensorboard=true needs the 'tensorboard' package: "
+                    "pip install tensorboard (or hyper_parallel[tensorboard]), or set logging.tensorboard=false"
+                ) from None
+            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
+        os.makedirs(output_dir, exist_ok=True)
+        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self._jsonl = open(self.path, "a", encoding="utf-8")
+
+    def print(self, message: str) -> None:
+        if self.is_main:
+            print(message, file=self.stream, flush=True)
+
+    def log_step(self, record: Dict[str, Any], *, memory_bytes: Optional[int] = None) -> None:
+        """Record one optimizer step (``record`` holds at least step, loss, lr, tokens_per_s)."""
+        if not self.is_main:
+            return
+        now = time.perf_counter()
+        if self._start is None:
+            self._start = now - record.get("step_time_s", 0.0)
+        self._steps_timed += 1
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        if self._tb is not None:
+            for key, value in record.items():
+                if key != "step" and isinstance(value, (int, float)):
+                    self._tb.add_scalar(key, value, record["step"])
+        step = record["step"]
+        if step % self.log_every == 0 or step == self.total_steps:
+            eta = (now - self._start) / self._steps_timed * (self.total_steps - step)
+            parts = [f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}",
+                     f"loss {record['loss']:.4f}"]
+            if "loss_floor" in record:
+                parts.append(f"(floor {record['loss_floor']:.4f})")
+            parts += [f"lr {record['lr']:.2e}", f"grad_norm {record.get('grad_norm', float('nan')):.3f}",
+                      f"{record['tokens_per_s']:,.0f} tok/s"]
+            if memory_bytes is not None:
+                parts.append(f"mem {_format_bytes(memory_bytes)}")
+            parts.append(f"eta {_format_duration(eta)}")
+            self.print("  ".join(parts))
+
+    def close(self) -> None:
+        if self._jsonl is not None:
+            self._jsonl.close()
+            self._jsonl = None
+        if self._tb is not None:
+            self._tb.close()
+            self._tb = None

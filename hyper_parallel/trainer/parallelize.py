@@ -1,0 +1,77 @@
+"""Mesh from config, and the model: built on meta, sharded per block and at the root, then
+materialised and initialised shard by shard."""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import torch
+from omegaconf import DictConfig
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.utils.checkpoint import checkpoint
+
+from hyper_parallel.models.llama import LlamaConfig, Transformer
+from hyper_parallel.trainer.config import ParallelDims
+
+_MODEL_RECIPE_KEYS = ("name", "activation_checkpointing", "init_from")
+
+
+def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
+    """1-D ``("shard",)`` mesh for FSDP, 2-D ``("replicate", "shard")`` for HSDP."""
+    if dims.replicate == 1:
+        return init_device_mesh(device_type, (dims.shard,), mesh_dim_names=("shard",))
+    return init_device_mesh(device_type, (dims.replicate, dims.shard), mesh_dim_names=("replicate", "shard"))
+
+
+def llama_config(model_cfg: DictConfig) -> LlamaConfig:
+    """The ``LlamaConfig`` described by the ``model`` config group."""
+    fields = {k: v for k, v in model_cfg.items() if k not in _MODEL_RECIPE_KEYS}
+    return LlamaConfig(**fields)
+
+
+def apply_activation_checkpointing(model: Transformer) -> None:
+    """Recompute each block's activations during backward.
+
+    The block's ``forward`` is wrapped in place (no wrapper module), so parameter names and
+    checkpoints are the same with and without it.
+    """
+    for block in model.layers:
+        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+
+
+def shard_model(model: Transformer, mesh: DeviceMesh, *, mixed_precision: str,
+                reshard_after_forward: bool) -> Transformer:
+    """``fully_shard`` every block, then the root (which keeps its parameters for backward)."""
+    import hyper_parallel as hp
+
+    mp_policy = (hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if mixed_precision == "bf16" else hp.MixedPrecisionPolicy())
+    for block in model.layers:
+        hp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+    return model
+
+
+def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: torch.device, seed: int,
+                mixed_precision: str = "fp32", reshard_after_forward: bool = True) -> nn.Module:
+    """Build the configured model without allocating full weights, shard it, initialise it.
+
+    With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
+    reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
+    initialisation, each rank reading only its own slices.
+    """
+    with torch.device("meta"):
+        model = Transformer(llama_config(model_cfg))
+    if model_cfg.activation_checkpointing:
+        apply_activation_checkpointing(model)
+    if mesh is not None:
+        shard_model(model, mesh, mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
+    model.to_empty(device=device)
+    model.init_weights(seed)
+    if model_cfg.init_from:
+        from hyper_parallel.checkpoint import load_hf
+
+        load_hf(model, str(model_cfg.init_from))
+    return model

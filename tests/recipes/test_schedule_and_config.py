@@ -1,0 +1,62 @@
+"""LR schedule values and state, and start-up config validation (in-process)."""
+
+import math
+
+import pytest
+import torch
+
+from hyper_parallel.trainer import ConfigError, WarmupCosineSchedule, compose_config, validate_config, warmup_cosine_lr
+
+
+def test_warmup_then_cosine_to_the_floor():
+    lr = lambda s: warmup_cosine_lr(s, peak_lr=1.0, warmup_steps=4, total_steps=14, min_lr_ratio=0.1)
+    assert [lr(s) for s in range(1, 5)] == [0.25, 0.5, 0.75, 1.0]
+    assert lr(9) == pytest.approx(0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * 0.5)))
+    assert lr(14) == pytest.approx(0.1) and lr(20) == pytest.approx(0.1)
+    assert all(lr(s) > lr(s + 1) for s in range(4, 14))
+
+
+def test_schedule_state_round_trip_sets_the_optimizer_lr():
+    params = [torch.nn.Parameter(torch.zeros(1))]
+    make = lambda: WarmupCosineSchedule(torch.optim.SGD(params, lr=0.0), peak_lr=2.0, warmup_steps=2,
+                                        total_steps=10, min_lr_ratio=0.0)
+    a = make()
+    lrs = [a.step() for _ in range(6)]
+    b = make()
+    b.load_state_dict(a.state_dict())
+    assert b.step() == a.step() == warmup_cosine_lr(7, peak_lr=2.0, warmup_steps=2, total_steps=10, min_lr_ratio=0.0)
+    assert b.optimizer.param_groups[0]["lr"] == b.lr and lrs[1] == 2.0
+
+
+def test_defaults_validate_and_resolve_the_mesh():
+    cfg = compose_config([])
+    assert cfg.checkpoint.folder == f"{cfg.output_dir}/checkpoints"
+    assert validate_config(cfg, 2).shard == 2
+    dims = validate_config(compose_config(["parallel=hsdp"]), 4)
+    assert (dims.replicate, dims.shard) == (2, 2)
+
+
+@pytest.mark.parametrize("overrides,world,message", [
+    (["parallel.dp_replicate=2", "parallel.dp_shard=3"], 4, "does not factor the world size 4"),
+    (["parallel=hsdp"], 3, "dp_replicate=2 does not divide the world size 3"),
+    (["training.global_batch_size=8", "training.grad_accum_steps=3"], 2, "needs a multiple of 6"),
+    (["training.steps=-5"], 1, "training.steps=-5 must be a positive integer"),
+    (["parallel.mixed_precision=fp8"], 1, "must be one of"),
+    (["training.seq_len=512"], 1, "exceeds model.max_seq_len=256"),
+    (["data=tokens"], 1, "required value(s) not set: data.path"),
+])
+def test_bad_values_are_named(overrides, world, message):
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config(overrides), world)
+    assert message in str(err.value)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    (["training.stepz=3"], "Key 'stepz' is not in struct"),
+    (["model=llama_99b"], "Could not find 'model/llama_99b'"),
+    (["training.steps"], "Error parsing override"),
+])
+def test_unknown_keys_and_options_are_named(overrides, message):
+    with pytest.raises(ConfigError, match=None) as err:
+        compose_config(overrides)
+    assert message in str(err.value)
