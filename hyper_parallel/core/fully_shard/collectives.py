@@ -1,0 +1,48 @@
+"""The only place that calls torch.distributed collectives for fully_shard.
+
+Every call is counted (``collective_counts``) so tests can check that a parameter group issues
+one all-gather / reduce-scatter / all-reduce per pass.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Dict, Optional
+
+import torch
+import torch.distributed as dist
+
+_COUNTS: Counter = Counter()
+# The *_single names replace the deprecated *_tensor ones in recent torch (same semantics).
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+def collective_counts() -> Dict[str, int]:
+    """Number of collectives issued by fully_shard in this process since the last reset."""
+    return dict(_COUNTS)
+
+
+def reset_collective_counts() -> None:
+    _COUNTS.clear()
+
+
+def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
+               async_op: bool) -> Optional[dist.Work]:
+    """Gather every rank's flat ``shard`` into the flat ``output`` (rank-major)."""
+    _COUNTS["all_gather"] += 1
+    return _all_gather_single(output, shard, group=group, async_op=async_op)
+
+
+def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
+                   async_op: bool) -> Optional[dist.Work]:
+    """Sum the flat ``full`` (rank-major chunks) over ``group``; this rank's chunk into ``output``."""
+    _COUNTS["reduce_scatter"] += 1
+    return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
+                                      async_op=async_op)
+
+
+def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool) -> Optional[dist.Work]:
+    """Sum ``tensor`` in place over ``group``."""
+    _COUNTS["all_reduce"] += 1
+    return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

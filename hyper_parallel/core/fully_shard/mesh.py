@@ -1,0 +1,121 @@
+"""Data-parallel mesh handling: FSDP (1-D), HSDP (2-D: replicate, shard) and FSDP+TP layouts."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement, _StridedShard
+
+from hyper_parallel.platform import get_platform
+
+_WORLD_MESH: dict = {}
+
+
+@dataclass(frozen=True)
+class DataParallelMesh:
+    """The data-parallel mesh of one ``fully_shard`` call and its process groups.
+
+    ``mesh`` is 1-D (FSDP: shard) or 2-D (HSDP: dim 0 replicates, dim 1 shards).
+    """
+
+    mesh: DeviceMesh
+    shard_group: dist.ProcessGroup
+    shard_size: int
+    shard_rank: int
+    replicate_group: Optional[dist.ProcessGroup]
+    replicate_size: int
+
+    @property
+    def is_hsdp(self) -> bool:
+        return self.mesh.ndim == 2
+
+    @property
+    def dp_size(self) -> int:
+        """Number of data-parallel ranks gradients are averaged over."""
+        return self.shard_size * self.replicate_size
+
+    def placements(self, shard: Placement) -> Tuple[Placement, ...]:
+        return (Replicate(), shard) if self.is_hsdp else (shard,)
+
+
+def _world_mesh() -> DeviceMesh:
+    """A 1-D mesh over the default process group (one per default group)."""
+    default_group = dist.distributed_c10d._get_default_group()
+    mesh = _WORLD_MESH.get(default_group)
+    if mesh is None:
+        _WORLD_MESH.clear()
+        mesh = init_device_mesh(get_platform().device_type, (dist.get_world_size(),),
+                                mesh_dim_names=("shard",))
+        _WORLD_MESH[default_group] = mesh
+    return mesh
+
+
+def resolve_mesh(mesh: Optional[DeviceMesh]) -> DataParallelMesh:
+    """Validate ``mesh`` (None: the whole world) and look up its groups.
+
+    Raises:
+        RuntimeError: no default process group is initialised.
+        ValueError: the mesh is not 1-D or 2-D, or its device type is not the platform's.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "fully_shard needs an initialised process group: call "
+            "hyper_parallel.init_distributed() (or torch.distributed.init_process_group) first"
+        )
+    mesh = _world_mesh() if mesh is None else mesh
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
+    if mesh.ndim not in (1, 2):
+        raise ValueError(
+            f"fully_shard needs a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh, got a "
+            f"{mesh.ndim}-D mesh {mesh}"
+        )
+    device_type = get_platform().device_type
+    if mesh.device_type != device_type:
+        raise ValueError(
+            f"mesh device type {mesh.device_type!r} does not match the platform's {device_type!r}"
+        )
+    shard_dim = mesh.ndim - 1
+    hsdp = mesh.ndim == 2
+    return DataParallelMesh(
+        mesh=mesh,
+        shard_group=mesh.get_group(shard_dim),
+        shard_size=mesh.size(shard_dim),
+        shard_rank=mesh.get_local_rank(shard_dim),
+        replicate_group=mesh.get_group(0) if hsdp else None,
+        replicate_size=mesh.size(0) if hsdp else 1,
+    )
+
+
+def sharded_layout(dp: DataParallelMesh, shard_dim: int, tp_mesh: Optional[DeviceMesh] = None,
+                   tp_placements: Tuple[Placement, ...] = ()) -> Tuple[DeviceMesh, Tuple[Placement, ...]]:
+    """Mesh and placements of a sharded parameter.
+
+    Plain parameters get ``dp.mesh`` with ``(Shard(d),)`` / ``(Replicate(), Shard(d))``. A
+    tensor-parallel DTensor parameter gets the data-parallel dims prepended to its own mesh and
+    placements; when TP already shards dim ``d``, the data-parallel shard is a ``_StridedShard``
+    (the data-parallel split happens inside each TP shard).
+
+    Raises:
+        ValueError: the TP mesh cannot be joined with the data-parallel mesh.
+    """
+    if tp_mesh is None:
+        return dp.mesh, dp.placements(Shard(shard_dim))
+    split_factor = 1
+    for size, placement in zip(tp_mesh.shape, tp_placements):
+        if isinstance(placement, Shard) and placement.dim == shard_dim:
+            split_factor *= size
+    dp_shard = _StridedShard(shard_dim, split_factor=split_factor) if split_factor > 1 else Shard(shard_dim)
+    if dp.mesh.mesh_dim_names is None or tp_mesh.mesh_dim_names is None:
+        raise ValueError("FSDP+TP needs named meshes: slice both the data-parallel and the "
+                         "tensor-parallel mesh from one init_device_mesh(..., mesh_dim_names=...)")
+    try:
+        spmd_mesh = DeviceMesh._concatenate([dp.mesh, tp_mesh])
+    except RuntimeError as err:
+        raise ValueError(f"cannot combine data-parallel mesh {dp.mesh} with the parameter's "
+                         f"tensor-parallel mesh {tp_mesh}: {err}") from err
+    return spmd_mesh, (*dp.placements(dp_shard), *tp_placements)

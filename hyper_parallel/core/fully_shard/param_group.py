@@ -1,0 +1,275 @@
+"""HSDPParamGroup: the parameters of one fully_shard call and their collectives.
+
+Parameters are bucketed by dtype. Each bucket owns one flat shard buffer (the parameters'
+padded shards are views into it, so it is the all-gather input with no copy-in), one
+all-gather into a rank-major flat buffer, one ``split_with_sizes_copy`` copy-out into the
+parameter-major unsharded buffer (the unsharded parameters are views into it; its storage is
+freed on reshard and refilled in place before backward), one reduce-scatter of
+``_chunk_cat``-ed gradients and, for HSDP, one all-reduce over the replicate dim.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from hyper_parallel.core.fully_shard import collectives
+from hyper_parallel.core.fully_shard.mesh import DataParallelMesh
+from hyper_parallel.core.fully_shard.param import HSDPParam
+from hyper_parallel.core.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.platform import get_platform
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    UNSHARDING = "unsharding"  # all-gather in flight
+    UNSHARDED = "unsharded"
+
+
+def _divide_factors(world: int) -> Tuple[float, float]:
+    """Split 1/world into a pre-reduce and post-reduce factor (both near sqrt(world)) so
+    low-precision gradient sums neither overflow nor underflow."""
+    pre = 1
+    while world % (pre * 2) == 0 and world // (pre * 2) >= pre * 2:
+        pre *= 2
+    if pre == 1 and world > 1:
+        pre = world
+    return float(pre), world / pre
+
+
+class _Bucket:
+    """The group's parameters of one dtype."""
+
+    def __init__(self, params: List[HSDPParam], world: int, mp: MixedPrecisionPolicy):
+        self.params = params
+        self.world = world
+        self.dtype = params[0].dtype
+        self.compute_dtype = mp.param_dtype or self.dtype
+        self.reduce_dtype = mp.reduce_dtype or self.compute_dtype
+        self.sizes = [p.shard_numel for p in params]
+        self.total = sum(self.sizes)
+        self.shard_flat: Optional[torch.Tensor] = None
+        self.unsharded_flat: Optional[torch.Tensor] = None
+        self._copy_out_views: List[torch.Tensor] = []
+        self.partial_grad: Optional[torch.Tensor] = None  # HSDP: reduce-scattered, not all-reduced
+
+    def bind_shards(self, device: torch.device, pin: bool) -> None:
+        """(Re)allocate the flat shard buffer on ``device`` if needed; point every parameter's
+        local shard into it, keeping current values."""
+        if self.shard_flat is None or self.shard_flat.device != device:
+            self.shard_flat = torch.zeros(self.total, dtype=self.dtype, device=device,
+                                          pin_memory=pin and device.type == "cpu")
+        for param, piece in zip(self.params, self.shard_flat.split(self.sizes)):
+            param.bind_shard(piece)
+
+    def bind_unsharded(self, device: torch.device) -> None:
+        self.unsharded_flat = torch.empty(self.world * self.total, dtype=self.compute_dtype, device=device)
+        segments = self.unsharded_flat.split([self.world * n for n in self.sizes])
+        self._copy_out_views = [seg.view(self.world, n) for seg, n in zip(segments, self.sizes)]
+        for param, segment in zip(self.params, segments):
+            param.bind_unsharded(segment)
+        self.free_unsharded()
+
+    def all_gather(self, group: dist.ProcessGroup, device: torch.device, async_op: bool):
+        shard = self.shard_flat.to(device=device, dtype=self.compute_dtype, non_blocking=True)
+        output = torch.empty(self.world * self.total, dtype=self.compute_dtype, device=device)
+        return collectives.all_gather(output, shard, group, async_op), output
+
+    def copy_out(self, gathered: torch.Tensor) -> None:
+        storage = self.unsharded_flat.untyped_storage()
+        nbytes = self.unsharded_flat.numel() * self.unsharded_flat.element_size()
+        if storage.nbytes() != nbytes:
+            storage.resize_(nbytes)
+        # Autograd saved the unsharded params in forward; refilling the same storage before
+        # backward is intended, so the version counter must not change.
+        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded_flat):
+            torch.split_with_sizes_copy(gathered.view(self.world, self.total), self.sizes, dim=1,
+                                        out=self._copy_out_views)
+
+    def free_unsharded(self) -> None:
+        self.unsharded_flat.untyped_storage().resize_(0)
+
+    def gradient_input(self) -> Optional[torch.Tensor]:
+        """Unsharded grads as one rank-major flat reduce-scatter input (None: no grads at all).
+        Clears the unsharded grads."""
+        grads = [p.unsharded_grad() for p in self.params]
+        if all(g is None for g in grads):
+            return None
+        for i, (param, grad) in enumerate(zip(self.params, grads)):
+            if grad is None:
+                shape = (param.unsharded_local_shape[param.shard_dim], *param.rest_shape)
+                grads[i] = torch.zeros(shape, dtype=self.compute_dtype, device=self.unsharded_flat.device)
+            param.unsharded_param.grad = None
+        flat = torch._chunk_cat(grads, dim=0, num_chunks=self.world)
+        return flat.to(self.reduce_dtype).view(-1)
+
+    def assign_grads(self, reduced: torch.Tensor) -> None:
+        reduced = reduced.to(self.dtype)
+        for param, piece in zip(self.params, reduced.split(self.sizes)):
+            if param.requires_grad:
+                param.accumulate_sharded_grad(piece)
+
+
+class _PendingReduce:
+    """A bucket's reduce-scatter in flight."""
+
+    def __init__(self, bucket: _Bucket, work, grad_input: torch.Tensor, output: torch.Tensor):
+        self.bucket, self.work, self.grad_input, self.output = bucket, work, grad_input, output
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: "HSDPParamGroup"):
+        self._group = group
+
+    def wait(self) -> None:
+        self._group.wait_for_unshard()
+
+
+class HSDPParamGroup:
+    """The parameters of one fully_shard call, their state machine and their collectives."""
+
+    def __init__(self, params: List[HSDPParam], dp: DataParallelMesh, mp_policy: MixedPrecisionPolicy,
+                 offload_policy: OffloadPolicy, reshard_after_forward: Optional[bool]):
+        self.params = params
+        self.dp = dp
+        self.mp_policy = mp_policy
+        self.offload = isinstance(offload_policy, CPUOffloadPolicy)
+        self.pin_memory = self.offload and offload_policy.pin_memory and get_platform().pin_memory_available()
+        by_dtype: Dict[torch.dtype, List[HSDPParam]] = {}
+        for param in params:
+            by_dtype.setdefault(param.dtype, []).append(param)
+        self.buckets = [_Bucket(ps, dp.shard_size, mp_policy) for ps in by_dtype.values()]
+        self.user_reshard_after_forward = reshard_after_forward
+        self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
+        self.reshard_after_backward = True
+        self.requires_gradient_sync = True
+        self.requires_all_reduce = True
+        self.state = ShardState.SHARDED
+        self.device = get_platform().current_device()
+        self._gathers: List[Tuple[_Bucket, object, torch.Tensor]] = []
+        self._pending: List[_PendingReduce] = []
+        self._initialized = False
+        self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
+        self._grads_expected = 0
+        self._grads_seen = 0
+        self.on_all_grads: Optional[Callable[[], None]] = None
+        for bucket in self.buckets:
+            device = bucket.params[0]._initial_local.device
+            bucket.bind_shards(torch.device("cpu") if self.offload and device.type != "meta" else device,
+                               pin=False)
+        self._sharded_slots = [(m._parameters, n, p.sharded_param) for p in params for m, n in p.slots]
+
+    # -- set-up ---------------------------------------------------------------------------
+    def add_slot(self, param: HSDPParam, module: torch.nn.Module, name: str) -> None:
+        """Register another module attribute holding ``param`` (a tied parameter)."""
+        param.slots.append((module, name))
+        module._parameters[name] = param.sharded_param
+        self._sharded_slots.append((module._parameters, name, param.sharded_param))
+        if self._initialized:
+            self._unsharded_slots.append((module._parameters, name, param.unsharded_param))
+
+    def lazy_init(self) -> None:
+        """Bind shards to where the parameters now live (after ``to_empty``), allocate the
+        unsharded buffers and register the gradient hooks. Runs once."""
+        if self._initialized:
+            return
+        for bucket in self.buckets:
+            local = bucket.params[0].sharded_param._local_tensor
+            if any(p.sharded_param._local_tensor.is_meta for p in bucket.params):
+                raise RuntimeError(
+                    "fully_shard parameters are still on the meta device at the first forward: "
+                    "call module.to_empty(device=...) and initialise them first")
+            bucket.bind_shards(torch.device("cpu") if self.offload else local.device, self.pin_memory)
+            bucket.bind_unsharded(self.device)
+        self._unsharded_slots = [(m._parameters, n, p.unsharded_param) for p in self.params for m, n in p.slots]
+        for param in self.params:
+            if param.requires_grad:
+                param.unsharded_param.register_post_accumulate_grad_hook(self._on_grad)
+        self._grads_expected = sum(p.requires_grad for p in self.params)
+        self._initialized = True
+
+    # -- unshard / reshard ----------------------------------------------------------------
+    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+        """All-gather this group's parameters (no-op when already (being) unsharded)."""
+        if self.state == ShardState.SHARDED:
+            self._gathers = [(b, *b.all_gather(self.dp.shard_group, self.device, async_op))
+                             for b in self.buckets]
+            self.state = ShardState.UNSHARDING
+        if async_op:
+            return UnshardHandle(self)
+        self.wait_for_unshard()
+        return None
+
+    def wait_for_unshard(self) -> None:
+        if self.state != ShardState.UNSHARDING:
+            return
+        for bucket, work, output in self._gathers:
+            if work is not None:
+                work.wait()
+            bucket.copy_out(output)
+        self._gathers = []
+        for slots, name, value in self._unsharded_slots:
+            slots[name] = value
+        self.state = ShardState.UNSHARDED
+
+    def reshard(self) -> None:
+        """Free the unsharded parameters and register the sharded ones on the modules."""
+        if self.state == ShardState.SHARDED:
+            return
+        self.wait_for_unshard()
+        for slots, name, value in self._sharded_slots:
+            slots[name] = value
+        for bucket in self.buckets:
+            bucket.free_unsharded()
+        self.state = ShardState.SHARDED
+
+    # -- gradients ------------------------------------------------------------------------
+    def _on_grad(self, _param: torch.Tensor) -> None:
+        self._grads_seen += 1
+        if self._grads_seen == self._grads_expected and self.on_all_grads is not None:
+            self.on_all_grads()
+
+    def reset_grad_count(self) -> None:
+        self._grads_seen = 0
+
+    def reduce_grads(self) -> None:
+        """Issue the reduce-scatter of every bucket's unsharded gradients (async)."""
+        for bucket in self.buckets:
+            grad_input = bucket.gradient_input()
+            if grad_input is None:
+                continue
+            if self._pre_factor != 1:
+                grad_input.div_(self._pre_factor)
+            output = torch.empty(bucket.total, dtype=bucket.reduce_dtype, device=grad_input.device)
+            work = collectives.reduce_scatter(output, grad_input, self.dp.shard_group, async_op=True)
+            self._pending.append(_PendingReduce(bucket, work, grad_input, output))
+
+    def finish_reduce(self) -> None:
+        """Wait for issued reduce-scatters; all-reduce over the replicate dim (HSDP); set the
+        sharded gradients."""
+        pending, self._pending = self._pending, []
+        for item in pending:
+            item.work.wait()
+            bucket, reduced = item.bucket, item.output
+            if self.dp.is_hsdp:
+                if bucket.partial_grad is not None:
+                    reduced += bucket.partial_grad
+                    bucket.partial_grad = None
+                if not self.requires_all_reduce:
+                    bucket.partial_grad = reduced
+                    continue
+                collectives.all_reduce(reduced, self.dp.replicate_group, async_op=False)
+            if self._post_factor != 1:
+                reduced.div_(self._post_factor)
+            if self.offload:
+                reduced = reduced.to("cpu")
+            bucket.assign_grads(reduced)
+
+    @property
+    def has_pending_reduce(self) -> bool:
+        return bool(self._pending)

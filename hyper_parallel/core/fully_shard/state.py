@@ -1,0 +1,197 @@
+"""Per-module hook state of fully_shard: forward/backward hooks, root logic, prefetch order."""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import nn
+
+from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
+from hyper_parallel.core.fully_shard.policy import MixedPrecisionPolicy
+from hyper_parallel.core.fully_shard.tree import cast_floating, iter_tensors
+
+
+def _in_backward() -> bool:
+    """True while the autograd engine runs (e.g. checkpoint recomputation calls forward)."""
+    return torch._C._current_graph_task_id() != -1
+
+
+class _RootContext:
+    """Step state shared by every fully_shard module under one root module."""
+
+    def __init__(self, states: List["HSDPState"]):
+        self.states = states
+        self.forward_order: List[HSDPState] = []
+        self.next_in_forward: Dict[HSDPState, HSDPState] = {}  # previous step: implicit forward prefetch
+        self.prev_in_forward: Dict[HSDPState, HSDPState] = {}  # this step: implicit backward prefetch
+        self.reducing: List[HSDPParamGroup] = []
+        self.callback_queued = False
+
+    def begin_step(self) -> None:
+        self.finish_reductions()
+        if self.forward_order:
+            order = self.forward_order
+            self.next_in_forward = dict(zip(order, order[1:]))
+        self.forward_order = []
+        for state in self.states:
+            state.reset_backward()
+
+    def record_forward(self, state: "HSDPState") -> None:
+        if not state.recorded:
+            state.recorded = True
+            self.forward_order.append(state)
+
+    def ensure_final_callback(self) -> None:
+        if not self.callback_queued:
+            self.callback_queued = True
+            order = self.forward_order
+            self.prev_in_forward = dict(zip(order[1:], order))
+            torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+
+    def finish_reductions(self) -> None:
+        reducing, self.reducing = self.reducing, []
+        for group in reducing:
+            group.finish_reduce()
+
+    def _final_callback(self) -> None:
+        for state in self.states:
+            if state.backward_started and not state.post_backward_done:
+                state.post_backward()
+        self.finish_reductions()
+        for state in self.states:
+            if state.group.reshard_after_backward:
+                state.group.reshard()
+            state.reset_backward()
+        self.callback_queued = False
+
+    def reshard_all(self) -> None:
+        for state in self.states:
+            state.group.reshard()
+
+
+class HSDPState:
+    """Hooks and step flags of one fully_shard module.
+
+    Args:
+        module: the wrapped module.
+        group: its parameter group.
+        mp_policy: casts of forward inputs/outputs.
+        borrowed: groups owning parameters this module shares (tied across groups); they are
+            unsharded around this module's forward and backward too.
+    """
+
+    def __init__(self, module: nn.Module, group: HSDPParamGroup, mp_policy: MixedPrecisionPolicy,
+                 borrowed: List[HSDPParamGroup]):
+        self.module = module
+        self.group = group
+        self.mp_policy = mp_policy
+        self.borrowed = borrowed
+        self.ctx: Optional[_RootContext] = None
+        self.is_root = False
+        self.forward_prefetch: Optional[List[HSDPState]] = None  # None: implicit
+        self.backward_prefetch: Optional[List[HSDPState]] = None
+        self.recorded = False
+        self.backward_started = False
+        self.post_backward_done = False
+        group.on_all_grads = self.post_backward
+        module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+        module.register_state_dict_pre_hook(lambda *_: group.reshard())
+        module._register_load_state_dict_pre_hook(lambda *_: group.reshard())
+
+    # -- initialisation -------------------------------------------------------------------
+    def lazy_init(self) -> None:
+        """Make this module the root of every fully_shard module in its subtree (once)."""
+        if self.ctx is not None and self.is_root:
+            return
+        states = [m._hsdp_state for m in self.module.modules() if "_hsdp_state" in m.__dict__]
+        ctx = _RootContext(states)
+        for state in states:
+            state.ctx, state.is_root = ctx, state is self
+            user_value = state.group.user_reshard_after_forward
+            state.group.reshard_after_forward = (not state.is_root) if user_value is None else user_value
+            state.group.lazy_init()
+        for state in states:  # borrowed groups may live outside this subtree
+            for group in state.borrowed:
+                group.lazy_init()
+
+    def reset_backward(self) -> None:
+        self.recorded = False
+        self.backward_started = False
+        self.post_backward_done = False
+        self.group.reset_grad_count()
+
+    # -- hooks ----------------------------------------------------------------------------
+    def _unshard(self) -> None:
+        self.group.unshard()
+        for group in self.borrowed:
+            group.unshard()
+
+    @staticmethod
+    def _prefetch(states: List["HSDPState"]) -> None:
+        for state in states:
+            state.group.unshard(async_op=True)
+
+    def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
+        if self.ctx is None:
+            self.lazy_init()
+        in_backward = _in_backward()
+        if not in_backward:
+            if self.is_root:
+                self.ctx.begin_step()
+            if torch.is_grad_enabled():
+                self.ctx.record_forward(self)
+        self._unshard()
+        if not in_backward:
+            if self.forward_prefetch is not None:
+                self._prefetch(self.forward_prefetch)
+            elif self in self.ctx.next_in_forward:
+                self._prefetch([self.ctx.next_in_forward[self]])
+        dtype = self.mp_policy.param_dtype
+        if dtype is not None and self.mp_policy.cast_forward_inputs:
+            args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
+        return args, kwargs
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
+        if _in_backward():  # recomputation (activation checkpointing): backward needs the params
+            return output
+        grad_enabled = torch.is_grad_enabled()
+        if self.group.reshard_after_forward or not grad_enabled:
+            self.group.reshard()
+        for group in self.borrowed:
+            if group.reshard_after_forward or not grad_enabled:
+                group.reshard()
+        if self.mp_policy.output_dtype is not None:
+            output = cast_floating(output, self.mp_policy.output_dtype)
+        if grad_enabled:
+            for tensor in iter_tensors(output):
+                if tensor.requires_grad:
+                    tensor.register_hook(self._pre_backward)
+        elif self.is_root:
+            self.ctx.reshard_all()  # no backward follows: drop prefetched leftovers too
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> None:
+        if self.backward_started:
+            return
+        self.backward_started = True
+        self.ctx.ensure_final_callback()
+        self._unshard()
+        if self.backward_prefetch is not None:
+            self._prefetch(self.backward_prefetch)
+        elif self in self.ctx.prev_in_forward:
+            self._prefetch([self.ctx.prev_in_forward[self]])
+
+    def post_backward(self) -> None:
+        """All gradients of the group are accumulated: reduce them (async) and reshard."""
+        if self.post_backward_done:
+            return
+        self.post_backward_done = True
+        self.ctx.ensure_final_callback()
+        self.ctx.finish_reductions()  # keep one reduction in flight
+        if self.group.requires_gradient_sync:
+            self.group.reduce_grads()
+            self.ctx.reducing.append(self.group)
+        if self.group.reshard_after_backward:
+            self.group.reshard()

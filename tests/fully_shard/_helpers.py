@@ -1,0 +1,74 @@
+"""Shared pieces of the fully_shard tests: a tiny Llama, data, and the reference comparison."""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, Dict, List, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.models import build_llama
+
+VOCAB, SEQ = 32, 8
+
+
+def tiny_llama(**overrides) -> nn.Module:
+    cfg = dict(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=16)
+    cfg.update(overrides)
+    return build_llama("llama_debug", **cfg)
+
+
+def global_batch(step: int, batch_size: int = 4) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, VOCAB, (batch_size, SEQ + 1), generator=gen)
+
+
+def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+
+
+def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    out = {}
+    for name, param in model.named_parameters():
+        out[name] = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+    return out
+
+
+def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
+    assert a.keys() == b.keys(), (sorted(a), sorted(b))
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+def train(model: nn.Module, batches: List[torch.Tensor], loss_fn: Callable = lm_loss,
+          micro_batches: int = 1, before_micro: Optional[Callable[[nn.Module, int, int], None]] = None,
+          lr: float = 1e-2) -> List[float]:
+    """AdamW steps; each batch is split into ``micro_batches`` accumulated micro-batches."""
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    losses = []
+    for batch in batches:
+        for i, micro in enumerate(batch.chunk(micro_batches)):
+            if before_micro is not None:
+                before_micro(model, i, micro_batches)
+            loss = loss_fn(model, micro) / micro_batches
+            loss.backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad()
+    return losses
+
+
+def parity(wrap: Callable[[nn.Module], nn.Module], dp_rank: int, dp_size: int, *, steps: int = 2,
+           model_fn: Callable[[], nn.Module] = tiny_llama, **train_kw) -> float:
+    """Max abs diff of full parameters after ``steps`` AdamW steps: wrapped model fed this
+    rank's slice of each global batch vs. the unwrapped model on the whole batch."""
+    torch.manual_seed(0)
+    reference = model_fn()
+    model = wrap(copy.deepcopy(reference))
+    batches = [global_batch(s) for s in range(steps)]
+    train(reference, batches, **{k: v for k, v in train_kw.items() if k != "before_micro"})
+    train(model, [b.chunk(dp_size)[dp_rank] for b in batches], **train_kw)
+    return max_diff(full_params(model), full_params(reference))
