@@ -1,0 +1,99 @@
+"""``python -m hyper_parallel.checkpoint inspect|verify|export-hf DIR ...``"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import List, Optional, TextIO
+
+from hyper_parallel.core.distributed_checkpoint.filesystem import read_checkpoint_metadata, verify_checkpoint
+from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
+from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    FORMAT_NAME,
+    CheckpointError,
+    Metadata,
+    TensorStorageMetadata,
+    dtype_name,
+)
+from hyper_parallel.core.distributed_checkpoint.resharding import numel
+
+
+def _human(nbytes: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if nbytes < 1024 or unit == "GiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def _layout(metadata: Metadata, fqn: str) -> str:
+    layout = metadata.layouts.get(fqn)
+    if not layout:
+        return "-"
+    names = layout.get("mesh_dim_names")
+    mesh = "x".join(str(s) for s in layout.get("mesh_shape", []))
+    placements = ",".join(str(p) for p in layout.get("placements", []))
+    return f"mesh {mesh}{' ' + str(tuple(names)) if names else ''} [{placements}]"
+
+
+def inspect(directory: str, out: TextIO) -> None:
+    """Print what a checkpoint holds: step, format, layouts at save time, tensors and sizes."""
+    metadata = read_checkpoint_metadata(directory)
+    step = checkpoint_step(directory)
+    print(f"checkpoint: {directory}", file=out)
+    print(f"step: {step if step is not None else 'unknown'}", file=out)
+    print(f"format: {FORMAT_NAME} version {metadata.version}, saved by {metadata.world_size} rank(s), "
+          f"save id {metadata.save_id or '-'}", file=out)
+    tensors = {k: md for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    values = sorted(k for k in metadata.state_dict_metadata if k not in tensors)
+    total = 0
+    print(f"tensors ({len(tensors)}):", file=out)
+    width = max((len(k) for k in tensors), default=0)
+    for fqn in sorted(tensors):
+        md = tensors[fqn]
+        nbytes = numel(md.size) * md.dtype.itemsize
+        total += nbytes
+        shape = "x".join(str(s) for s in md.size) or "scalar"
+        print(f"  {fqn:<{width}}  {dtype_name(md.dtype):<9} {shape:<16} {_human(nbytes):>11}  "
+              f"{len(md.chunks)} chunk(s)  {_layout(metadata, fqn)}", file=out)
+    print(f"values ({len(values)}): {', '.join(values) if values else '-'}", file=out)
+    file_bytes = sum(f.size for f in metadata.files.values())
+    print(f"total tensor bytes: {total} ({_human(total)}); {len(metadata.files)} data file(s), "
+          f"{file_bytes} bytes on disk", file=out)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m hyper_parallel.checkpoint",
+                                     description="Inspect, verify and export hyper_parallel checkpoints.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("inspect", help="list tensors, shapes, dtypes, sizes and save-time layouts")
+    p.add_argument("dir")
+    p = sub.add_parser("verify", help="check every byte of every data file against its checksum")
+    p.add_argument("dir")
+    p = sub.add_parser("export-hf", help="write HF-style safetensors shards + model.safetensors.index.json")
+    p.add_argument("dir")
+    p.add_argument("out")
+    p.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """Run the CLI; returns the exit code (1 on a bad or corrupt checkpoint)."""
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "inspect":
+            inspect(args.dir, sys.stdout)
+        elif args.command == "verify":
+            metadata = verify_checkpoint(args.dir)
+            total = sum(f.size for f in metadata.files.values())
+            print(f"OK: {args.dir}: {len(metadata.files)} file(s), {total} bytes match their checksums")
+        else:
+            index = export_hf(args.dir, args.out, max_shard_bytes=args.max_shard_bytes)
+            files = sorted(set(index["weight_map"].values()))
+            print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']} bytes) "
+                  f"to {args.out} in {len(files)} file(s)")
+    except (CheckpointError, OSError, ValueError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,239 @@
+"""Hugging Face interop: export a checkpoint as sharded safetensors + index, load such a directory.
+
+``export_hf`` writes ``model-0000i-of-0000n.safetensors`` files and
+``model.safetensors.index.json`` (``{"metadata": {"total_size": N}, "weight_map": {key: file}}``).
+``load_hf`` describes an HF directory as checkpoint metadata (one chunk per tensor, located by
+the safetensors headers) and runs the regular resharding ``load`` on it, so each rank reads only
+the byte ranges of its own slices.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Dict, List, Mapping, Union
+
+import torch
+import torch.distributed as dist
+from safetensors.torch import save_file
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.core.distributed_checkpoint import api
+from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, read_checkpoint_metadata
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    DTYPE_TO_SAFETENSORS,
+    ChunkStorageMetadata,
+    CheckpointError,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+    check_relative_path,
+)
+from hyper_parallel.core.distributed_checkpoint.resharding import numel
+from hyper_parallel.core.distributed_checkpoint.state_dict import copy_into, get_model_state_dict
+
+__all__ = ["export_hf", "load_hf", "INDEX_FILE"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # Hugging Face's default "5GB"
+_SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
+_MODEL_PREFIX = "model."
+_DTYPE_BY_TAG = {tag: dtype for dtype, tag in DTYPE_TO_SAFETENSORS.items()}
+
+
+# ----------------------------------------------------------------------------- export
+
+
+def _exported_names(metadata: Metadata) -> Dict[str, str]:
+    """HF key -> checkpoint key: the ``model`` entry without its prefix, else every tensor."""
+    tensors = [k for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)]
+    model = [k for k in tensors if k.startswith(_MODEL_PREFIX)]
+    if model:
+        return {k[len(_MODEL_PREFIX):]: k for k in model}
+    return {k: k for k in tensors}
+
+
+def _nbytes(md: TensorStorageMetadata) -> int:
+    return numel(md.size) * md.dtype.itemsize
+
+
+def _plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> List[List[str]]:
+    """Consecutive groups of keys of at most ``max_shard_bytes`` (a bigger tensor goes alone)."""
+    shards: List[List[str]] = []
+    current, used = [], 0
+    for key, size in sizes.items():
+        if current and used + size > max_shard_bytes:
+            shards.append(current)
+            current, used = [], 0
+        current.append(key)
+        used += size
+    if current or not shards:
+        shards.append(current)
+    return shards
+
+
+def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike], *,
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Dict[str, Any]:
+    """Write the model of a checkpoint as full tensors in Hugging Face safetensors shards.
+
+    Runs in a plain process (no process group). Exports the ``model`` entry of the checkpoint
+    with the ``model.`` prefix removed (or every tensor if there is no ``model`` entry). Only one
+    shard's tensors are in memory at a time. Old ``model-*-of-*.safetensors`` files in
+    ``out_dir`` that are not part of this export are removed.
+
+    Returns:
+        The index written to ``out_dir/model.safetensors.index.json``.
+
+    Raises:
+        ValueError: ``max_shard_bytes < 1``.
+        CheckpointError: ``checkpoint_dir`` is not a committed checkpoint or holds no tensors.
+    """
+    if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
+    checkpoint_dir, out_dir = os.fspath(checkpoint_dir), os.fspath(out_dir)
+    metadata = read_checkpoint_metadata(checkpoint_dir)
+    names = dict(sorted(_exported_names(metadata).items()))
+    if not names:
+        raise CheckpointError(f"{checkpoint_dir} holds no tensors to export")
+    stored = {name: metadata.state_dict_metadata[key] for name, key in names.items()}
+    shards = _plan_shards({name: _nbytes(md) for name, md in stored.items()}, max_shard_bytes)
+    os.makedirs(out_dir, exist_ok=True)
+    files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    weight_map: Dict[str, str] = {}
+    for file, shard in zip(files, shards):
+        tensors = {names[name]: torch.empty(stored[name].size, dtype=stored[name].dtype) for name in shard}
+        api.load(tensors, checkpoint_id=checkpoint_dir, no_dist=True)
+        save_file({name: tensors[names[name]] for name in shard}, os.path.join(out_dir, file),
+                  metadata={"format": "pt"})
+        weight_map.update({name: file for name in shard})
+        del tensors
+    index = {"metadata": {"total_size": sum(_nbytes(md) for md in stored.values())}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
+        json.dump(index, f, indent=2)
+    for stale in set(os.listdir(out_dir)) - set(files):
+        if _SHARD_FILE.fullmatch(stale):
+            os.remove(os.path.join(out_dir, stale))
+    return index
+
+
+# ------------------------------------------------------------------------------- load
+
+
+def _safetensors_header(path: str) -> tuple[Dict[str, Any], int]:
+    """``(header, data_start)`` of a safetensors file."""
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        if len(prefix) != 8:
+            raise CheckpointError(f"{path} is not a safetensors file (too short)")
+        length = int.from_bytes(prefix, "little")
+        if length > os.fstat(f.fileno()).st_size - 8:
+            raise CheckpointError(f"{path} is not a safetensors file (header length {length})")
+        try:
+            header = json.loads(f.read(length))
+        except ValueError as exc:
+            raise CheckpointError(f"{path} has a corrupt safetensors header: {exc}") from None
+    return header, 8 + length
+
+
+def _weight_map(hf_dir: str) -> Dict[str, str]:
+    index_path = os.path.join(hf_dir, INDEX_FILE)
+    if os.path.isfile(index_path):
+        with open(index_path) as f:
+            try:
+                return dict(json.load(f)["weight_map"])
+            except (ValueError, KeyError, TypeError) as exc:
+                raise CheckpointError(f"{index_path} is not a safetensors index: {exc}") from None
+    single = os.path.join(hf_dir, SINGLE_FILE)
+    if os.path.isfile(single):
+        header, _ = _safetensors_header(single)
+        return {key: SINGLE_FILE for key in header if key != "__metadata__"}
+    raise CheckpointError(f"{hf_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
+
+
+def hf_metadata(hf_dir: Union[str, os.PathLike]) -> Metadata:
+    """Checkpoint metadata describing an HF safetensors directory (one chunk per tensor).
+
+    Raises:
+        CheckpointError: no index / model file, a file is missing or has a corrupt header.
+    """
+    hf_dir = os.fspath(hf_dir)
+    metadata = Metadata(state_dict_metadata={})
+    by_file: Dict[str, List[str]] = {}
+    for key, file in _weight_map(hf_dir).items():
+        by_file.setdefault(file, []).append(key)
+    for file, keys in by_file.items():
+        check_relative_path(file, os.path.join(hf_dir, INDEX_FILE))
+        path = os.path.join(hf_dir, file)
+        if not os.path.isfile(path):
+            raise CheckpointError(f"{path} (listed in the index) is missing")
+        header, data_start = _safetensors_header(path)
+        for key in keys:
+            entry = header.get(key)
+            if entry is None:
+                raise CheckpointError(f"{path} does not hold {key!r}, which the index places there")
+            dtype = _DTYPE_BY_TAG.get(entry["dtype"])
+            if dtype is None:
+                raise CheckpointError(f"{key!r} in {path} has unsupported dtype {entry['dtype']}")
+            shape = tuple(int(s) for s in entry["shape"])
+            start, end = entry["data_offsets"]
+            origin = (0,) * len(shape)
+            metadata.state_dict_metadata[key] = TensorStorageMetadata(
+                dtype, shape, [ChunkStorageMetadata(origin, shape)])
+            metadata.storage_data[MetadataIndex(key, origin)] = StorageInfo(file, data_start + start, end - start, 0)
+    return metadata
+
+
+class HFSafetensorsReader(FileSystemReader):
+    """Reads an HF safetensors directory through the checkpoint reader (no checksums: no verify)."""
+
+    def __init__(self, hf_dir: Union[str, os.PathLike]):
+        super().__init__(os.fspath(hf_dir))
+
+    def read_metadata(self) -> Metadata:
+        return hf_metadata(self.path)
+
+
+def _like(target: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor laid out like ``target`` (DTensor or plain) with another dtype."""
+    if isinstance(target, DTensor):
+        local = torch.empty_like(target.to_local(), dtype=dtype)
+        return DTensor.from_local(local, target.device_mesh, target.placements,
+                                  shape=target.shape, stride=target.stride(), run_check=False)
+    return torch.empty_like(target, dtype=dtype)
+
+
+def load_hf(model_or_state_dict: Union[nn.Module, Dict[str, torch.Tensor]],
+            hf_dir: Union[str, os.PathLike]) -> None:
+    """Fill a model's parameters/buffers (or a state dict's tensors) from an HF safetensors dir.
+
+    Targets may be DTensors or plain tensors; each rank reads only the byte ranges of its own
+    slices. Values are converted to the targets' dtypes. Keys in the directory that the target
+    does not have are ignored. Collective when a process group is initialised (all ranks call).
+
+    Raises:
+        KeyError: target keys missing from the directory (all named).
+        ValueError: a stored shape differs from the target's (the key is named).
+        CheckpointError: the directory is not a readable safetensors export.
+    """
+    hf_dir = os.fspath(hf_dir)
+    targets = (get_model_state_dict(model_or_state_dict) if isinstance(model_or_state_dict, nn.Module)
+               else model_or_state_dict)
+    metadata = hf_metadata(hf_dir)
+    stored = metadata.state_dict_metadata
+    missing = sorted(k for k in targets if k not in stored)
+    if missing:
+        raise KeyError(f"{hf_dir} does not hold {missing}")
+    for key, target in targets.items():
+        if tuple(target.shape) != stored[key].size:
+            raise ValueError(f"{key}: shape mismatch, {hf_dir} has {stored[key].size}, "
+                             f"the target expects {tuple(target.shape)}")
+    # Read into the targets directly where dtypes match, else into a same-layout buffer.
+    reads = {k: t if t.dtype == stored[k].dtype else _like(t, stored[k].dtype) for k, t in targets.items()}
+    api.load(reads, storage_reader=HFSafetensorsReader(hf_dir), no_dist=not dist.is_initialized())
+    for key, buffer in reads.items():
+        if buffer is not targets[key]:
+            copy_into(targets[key], buffer, key)
