@@ -1,0 +1,4 @@
+"""Alias of :mod:`hyper_parallel.core.distributed_checkpoint` (``hp.checkpoint``)."""
+
+from hyper_parallel.core.distributed_checkpoint import *  # noqa: F401,F403
+from hyper_parallel.core.distributed_checkpoint import __all__  # noqa: F401

@@ -1,0 +1,69 @@
+"""Chunk geometry: which global box a (D)Tensor holds, who else holds it, and box overlaps."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence, Tuple
+
+import torch
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata
+
+
+def local_chunk(value: torch.Tensor) -> ChunkStorageMetadata:
+    """The global box this rank holds: its DTensor shard, or the whole plain tensor."""
+    if isinstance(value, DTensor):
+        sizes, offsets = compute_local_shape_and_global_offset(
+            value.shape, value.device_mesh, value.placements
+        )
+        return ChunkStorageMetadata(tuple(offsets), tuple(sizes))
+    return ChunkStorageMetadata((0,) * value.dim(), tuple(value.shape))
+
+
+def local_data(value: torch.Tensor) -> torch.Tensor:
+    """The tensor that holds this rank's chunk (the DTensor's local shard)."""
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def replica_ranks(value: DTensor) -> List[int]:
+    """Global ranks holding exactly this rank's chunk (same coordinate on every non-Replicate
+    mesh dim), in mesh order. Only Replicate placements create replicas."""
+    mesh = value.device_mesh
+    coord = mesh.get_coordinate()
+    index = tuple(slice(None) if p.is_replicate() else c for p, c in zip(value.placements, coord))
+    return [int(r) for r in mesh.mesh[index].flatten().tolist()]
+
+
+def numel(sizes: Sequence[int]) -> int:
+    n = 1
+    for s in sizes:
+        n *= s
+    return n
+
+
+def overlap(
+    dest: ChunkStorageMetadata, stored: ChunkStorageMetadata
+) -> Optional[Tuple[Tuple[int, ...], Tuple[int, ...], Tuple[int, ...]]]:
+    """The common box of two global boxes, or None if they do not intersect.
+
+    Returns ``(dest_offsets, storage_offsets, lengths)``: the box's start relative to each
+    chunk and its size.
+    """
+    dest_offsets, storage_offsets, lengths = [], [], []
+    for d_off, d_size, s_off, s_size in zip(dest.offsets, dest.sizes, stored.offsets, stored.sizes):
+        lo, hi = max(d_off, s_off), min(d_off + d_size, s_off + s_size)
+        if hi <= lo:
+            return None
+        dest_offsets.append(lo - d_off)
+        storage_offsets.append(lo - s_off)
+        lengths.append(hi - lo)
+    return tuple(dest_offsets), tuple(storage_offsets), tuple(lengths)
+
+
+def narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int]) -> torch.Tensor:
+    """View of ``tensor`` restricted to the box ``offsets``/``lengths``."""
+    for dim, (off, length) in enumerate(zip(offsets, lengths)):
+        if off != 0 or length != tensor.shape[dim]:
+            tensor = tensor.narrow(dim, off, length)
+    return tensor

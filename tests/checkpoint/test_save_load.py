@@ -1,0 +1,198 @@
+"""Round trips across meshes, world sizes and placements; dedup; plan caching; key errors."""
+
+from __future__ import annotations
+
+import glob
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hyper_parallel import checkpoint as hdcp
+from tests.checkpoint.helpers import (
+    assert_state_equal,
+    blank_state,
+    distribute_state,
+    full_state,
+    load_and_check,
+    save_layout,
+    state_nbytes,
+)
+from tests.multirank import run_on_ranks
+
+T = 120
+
+
+def _save_then_load(path, save_layout_name, load_layouts, **save_kwargs):
+    save_layout(path, save_layout_name, **save_kwargs)
+    return load_and_check(path, load_layouts)
+
+
+def _tensor_bytes_by_rank(path):
+    md = hdcp.read_checkpoint_metadata(path)
+    by_rank = {}
+    for name, info in md.files.items():
+        if name.endswith(".safetensors"):
+            rank = int(name[2:].split("_")[0])
+            by_rank[rank] = by_rank.get(rank, 0) + info.size
+    return by_rank
+
+
+def test_fsdp_save_loads_into_every_layout_on_4_ranks(tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert all(run_on_ranks(4, _save_then_load, path, "fsdp", ["hsdp", "shard1", "replicate", "fsdp"], timeout=T))
+    # ... and into 2 ranks, and into one plain process.
+    assert all(run_on_ranks(2, load_and_check, path, ["shard1", "hsdp"], timeout=T))
+    assert load_and_check(path, [None], no_dist=True)
+
+
+def test_hsdp_save_writes_one_copy_spread_over_replicas(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(4, save_layout, path, "hsdp", timeout=T)
+    by_rank = _tensor_bytes_by_rank(path)
+    state_bytes = state_nbytes(full_state())
+    header_slack = 4096 * len(by_rank)
+    assert state_bytes <= sum(by_rank.values()) <= state_bytes + header_slack
+    assert sorted(by_rank) == [0, 1, 2, 3]  # every replica wrote a share
+    assert load_and_check(path, [None], no_dist=True)
+    assert all(run_on_ranks(2, load_and_check, path, ["fsdp"], timeout=T))
+
+
+def test_save_to_minimum_rank_and_keeping_redundancy(tmp_path):
+    lowest, redundant = str(tmp_path / "lowest"), str(tmp_path / "redundant")
+    run_on_ranks(4, save_layout, lowest, "hsdp", save_to_minimum_rank=True, timeout=T)
+    # mesh [[0, 1], [2, 3]]: replicas {0, 2} and {1, 3}; the lowest of each writes.
+    assert sorted(_tensor_bytes_by_rank(lowest)) == [0, 1]
+    run_on_ranks(4, save_layout, redundant, "hsdp", remove_redundancy=False, timeout=T)
+    state_bytes = state_nbytes(full_state())
+    assert sum(_tensor_bytes_by_rank(redundant).values()) >= 2 * state_bytes - state_bytes // 4
+    for path in (lowest, redundant):
+        assert load_and_check(path, [None], no_dist=True, verify=True)
+
+
+def test_shard1_on_2_ranks_to_hsdp_on_4(tmp_path):
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(2, save_layout, path, "shard1", timeout=T)
+    assert all(run_on_ranks(4, load_and_check, path, ["hsdp", "shard1"], timeout=T))
+
+
+def test_single_process_save_loads_sharded(tmp_path):
+    path = str(tmp_path / "ckpt")
+    save_layout(path, None, no_dist=True)
+    assert all(run_on_ranks(4, load_and_check, path, ["fsdp"], timeout=T))
+
+
+def _rank_local_round_trip(path):
+    save_layout(path, "hsdp", use_collectives=False)
+    dist.barrier()
+    return load_and_check(path, ["hsdp", "fsdp"], use_collectives=False)
+
+
+def test_use_collectives_false_round_trip(tmp_path):
+    path = str(tmp_path / "ckpt")
+    assert all(run_on_ranks(4, _rank_local_round_trip, path, timeout=T))
+    assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "metadata.rank*.json"))) == [
+        f"metadata.rank{r}.json" for r in range(4)]
+    assert hdcp.is_checkpoint(path) and not os.path.exists(os.path.join(path, "metadata.json"))
+    assert all(run_on_ranks(2, load_and_check, path, ["shard1"], timeout=T))
+    assert load_and_check(path, [None], no_dist=True)
+    with pytest.raises(hdcp.CheckpointError, match="new checkpoint_id"):
+        save_layout(path, None, no_dist=True, use_collectives=False)
+    os.remove(os.path.join(path, "metadata.rank3.json"))
+    assert not hdcp.is_checkpoint(path)
+    with pytest.raises(hdcp.CheckpointError, match="incomplete"):
+        load_and_check(path, [None], no_dist=True)
+
+
+class CountingPlanner(hdcp.StandardSavePlanner):
+    global_builds = 0
+
+    def build_global_plan(self, all_plans):
+        CountingPlanner.global_builds += 1
+        return super().build_global_plan(all_plans)
+
+
+def _repeated_saves_reuse_plan(root):
+    CountingPlanner.global_builds = 0
+    for i in range(3):
+        hdcp.save(distribute_state(full_state(seed=i), "fsdp"), checkpoint_id=f"{root}/s{i}", planner=CountingPlanner())
+    load_and_check(f"{root}/s2", ["hsdp"], seed=2)
+    return CountingPlanner.global_builds
+
+
+def test_repeated_save_reuses_global_plan(tmp_path):
+    assert run_on_ranks(2, _repeated_saves_reuse_plan, str(tmp_path), timeout=T)[0] == 1
+
+
+def _diverging_plain_value(path):
+    state = distribute_state(full_state(), "fsdp")
+    state["rng"] = torch.tensor([dist.get_rank()])
+    try:
+        hdcp.save(state, checkpoint_id=path)
+    except hdcp.CheckpointError as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_differing_plain_tensors_are_refused(tmp_path):
+    messages = run_on_ranks(2, _diverging_plain_value, str(tmp_path / "ckpt"), timeout=T)
+    assert all("'rng'" in m and "differs" in m for m in messages), messages
+    assert not hdcp.is_checkpoint(str(tmp_path / "ckpt"))
+
+
+def test_key_errors_name_the_key(tmp_path):
+    path = str(tmp_path / "ckpt")
+    save_layout(path, None, no_dist=True)
+    cases = {
+        "shape": lambda s: s["model"].__setitem__("layers.0.w", torch.zeros(7, 4)),
+        "dtype": lambda s: s["model"].__setitem__("layers.0.w", torch.zeros(7, 5, dtype=torch.float64)),
+        "missing": lambda s: s["model"].__setitem__("extra.w", torch.zeros(2)),
+    }
+    for case, mutate in cases.items():
+        state = blank_state()
+        mutate(state)
+        key = "model.extra.w" if case == "missing" else "model.layers.0.w"
+        with pytest.raises(hdcp.CheckpointError, match=f"'{key}'"):
+            hdcp.load(state, checkpoint_id=path, no_dist=True)
+    state = blank_state()
+    state["model"]["extra.w"] = torch.zeros(2)
+    del state["train"]
+    planner = hdcp.StandardLoadPlanner(strict=False)
+    hdcp.load(state, checkpoint_id=path, no_dist=True, planner=planner)
+    assert planner.missing_keys == ["model.extra.w"]
+    assert planner.unexpected_keys == ["train.name", "train.step", "train.tokens_seen"]
+    assert torch.equal(state["model"]["layers.0.w"], full_state()["model"]["layers.0.w"])
+
+
+def test_values_need_json_or_explicit_pickle(tmp_path):
+    state = full_state()
+    state["train"]["when"] = {1, 2}  # a set: not JSON
+    with pytest.raises(TypeError, match="'train.when'"):
+        hdcp.save(state, checkpoint_id=str(tmp_path / "a"), no_dist=True)
+    pickled = str(tmp_path / "b")
+    hdcp.save(state, storage_writer=hdcp.FileSystemWriter(pickled, allow_pickle=True), no_dist=True)
+    target = blank_state()
+    target["train"]["when"] = None
+    with pytest.raises(hdcp.CheckpointError, match="'train.when'.*refusing"):
+        hdcp.load(target, checkpoint_id=pickled, no_dist=True)
+    hdcp.load(target, storage_reader=hdcp.FileSystemReader(pickled, allow_pickle=True), no_dist=True)
+    assert_state_equal(target, state)
+
+
+def test_files_are_valid_safetensors_and_metadata_reads_without_process_group(tmp_path):
+    from safetensors import safe_open
+
+    path = str(tmp_path / "ckpt")
+    run_on_ranks(2, save_layout, path, "fsdp", timeout=T)
+    md = hdcp.FileSystemReader(path).read_metadata()
+    assert md.state_dict_metadata["optim.state.layers.0.w.exp_avg"].size == (7, 5)
+    assert md.layouts["model.layers.0.w"]["placements"] == ["S(0)"]
+    full = full_state()["model"]["layers.1.w"]
+    for index, info in md.storage_data.items():
+        if index.fqn == "model.layers.1.w":
+            with safe_open(os.path.join(path, info.relative_path), "pt") as f:
+                name = next(k for k in f.keys() if k.startswith("model.layers.1.w@"))
+                chunk = f.get_tensor(name)
+            rows = slice(index.offset[0], index.offset[0] + chunk.shape[0])
+            assert torch.equal(chunk, full[rows])
