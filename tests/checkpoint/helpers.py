@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable, Dict, Optional, Sequence
+from typing import Any, Dict, Optional, Sequence
 
 import torch
 import torch.distributed as dist
+
+from hyper_parallel import checkpoint as hdcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -94,28 +96,23 @@ def state_nbytes(state: Dict[str, Any]) -> int:
     return total
 
 
-def rank0_first(fn: Callable[[], Any]) -> Any:
-    """Run ``fn`` on rank 0, then on the others (for filesystem setup visible to all)."""
-    if dist.get_rank() == 0:
-        out = fn()
-        dist.barrier()
-        return out
-    dist.barrier()
-    return fn()
-
-
 def save_layout(path: str, layout: Optional[str], seed: int = 0, **kwargs) -> None:
-    from hyper_parallel import checkpoint as hdcp
-
     hdcp.save(distribute_state(full_state(seed), layout), checkpoint_id=path, **kwargs)
 
 
 def load_and_check(path: str, layouts: Sequence[Optional[str]], seed: int = 0, **kwargs) -> bool:
     """Load ``path`` into each layout in turn and compare with the full state of ``seed``."""
-    from hyper_parallel import checkpoint as hdcp
-
     for layout in layouts:
         target = distribute_state(blank_state(), layout)
         hdcp.load(target, checkpoint_id=path, **kwargs)
         assert_state_equal(target, full_state(seed))
     return True
+
+
+class FailingWriter(hdcp.FileSystemWriter):
+    """Fails on rank 1 while writing (a full disk, say)."""
+
+    def execute_write(self, plan, planner):
+        if self.rank == 1:
+            raise OSError("disk full (simulated)")
+        return super().execute_write(plan, planner)

@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel import checkpoint as hdcp
-from tests.checkpoint.helpers import distribute_state, full_state, load_and_check
+from tests.checkpoint.helpers import FailingWriter, distribute_state, full_state, load_and_check
 from tests.multirank import run_on_ranks
 
 T = 120
@@ -74,13 +74,6 @@ def _async_rank_local(path):
 
 def test_async_save_without_collectives(tmp_path):
     assert all(run_on_ranks(2, _async_rank_local, str(tmp_path / "ckpt"), timeout=T))
-
-
-class FailingWriter(hdcp.FileSystemWriter):
-    def execute_write(self, plan, planner):
-        if self.rank == 1:
-            raise OSError("disk full (simulated)")
-        return super().execute_write(plan, planner)
 
 
 def _async_failure(path):

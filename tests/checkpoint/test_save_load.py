@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hyper_parallel import checkpoint as hdcp
 from tests.checkpoint.helpers import (
+    FailingWriter,
     assert_state_equal,
     blank_state,
     distribute_state,
@@ -196,3 +197,17 @@ def test_files_are_valid_safetensors_and_metadata_reads_without_process_group(tm
                 chunk = f.get_tensor(name)
             rows = slice(index.offset[0], index.offset[0] + chunk.shape[0])
             assert torch.equal(chunk, full[rows])
+
+
+def _failing_save(path):
+    try:
+        hdcp.save(distribute_state(full_state(), "fsdp"), storage_writer=FailingWriter(path))
+    except (hdcp.CheckpointError, OSError) as exc:
+        return str(exc)
+    return "saved"
+
+
+def test_failed_save_on_one_rank_fails_everywhere_and_cleans_up(tmp_path):
+    messages = run_on_ranks(2, _failing_save, str(tmp_path / "ckpt"), timeout=T)
+    assert all("disk full" in m for m in messages), messages
+    assert os.listdir(tmp_path) == []

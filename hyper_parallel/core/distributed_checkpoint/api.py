@@ -193,6 +193,9 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
             "save", lambda: ctx.writer.execute_write(ctx.plan, ctx.planner), commit)
     except BaseException:
         _forget_plans(ctx)
+        abort = getattr(ctx.writer, "abort_checkpoint", None)
+        if ctx.dw.is_coordinator and abort is not None:
+            abort(ctx.plan)
         raise
     _remember_plans(ctx)
     return metadata

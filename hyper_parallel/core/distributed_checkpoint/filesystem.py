@@ -347,6 +347,12 @@ class FileSystemWriter(StorageWriter):
             _fsync_dir(staging)
         _replace_dir(staging, self.path)
 
+    def abort_checkpoint(self, plan: SavePlan) -> None:
+        """Coordinator, after a failed collective save (every rank has stopped writing):
+        remove the staging directory."""
+        if self.use_collectives and isinstance(plan.storage_data, dict):
+            shutil.rmtree(plan.storage_data["staging"], ignore_errors=True)
+
     def _staging_for(self, save_id: str) -> str:
         return os.path.join(os.path.dirname(self.path), f".{os.path.basename(self.path)}.staging-{save_id}")
 
