@@ -32,9 +32,11 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
 
 
 def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """Full parameter values by name (".block" of checkpointing wrappers dropped), read via
+    ``state_dict()`` (which reshards; parameters may be left unsharded after backward)."""
     out = {}
-    for name, param in model.named_parameters():
-        out[name] = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+    for name, param in model.state_dict().items():
+        out[name.replace(".block.", ".")] = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
     return out
 
 

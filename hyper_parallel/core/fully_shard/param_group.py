@@ -55,6 +55,17 @@ class _Bucket:
         self.unsharded_flat: Optional[torch.Tensor] = None
         self._copy_out_views: List[torch.Tensor] = []
         self.partial_grad: Optional[torch.Tensor] = None  # HSDP: reduce-scattered, not all-reduced
+        self.gathered_version = -1  # _shard_version() at the last all-gather
+
+    def _shard_version(self) -> int:
+        # In-place updates of a DTensor bump the wrapper's version counter, not the local
+        # tensor's (they run below autograd); counters only grow, so the sum detects any change.
+        return sum(p.sharded_param._version for p in self.params)
+
+    @property
+    def stale(self) -> bool:
+        """The shards changed (optimizer step, load) since they were all-gathered."""
+        return self._shard_version() != self.gathered_version
 
     def bind_shards(self, device: torch.device, pin: bool) -> None:
         """(Re)allocate the flat shard buffer on ``device`` if needed; point every parameter's
@@ -74,6 +85,7 @@ class _Bucket:
         self.free_unsharded()
 
     def all_gather(self, group: dist.ProcessGroup, device: torch.device, async_op: bool):
+        self.gathered_version = self._shard_version()
         shard = self.shard_flat.to(device=device, dtype=self.compute_dtype, non_blocking=True)
         output = torch.empty(self.world * self.total, dtype=self.compute_dtype, device=device)
         return collectives.all_gather(output, shard, group, async_op), output
@@ -195,7 +207,10 @@ class HSDPParamGroup:
 
     # -- unshard / reshard ----------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
-        """All-gather this group's parameters (no-op when already (being) unsharded)."""
+        """All-gather this group's parameters (no-op when already (being) unsharded from
+        up-to-date shards)."""
+        if self.state == ShardState.UNSHARDED and any(b.stale for b in self.buckets):
+            self.reshard()
         if self.state == ShardState.SHARDED:
             self._gathers = [(b, *b.all_gather(self.dp.shard_group, self.device, async_op))
                              for b in self.buckets]

@@ -1,0 +1,240 @@
+"""FSDP on 2 gloo ranks: training parity with single-process training on the global batch."""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Shard
+from torch.utils.checkpoint import checkpoint
+
+import hyper_parallel as hp
+from hyper_parallel.core.fully_shard import collectives
+from tests.fully_shard._helpers import global_batch, lm_loss, parity, tiny_llama, train
+from tests.multirank import run_on_ranks
+
+TOL = 1e-5
+
+
+def _wrap_layers(model, **kw):
+    for layer in model.layers:
+        hp.fully_shard(layer, **kw)
+    return hp.fully_shard(model, **kw)
+
+
+def _rank():
+    return dist.get_rank(), dist.get_world_size()
+
+
+class _Checkpointed(nn.Module):
+    """Calls a (fully_shard-ed) block through non-reentrant activation checkpointing."""
+
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, cos, sin):
+        return checkpoint(self.block, x, cos, sin, use_reentrant=False)
+
+
+def _fsdp_variants():
+    rank, world = _rank()
+    results = {}
+    results["fsdp"] = parity(_wrap_layers, rank, world, steps=3)
+
+    def shard_dim1(model):
+        return _wrap_layers(model, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+    # vocab 33, dim 18, ffn 64: uneven rows and (for Shard(-1)) uneven columns.
+    uneven = dict(vocab_size=33, dim=18, n_heads=3, n_kv_heads=1)
+    results["uneven"] = parity(_wrap_layers, rank, world, model_fn=lambda: tiny_llama(**uneven))
+    results["shard_last_dim"] = parity(shard_dim1, rank, world, model_fn=lambda: tiny_llama(**uneven))
+
+    def no_reshard(model):
+        model = _wrap_layers(model, reshard_after_forward=False)
+        model.set_reshard_after_backward(False)
+        return model
+    results["no_reshard"] = parity(no_reshard, rank, world)
+
+    def checkpointed(model):
+        # layer 0: checkpoint outside the fully_shard module (hooks run again in recompute);
+        # layer 1: fully_shard outside the checkpointing wrapper.
+        hp.fully_shard(model.layers[0])
+        model.layers[0] = _Checkpointed(model.layers[0])
+        model.layers[1] = hp.fully_shard(_Checkpointed(model.layers[1]))
+        return hp.fully_shard(model)
+    results["checkpoint"] = parity(checkpointed, rank, world)
+
+    def tied_one_group(model):
+        return _wrap_layers(model)
+    results["tied_one_group"] = parity(tied_one_group, rank, world,
+                                       model_fn=lambda: tiny_llama(tie_embeddings=True))
+
+    def tied_two_groups(model):
+        hp.fully_shard(model.tok_embeddings)
+        hp.fully_shard(model.output)
+        model = _wrap_layers(model)
+        assert model.output.weight is model.tok_embeddings.weight
+        return model
+    results["tied_two_groups"] = parity(tied_two_groups, rank, world,
+                                        model_fn=lambda: tiny_llama(tie_embeddings=True))
+
+    def no_sync(model, micro, n_micro):
+        model.set_requires_gradient_sync(micro == n_micro - 1)
+    results["grad_accum"] = parity(_wrap_layers, rank, world, micro_batches=2, before_micro=no_sync)
+
+    def offloaded(model):
+        return _wrap_layers(model, offload_policy=hp.CPUOffloadPolicy())
+    results["cpu_offload"] = parity(offloaded, rank, world)
+    return results
+
+
+def test_fsdp_training_parity():
+    for result in run_on_ranks(2, _fsdp_variants, timeout=240):
+        bad = {k: v for k, v in result.items() if not v <= TOL}
+        assert not bad, f"max abs diff vs single-process reference above {TOL}: {bad}"
+
+
+def _placements_and_counts():
+    rank, world = _rank()
+    torch.manual_seed(0)
+    model = _wrap_layers(tiny_llama(vocab_size=33), shard_placement_fn=lambda p: Shard(0))
+    for name, param in model.named_parameters():
+        assert isinstance(param, nn.Parameter) and isinstance(param, DTensor), name
+        assert param.placements == (Shard(0),), (name, param.placements)
+    emb = model.tok_embeddings.weight
+    assert emb.to_local().shape == (17 if rank == 0 else 16, 16)  # unpadded local slice
+    tokens = global_batch(0).chunk(world)[rank]
+    collectives.reset_collective_counts()
+    lm_loss(model, tokens).backward()
+    counts = collectives.collective_counts()
+    # 3 groups (2 layers + root). Forward: 3 all-gathers; backward: the 2 resharded layers
+    # again (the root keeps its parameters); one reduce-scatter per group.
+    assert counts == {"all_gather": 5, "reduce_scatter": 3}, counts
+    for name, param in model.named_parameters():
+        assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements, name
+    return True
+
+
+def test_sharded_placements_and_collective_counts():
+    assert all(run_on_ranks(2, _placements_and_counts, timeout=120))
+
+
+def _reference_mixed_precision_grads(reference, slices, dtype):
+    """Each rank's slice through a ``dtype`` copy of the parameters, grads averaged in fp32."""
+    for param in reference.parameters():
+        param.grad = torch.zeros_like(param)
+    for tokens in slices:
+        low = copy.deepcopy(reference)
+        for param in low.parameters():
+            param.data = param.data.to(dtype)
+        lm_loss(low, tokens).backward()
+        for ref_param, low_param in zip(reference.parameters(), low.parameters()):
+            ref_param.grad += low_param.grad.float() / len(slices)
+
+
+def _mixed_precision():
+    rank, world = _rank()
+    torch.manual_seed(0)
+    reference = tiny_llama()
+    # The blocks get the fp32 RoPE tables as inputs; the reference keeps them fp32, so no
+    # input cast here (input casting is checked on its own below).
+    policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                     cast_forward_inputs=False)
+    model = _wrap_layers(copy.deepcopy(reference), mp_policy=policy)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
+    for step in range(2):
+        slices = global_batch(step).chunk(world)
+        lm_loss(model, slices[rank]).backward()
+        _reference_mixed_precision_grads(reference, slices, torch.bfloat16)
+        for param in model.parameters():
+            assert param.dtype == torch.float32 and param.grad.dtype == torch.float32
+        opt.step(), ref_opt.step(), opt.zero_grad(), ref_opt.zero_grad()
+    diff = max((p.full_tensor() - r).abs().max().item()
+               for p, r in zip(model.parameters(), reference.parameters()))
+    # output_dtype casts the outputs; floating inputs are cast to param_dtype.
+    seen = {}
+    lin = hp.fully_shard(nn.Linear(4, 4), mp_policy=hp.MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, output_dtype=torch.float64))
+    lin.register_forward_pre_hook(lambda m, args: seen.update({"in": args[0].dtype}))
+    out = lin(torch.randn(2, 4))
+    return diff, seen["in"], out.dtype
+
+
+def test_mixed_precision_matches_reference_with_same_casts():
+    for diff, in_dtype, out_dtype in run_on_ranks(2, _mixed_precision, timeout=120):
+        assert diff <= TOL, diff
+        assert in_dtype == torch.bfloat16 and out_dtype == torch.float64
+
+
+class _MixedDtypes(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(6, 5)
+        self.b = nn.Linear(5, 3).double()
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)).double()).float()
+
+
+@dataclass
+class _Out:
+    value: torch.Tensor
+    extra: dict
+
+
+class _Reused(nn.Module):
+    """One block called twice per forward; dataclass / dict outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(6, 6), nn.Tanh())
+        self.head = nn.Linear(6, 2)
+
+    def forward(self, x):
+        h = self.block(self.block(x))
+        return _Out(self.head(h), {"h": (h,)})
+
+
+def _mse(model, batch):
+    out = model(batch[:, :6])
+    value = out.value if isinstance(out, _Out) else out
+    return ((value - batch[:, 6:7]) ** 2).mean()
+
+
+def _other_modules():
+    rank, world = _rank()
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, 7, generator=gen) for _ in range(3)]
+    results = {}
+    for name, model_fn, wrap in [
+        ("mixed_dtypes", _MixedDtypes, lambda m: hp.fully_shard(m)),
+        ("reused_block_dataclass_out", _Reused, lambda m: hp.fully_shard(hp.fully_shard(m.block) and m)),
+    ]:
+        torch.manual_seed(0)
+        reference = model_fn()
+        model = wrap(copy.deepcopy(reference))
+        collectives.reset_collective_counts()
+        train(reference, batches, loss_fn=_mse)
+        train(model, [b.chunk(world)[rank] for b in batches], loss_fn=_mse)
+        if name == "mixed_dtypes":  # one all-gather per dtype, root keeps params: 2 per step
+            assert collectives.collective_counts()["all_gather"] == 2 * len(batches)
+            assert model.b.weight.dtype == torch.float64
+        with torch.no_grad():  # eval forward on the sharded model matches too
+            model.eval(), reference.eval()
+            evaluated = _mse(model, batches[0]) - _mse(reference, batches[0])
+        results[name] = max(
+            max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters())),
+            abs(evaluated.item()))
+        for param in model.parameters():  # eval forward left everything sharded
+            assert isinstance(param, DTensor)
+    return results
+
+
+def test_mixed_dtypes_reused_modules_and_eval():
+    for result in run_on_ranks(2, _other_modules, timeout=120):
+        bad = {k: v for k, v in result.items() if not v <= TOL}
+        assert not bad, bad
