@@ -64,13 +64,13 @@ def train(model: nn.Module, batches: List[torch.Tensor], loss_fn: Callable = lm_
 
 
 def parity(wrap: Callable[[nn.Module], nn.Module], dp_rank: int, dp_size: int, *, steps: int = 2,
-           model_fn: Callable[[], nn.Module] = tiny_llama, **train_kw) -> float:
+           model_fn: Callable[[], nn.Module] = tiny_llama, batch_size: int = 4, **train_kw) -> float:
     """Max abs diff of full parameters after ``steps`` AdamW steps: wrapped model fed this
     rank's slice of each global batch vs. the unwrapped model on the whole batch."""
     torch.manual_seed(0)
     reference = model_fn()
     model = wrap(copy.deepcopy(reference))
-    batches = [global_batch(s) for s in range(steps)]
+    batches = [global_batch(s, batch_size) for s in range(steps)]
     train(reference, batches, **{k: v for k, v in train_kw.items() if k != "before_micro"})
     train(model, [b.chunk(dp_size)[dp_rank] for b in batches], **train_kw)
     return max_diff(full_params(model), full_params(reference))

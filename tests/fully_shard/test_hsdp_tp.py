@@ -1,0 +1,119 @@
+"""HSDP (2x2), FSDP with empty shards, and FSDP+TP (dp=2 x tp=2) on 4 gloo ranks."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.placement_types import _StridedShard
+
+import hyper_parallel as hp
+from hyper_parallel.core.fully_shard import collectives
+from tests.fully_shard._helpers import full_params, global_batch, lm_loss, max_diff, parity, tiny_llama, train
+from tests.multirank import run_on_ranks
+
+TOL = 1e-5
+
+
+def _hsdp_mesh():
+    return hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+
+def _wrap(model, **kw):
+    for layer in model.layers:
+        hp.fully_shard(layer, **kw)
+    return hp.fully_shard(model, **kw)
+
+
+class _Uneven(nn.Module):
+    """Row counts 7 and 3 over 4 ranks: uneven shards, one of them empty."""
+
+    def __init__(self):
+        super().__init__()
+        self.up = nn.Linear(5, 7)
+        self.down = nn.Linear(7, 3)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(x)))
+
+
+def _mse(model, batch):
+    return ((model(batch[:, :5]) - batch[:, 5:]) ** 2).mean()
+
+
+def _hsdp_and_uneven():
+    rank = dist.get_rank()
+    mesh = _hsdp_mesh()
+    dp_rank = rank  # replicate-major: data-parallel index = rank
+    results = {"hsdp": parity(lambda m: _wrap(m, mesh=mesh), dp_rank, 4)}
+
+    def no_all_reduce_first(model, micro, n_micro):
+        model.set_requires_all_reduce(micro == n_micro - 1)
+    collectives.reset_collective_counts()
+    results["hsdp_partial_all_reduce"] = parity(
+        lambda m: _wrap(m, mesh=mesh), dp_rank, 4, steps=1, batch_size=8, micro_batches=2, before_micro=no_all_reduce_first)
+    counts = collectives.collective_counts()
+    assert counts["reduce_scatter"] == 6 and counts["all_reduce"] == 3, counts  # 3 groups
+
+    torch.manual_seed(0)
+    model = _wrap(tiny_llama(), mesh=mesh)
+    for name, param in model.named_parameters():
+        assert param.placements == (Replicate(), Shard(0)), (name, param.placements)
+    collectives.reset_collective_counts()
+    lm_loss(model, global_batch(0).chunk(4)[rank]).backward()
+    counts = collectives.collective_counts()
+    assert counts == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}, counts
+
+    gen = torch.Generator().manual_seed(0)
+    batches = [torch.randn(8, 8, generator=gen) for _ in range(2)]
+    for name, placement_fn in [("empty_shards", None), ("empty_shards_dim1", lambda p: Shard(p.ndim - 1))]:
+        torch.manual_seed(0)
+        reference = _Uneven()
+        model = hp.fully_shard(copy.deepcopy(reference), shard_placement_fn=placement_fn)
+        if placement_fn is None:
+            assert model.down.weight.to_local().shape[0] == (0 if rank == 3 else 1)
+        train(reference, batches, loss_fn=_mse)
+        train(model, [b.chunk(4)[rank] for b in batches], loss_fn=_mse)
+        results[name] = max_diff(full_params(model), full_params(reference))
+    return results
+
+
+def test_hsdp_and_uneven_empty_shards():
+    for result in run_on_ranks(4, _hsdp_and_uneven, timeout=240):
+        bad = {k: v for k, v in result.items() if not v <= TOL}
+        assert not bad, bad
+
+
+_TP_PLAN = {
+    "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+    "attention.wo": RowwiseParallel(),
+    "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+    "feed_forward.w2": RowwiseParallel(),
+}
+
+
+def _fsdp_tp():
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp_rank = mesh["dp"].get_local_rank()
+
+    def wrap(model):
+        for layer in model.layers:
+            parallelize_module(layer, mesh["tp"], _TP_PLAN)
+            hp.fully_shard(layer, mesh=mesh["dp"])
+        hp.fully_shard(model, mesh=mesh["dp"])
+        wq, wo = model.layers[0].attention.wq.weight, model.layers[0].attention.wo.weight
+        assert wq.device_mesh.mesh_dim_names == ("dp", "tp")
+        assert wq.placements == (_StridedShard(0, split_factor=2), Shard(0)), wq.placements
+        assert wo.placements == (Shard(0), Shard(1)), wo.placements
+        return model
+
+    return parity(wrap, dp_rank, 2, model_fn=lambda: tiny_llama(n_kv_heads=2))
+
+
+def test_fsdp_plus_tensor_parallel():
+    for diff in run_on_ranks(4, _fsdp_tp, timeout=240):
+        assert diff <= TOL, diff
