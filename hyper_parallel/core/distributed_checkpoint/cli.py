@@ -34,7 +34,8 @@ def _layout(metadata: Metadata, fqn: str) -> str:
     names = layout.get("mesh_dim_names")
     mesh = "x".join(str(s) for s in layout.get("mesh_shape", []))
     placements = ",".join(str(p) for p in layout.get("placements", []))
-    return f"mesh {mesh}{' ' + str(tuple(names)) if names else ''} [{placements}]"
+    dims = f" ({','.join(names)})" if names else ""
+    return f"mesh {mesh}{dims} placements [{placements}]"
 
 
 def inspect(directory: str, out: TextIO) -> None:

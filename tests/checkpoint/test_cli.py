@@ -1,0 +1,62 @@
+"""``python -m hyper_parallel.checkpoint``: inspect, verify, export-hf (subprocess and in-process)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from hyper_parallel.core.distributed_checkpoint.cli import main
+from tests.checkpoint.test_hf import _save_sharded_checkpoint
+from tests.multirank import run_on_ranks
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _cli(*args):
+    return subprocess.run([sys.executable, "-m", "hyper_parallel.checkpoint", *map(str, args)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("cli") / "step-3")
+    run_on_ranks(2, _save_sharded_checkpoint, path, timeout=120)
+    return path
+
+
+def test_inspect_lists_tensors_layouts_and_totals(checkpoint):
+    result = _cli("inspect", checkpoint)
+    assert result.returncode == 0, result.stderr
+    out = result.stdout
+    assert "step: 3" in out and "version 1" in out and "saved by 2 rank(s)" in out
+    line = next(l for l in out.splitlines() if l.strip().startswith("model.tok_embeddings.weight "))
+    assert "float32" in line and "256x64" in line and "64.00 KiB" in line
+    assert "mesh 2 (shard) placements [S(0)]" in line
+    assert "optim.state.output.weight.exp_avg" in out
+    assert "total tensor bytes:" in out and "values (" in out and "step" in out
+
+
+def test_verify_passes_then_detects_a_flipped_byte(checkpoint, tmp_path, capsys):
+    assert main(["verify", checkpoint]) == 0
+    assert capsys.readouterr().out.startswith("OK")
+    corrupt = tmp_path / "step-3"
+    subprocess.run(["cp", "-r", checkpoint, str(corrupt)], check=True)
+    data_file = sorted(f for f in os.listdir(corrupt) if f.endswith(".safetensors"))[0]
+    with open(corrupt / data_file, "r+b") as f:
+        f.seek(os.path.getsize(corrupt / data_file) - 5)
+        byte = f.read(1)
+        f.seek(-1, 1)
+        f.write(bytes([byte[0] ^ 0x01]))
+    result = _cli("verify", corrupt)
+    assert result.returncode == 1
+    assert data_file in result.stderr and "corrupt" in result.stderr
+
+
+def test_export_hf_and_errors(checkpoint, tmp_path, capsys):
+    assert main(["export-hf", checkpoint, str(tmp_path / "hf"), "--max-shard-bytes", "200000"]) == 0
+    index = json.loads((tmp_path / "hf" / "model.safetensors.index.json").read_text())
+    assert "tok_embeddings.weight" in index["weight_map"] and len(set(index["weight_map"].values())) > 1
+    assert main(["inspect", str(tmp_path / "nothing")]) == 1
+    assert "not a committed checkpoint" in capsys.readouterr().err
