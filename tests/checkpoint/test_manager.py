@@ -131,3 +131,57 @@ def _sharded_save_then_reshard_load(folder, async_save):
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
 def test_with_process_group_resumes_exactly_into_other_sharding(tmp_path, async_save):
     assert all(run_on_ranks(2, _sharded_save_then_reshard_load, str(tmp_path), async_save, timeout=120))
+
+
+# ------------------------------------------------ training resume on another world size
+
+
+def _lm_step(model, optim, step):
+    """One step on a fixed global batch. Every rank computes the whole batch, so the gradient
+    FSDP averages is the same on all ranks and training is bit-identical to one process."""
+    tokens = torch.randint(0, 256, (2, 17), generator=torch.Generator().manual_seed(100 + step))
+    optim.zero_grad()
+    logits = model(tokens[:, :-1])
+    torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten()).backward()
+    optim.step()
+
+
+def _adamw(model):
+    return torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _train_two_steps_fsdp_and_save(folder):
+    import hyper_parallel as hp
+
+    model = make_llama(seed=21)
+    for layer in model.layers:
+        hp.fully_shard(layer)
+    hp.fully_shard(model)
+    optim = _adamw(model)
+    manager = CheckpointManager(folder, interval=2)
+    for step in (1, 2):
+        _lm_step(model, optim, step)
+        manager.save(step, {"model": ModelState(model), "optim": OptimizerState(model, optim), "step": step})
+    return manager.latest_step()
+
+
+def test_train_2_steps_on_2_ranks_resume_on_1_process_equals_4_uninterrupted_steps(tmp_path):
+    assert run_on_ranks(2, _train_two_steps_fsdp_and_save, str(tmp_path), timeout=120) == [2, 2]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the same kernels as the ranks
+    try:
+        reference = make_llama(seed=21)
+        optim = _adamw(reference)
+        for step in (1, 2, 3, 4):
+            _lm_step(reference, optim, step)
+
+        model = make_llama(seed=99)
+        optim = _adamw(model)
+        state = {"model": ModelState(model), "optim": OptimizerState(model, optim), "step": 0}
+        assert CheckpointManager(tmp_path).load_latest(state) == 2 and state["step"] == 2
+        for step in (3, 4):
+            _lm_step(model, optim, step)
+    finally:
+        torch.set_num_threads(threads)
+    expected = reference.state_dict()
+    assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
