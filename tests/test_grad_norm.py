@@ -183,3 +183,44 @@ def test_bad_norm_type_is_rejected(norm_type):
 
 def test_no_grads_gives_zero():
     assert hp.clip_grad_norm_([nn.Parameter(torch.zeros(2))], 1.0).item() == 0.0
+
+
+def _mlp() -> nn.Module:
+    torch.manual_seed(0)  # odd sizes: shards are uneven on 2 and 4 ranks
+    return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Tanh(), nn.Linear(3, 9))
+
+
+def _fully_shard_backward_then_clip(hsdp: bool, norm_type: float):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator().manual_seed(7)
+    inputs, targets = torch.randn(4 * world, 5, generator=gen), torch.randn(4 * world, 9, generator=gen)
+
+    reference = _mlp()
+    nn.functional.mse_loss(reference(inputs), targets).backward()
+    max_norm = 0.5 * torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()], norm_type).item()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
+
+    mesh = init_device_mesh("cpu", (2, world // 2)) if hsdp else init_device_mesh("cpu", (world,))
+    model = _mlp()
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            hp.fully_shard(layer, mesh=mesh)
+    hp.fully_shard(model, mesh=mesh)
+    rows = slice(4 * rank, 4 * (rank + 1))
+    nn.functional.mse_loss(model(inputs[rows]), targets[rows]).backward()
+    total = hp.clip_grad_norm_(model.parameters(), max_norm, norm_type)
+
+    torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
+    for param, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad.full_tensor(), ref.grad, rtol=1e-5, atol=1e-6)
+    return total.item()
+
+
+def _fully_shard_clip_all_norm_types(hsdp: bool):
+    return [_fully_shard_backward_then_clip(hsdp, p) for p in NORM_TYPES]
+
+
+@pytest.mark.parametrize("world,hsdp", [(2, False), (4, True)])
+def test_fully_shard_grads_clip_like_single_process_on_global_batch(world, hsdp):
+    per_rank = run_on_ranks(world, _fully_shard_clip_all_norm_types, hsdp, timeout=120)
+    assert all(totals == per_rank[0] for totals in per_rank), per_rank
