@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import weakref
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
-from torch.utils.weak import WeakIdKeyDictionary
 
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh, resolve_mesh
 from hyper_parallel.core.fully_shard.param import HSDPParam
@@ -16,8 +16,20 @@ from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup, UnshardH
 from hyper_parallel.core.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.core.fully_shard.state import HSDPState
 
-# Original and sharded parameter objects -> (HSDPParam, owning group), to keep tied params tied.
-_MANAGED: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# id(original or sharded parameter) -> owning group, to keep tied parameters tied. No weak
+# references to the parameters themselves: those would block to_empty()'s swap_tensors.
+_OWNERS: "weakref.WeakValueDictionary[int, HSDPParamGroup]" = weakref.WeakValueDictionary()
+
+
+def _owner(param: nn.Parameter) -> Optional[Tuple[HSDPParam, HSDPParamGroup]]:
+    """The managed parameter (and its group) that ``param`` is, or was before sharding."""
+    group = _OWNERS.get(id(param))
+    if group is None:
+        return None
+    for hsdp_param in group.params:
+        if hsdp_param.sharded_param is param or hsdp_param.original() is param:
+            return hsdp_param, group
+    return None
 _CLASS_CACHE: Dict[type, type] = {}
 
 
@@ -116,7 +128,7 @@ def _collect(module: nn.Module, ignored: set) -> Tuple[Dict[int, Tuple[nn.Parame
         for name, param in mod._parameters.items():
             if param is None or id(param) in ignored:
                 continue
-            if param in _MANAGED:
+            if _owner(param) is not None:
                 foreign.append((mod, name, param))
             elif id(param) in own:
                 own[id(param)][2].append((mod, name))
@@ -189,12 +201,11 @@ def fully_shard(
         params.append(HSDPParam(param, slots, dp, _shard_dim(param, shard_placement_fn)))
     group = HSDPParamGroup(params, dp, mp_policy, offload_policy, reshard_after_forward)
     for hsdp_param, (original, _, _) in zip(params, own.values()):
-        _MANAGED[original] = (hsdp_param, group)
-        _MANAGED[hsdp_param.sharded_param] = (hsdp_param, group)
+        _OWNERS[id(original)] = _OWNERS[id(hsdp_param.sharded_param)] = group
         hsdp_param.use_sharded()
     borrowed: List[HSDPParamGroup] = []
     for mod, name, param in foreign:
-        owner_param, owner_group = _MANAGED[param]
+        owner_param, owner_group = _owner(param)
         owner_group.add_slot(owner_param, mod, name)
         if owner_group is not group and owner_group not in borrowed:
             borrowed.append(owner_group)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from typing import List, Optional, Tuple
 
 import torch
@@ -39,6 +40,7 @@ class HSDPParam:
     def __init__(self, param: nn.Parameter, slots: List[Tuple[nn.Module, str]],
                  dp: DataParallelMesh, shard_dim: int):
         self.slots = slots
+        self.original = weakref.ref(param)  # the parameter before sharding (tied elsewhere?)
         self.requires_grad = param.requires_grad
         if isinstance(param, DTensor):
             self.tp_mesh, self.tp_placements = param.device_mesh, tuple(param.placements)

@@ -1,0 +1,165 @@
+"""fully_shard API on 2 gloo ranks: meta init, state_dict round trips, unshard/reshard,
+prefetch, and clear errors for bad input."""
+
+from __future__ import annotations
+
+from unittest import mock
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+import hyper_parallel as hp
+from hyper_parallel.core.fully_shard.param_group import ShardState
+from tests.fully_shard._helpers import full_params, global_batch, lm_loss, max_diff, tiny_llama, train
+from tests.multirank import run_on_ranks
+
+TOL = 1e-5
+
+
+def _wrap(model, **kw):
+    for layer in model.layers:
+        hp.fully_shard(layer, **kw)
+    return hp.fully_shard(model, **kw)
+
+
+def _meta_init_and_state_dict():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    with torch.device("meta"):
+        model = _wrap(tiny_llama(vocab_size=33, tie_embeddings=True))
+    model.to_empty(device="cpu")
+    model.init_weights(seed=0)
+    params = dict(model.named_parameters())
+    total = sum(p.numel() for p in params.values())
+    local = sum(p.to_local().numel() for p in params.values())
+    assert local <= total // world + 64, (local, total)  # each rank holds only its shard
+    for name, param in params.items():
+        assert not param.to_local().is_meta and torch.isfinite(param.to_local()).all(), name
+    assert torch.equal(model.norm.weight.full_tensor(), torch.ones(16))
+    assert model.output.weight is model.tok_embeddings.weight
+
+    # Train it against a plain model holding the same full values.
+    reference = tiny_llama(vocab_size=33, tie_embeddings=True)
+    reference.load_state_dict(full_params(model))
+    batches = [global_batch(s) for s in range(2)]
+    train(reference, batches)
+    train(model, [b.chunk(world)[rank] for b in batches])
+    results = {"meta_init": max_diff(full_params(model), full_params(reference))}
+
+    # state_dict holds the sharded DTensors; both full and sharded values load back.
+    state = model.state_dict()
+    assert all(isinstance(v, DTensor) and v.placements == (Shard(0),) for v in state.values())
+    torch.manual_seed(1)
+    fresh = _wrap(tiny_llama(vocab_size=33, tie_embeddings=True))
+    fresh.load_state_dict({k: v.full_tensor() for k, v in state.items()})
+    results["load_full"] = max_diff(full_params(fresh), full_params(model))
+    torch.manual_seed(2)
+    fresh = _wrap(tiny_llama(vocab_size=33, tie_embeddings=True))
+    fresh.load_state_dict(state)
+    results["load_sharded"] = max_diff(full_params(fresh), full_params(model))
+    # A loaded model trains like the original (the loaded shards feed the all-gathers).
+    train(fresh, [global_batch(5).chunk(world)[rank]])
+    train(model, [global_batch(5).chunk(world)[rank]])
+    results["train_after_load"] = max_diff(full_params(fresh), full_params(model))
+    return results
+
+
+def test_meta_init_and_state_dict_round_trips():
+    for result in run_on_ranks(2, _meta_init_and_state_dict, timeout=180):
+        bad = {k: v for k, v in result.items() if not v <= TOL}
+        assert not bad, bad
+
+
+def _unshard_reshard_and_prefetch():
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = _wrap(tiny_llama())
+    layer0, layer1 = model.layers
+    reference_wq = layer0.attention.wq.weight.full_tensor()
+    handle = layer0.unshard(async_op=True)
+    handle.wait()
+    weight = layer0.attention.wq.weight
+    assert not isinstance(weight, DTensor) and torch.equal(weight, reference_wq)
+    layer0.reshard()
+    assert isinstance(layer0.attention.wq.weight, DTensor)
+    assert torch.equal(layer0.attention.wq.weight.full_tensor(), reference_wq)
+
+    seen = []
+
+    def record(states_of):
+        def hook(*_):
+            seen.append(tuple(m._state.group.state for m in states_of))
+        return hook
+
+    # Forward: when layer 0 computes, layer 1's all-gather has already been issued.
+    layer0.attention.register_forward_hook(record([layer1]))
+    # Backward: when layer 1's backward computes, layer 0's all-gather has been issued.
+    layer1.attention.register_full_backward_hook(record([layer0]))
+    tokens = global_batch(0).chunk(world)[rank]
+    lm_loss(model, tokens).backward()   # step 1: no order known yet for implicit forward prefetch
+    first = list(seen)
+    seen.clear()
+    lm_loss(model, tokens).backward()   # step 2: implicit forward prefetch from step 1's order
+    implicit = list(seen)
+    seen.clear()
+    layer0.set_modules_to_forward_prefetch([])
+    layer1.set_modules_to_backward_prefetch([])
+    lm_loss(model, tokens).backward()
+    disabled = list(seen)
+    seen.clear()
+    model.set_modules_to_forward_prefetch([layer0, layer1])
+    lm_loss(model, tokens).backward()
+    explicit = list(seen)
+    return first, implicit, disabled, explicit
+
+
+def test_unshard_reshard_and_prefetch():
+    sharded, unsharding, unsharded = ShardState.SHARDED, ShardState.UNSHARDING, ShardState.UNSHARDED
+    for first, implicit, disabled, explicit in run_on_ranks(2, _unshard_reshard_and_prefetch, timeout=120):
+        issued = (unsharding, unsharded)
+        assert first[0] == (sharded,) and first[1][0] in issued, first
+        assert implicit[0][0] in issued and implicit[1][0] in issued, implicit
+        assert disabled == [(sharded,), (sharded,)], disabled
+        assert explicit[0][0] in issued and explicit[1] == (sharded,), explicit
+
+
+def _errors():
+    messages = {}
+
+    def expect(key, exc, fn):
+        with pytest.raises(exc) as info:
+            fn()
+        messages[key] = str(info.value)
+
+    model = hp.fully_shard(nn.Linear(4, 4))
+    expect("twice", ValueError, lambda: hp.fully_shard(model))
+    mesh3d = hp.init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("a", "b", "c"))
+    expect("mesh_rank", ValueError, lambda: hp.fully_shard(nn.Linear(4, 4), mesh=mesh3d))
+    expect("placement", ValueError,
+           lambda: hp.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()))
+    expect("reshard_int", ValueError, lambda: hp.fully_shard(nn.Linear(4, 4), reshard_after_forward=2))
+    expect("prefetch", ValueError, lambda: model.set_modules_to_forward_prefetch([nn.Linear(2, 2)]))
+    # A parameter on another device type than the mesh's: no second device type exists on a
+    # CPU-only machine, so make every tensor report "cuda:0" while fully_shard inspects it.
+    with mock.patch.object(torch.Tensor, "device", new_callable=mock.PropertyMock,
+                           return_value=torch.device("cuda", 0)):
+        expect("device", ValueError, lambda: hp.fully_shard(nn.Linear(4, 4)))
+    return messages
+
+
+def test_bad_input_errors():
+    messages = run_on_ranks(2, _errors, timeout=60)[0]
+    assert "already" in messages["twice"]
+    assert "3-D" in messages["mesh_rank"]
+    assert "Shard" in messages["placement"]
+    assert "reshard_after_forward" in messages["reshard_int"]
+    assert "fully_shard modules" in messages["prefetch"]
+    assert "cuda" in messages["device"] and "weight" in messages["device"]
+
+
+def test_no_process_group_is_a_clear_error():
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match="process group"):
+        hp.fully_shard(nn.Linear(2, 2))
