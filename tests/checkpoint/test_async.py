@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -100,3 +101,26 @@ def test_async_save_waits_for_the_previous_one(tmp_path):
     assert load_and_check(str(tmp_path / "a"), [None], no_dist=True)
     with pytest.raises(hdcp.CheckpointError):
         hdcp.load(full_state(), checkpoint_id=str(tmp_path / "missing"), no_dist=True)
+
+
+class StallingWriter(hdcp.FileSystemWriter):
+    def execute_write(self, plan, planner):
+        if self.rank == 1:
+            time.sleep(3)
+        return super().execute_write(plan, planner)
+
+
+def _async_timeout(path):
+    writer = StallingWriter(path, commit_timeout_s=1)
+    future = hdcp.async_save(distribute_state(full_state(), "fsdp"), storage_writer=writer)
+    try:
+        future.result(timeout=60)
+    except hdcp.CheckpointError as exc:
+        return str(exc)
+    return "committed"
+
+
+def test_async_commit_wait_is_bounded(tmp_path):
+    messages = run_on_ranks(2, _async_timeout, str(tmp_path / "ckpt"), timeout=T)
+    assert "did not finish writing (missing ['.done.rank1.json'])" in messages[0], messages
+    assert not hdcp.is_checkpoint(str(tmp_path / "ckpt"))

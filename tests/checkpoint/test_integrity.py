@@ -13,7 +13,6 @@ import textwrap
 import time
 
 import pytest
-import torch
 
 from hyper_parallel import checkpoint as hdcp
 from tests.checkpoint.helpers import blank_state, full_state, load_and_check, save_layout

@@ -24,7 +24,7 @@ import time
 import uuid
 import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -371,48 +371,52 @@ class FileSystemWriter(StorageWriter):
         except OSError:
             pass
 
-    def _raise_if_failed(self, staging: str) -> None:
-        failed = sorted(glob.glob(os.path.join(glob.escape(staging), ".failed.rank*")))
-        if failed:
-            with open(failed[0]) as f:
-                reason = f.read()
-            raise CheckpointError(f"async save to {self.path} failed on {os.path.basename(failed[0])[8:]}: {reason}")
+    def _poll(self, staging: str, done: Callable[[List[str]], bool], waiting_for: Callable[[], str]) -> None:
+        """List ``staging`` until ``done(names)`` (or it is gone: names == []), raising on a
+        failure marker or after ``commit_timeout_s``. Backs off to keep a shared file
+        system's metadata load low when thousands of ranks wait."""
+        deadline = time.monotonic() + self.commit_timeout_s
+        delay = 0.005
+        while True:
+            try:
+                names = os.listdir(staging)
+            except FileNotFoundError:
+                names = []
+            failed = sorted(n for n in names if n.startswith(".failed.rank"))
+            if failed:
+                with open(os.path.join(staging, failed[0])) as f:
+                    reason = f.read()
+                raise CheckpointError(f"async save to {self.path} failed on {failed[0][8:]}: {reason}")
+            if done(names):
+                return
+            if time.monotonic() > deadline:
+                raise CheckpointError(f"async save to {self.path}: {waiting_for()} within "
+                                      f"{self.commit_timeout_s:.0f}s; the checkpoint was not committed")
+            time.sleep(delay)
+            delay = min(delay * 2, 0.5)
 
     def collect_results(self, plan: SavePlan) -> List[RankWriteResult]:
         """Coordinator: wait for every rank's done marker (bounded by ``commit_timeout_s``)."""
         staging = self._target_dir(plan)
-        deadline = time.monotonic() + self.commit_timeout_s
-        results: Dict[int, RankWriteResult] = {}
-        while len(results) < self.world_size:
-            self._raise_if_failed(staging)
-            for r in range(self.world_size):
-                marker = os.path.join(staging, _DONE_MARKER.format(r))
-                if r not in results and os.path.exists(marker):
-                    with open(marker) as f:
-                        results[r] = _results_from_json(f.read())
-            if len(results) < self.world_size:
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(self.world_size)) - set(results))
-                    raise CheckpointError(
-                        f"async save to {self.path}: ranks {missing} did not finish writing within "
-                        f"{self.commit_timeout_s:.0f}s; the checkpoint was not committed"
-                    )
-                time.sleep(0.01)
-        for r in range(self.world_size):
-            os.remove(os.path.join(staging, _DONE_MARKER.format(r)))
-        return [results[r] for r in range(self.world_size)]
+        markers = [_DONE_MARKER.format(r) for r in range(self.world_size)]
+        missing = set(markers)
+
+        def all_done(names: List[str]) -> bool:
+            missing.difference_update(names)
+            return not missing
+
+        self._poll(staging, all_done, lambda: f"ranks did not finish writing (missing {sorted(missing)[:8]})")
+        results = []
+        for marker in markers:
+            with open(os.path.join(staging, marker)) as f:
+                results.append(_results_from_json(f.read()))
+            os.remove(os.path.join(staging, marker))
+        return results
 
     def wait_committed(self, plan: SavePlan) -> None:
         """Non-coordinators: wait until the coordinator has renamed the staging directory away."""
         staging = self._target_dir(plan)
-        deadline = time.monotonic() + self.commit_timeout_s
-        while os.path.exists(staging):
-            self._raise_if_failed(staging)
-            if time.monotonic() > deadline:
-                raise CheckpointError(f"async save to {self.path} was not committed within {self.commit_timeout_s:.0f}s")
-            time.sleep(0.01)
-        if not is_checkpoint(self.path):
-            raise CheckpointError(f"async save to {self.path}: staging directory vanished without a commit")
+        self._poll(staging, lambda names: not os.path.exists(staging), lambda: "the coordinator did not commit")
 
 
 # ------------------------------------------------------------------------------- the reader
