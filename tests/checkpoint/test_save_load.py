@@ -211,3 +211,32 @@ def test_failed_save_on_one_rank_fails_everywhere_and_cleans_up(tmp_path):
     messages = run_on_ranks(2, _failing_save, str(tmp_path / "ckpt"), timeout=T)
     assert all("disk full" in m for m in messages), messages
     assert os.listdir(tmp_path) == []
+
+
+def _bytes_read_for_column_shard(path):
+    from torch.distributed.tensor import Shard, distribute_tensor
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    target = {"w": distribute_tensor(torch.zeros(8, 4096), mesh, (Shard(1),))}
+    real_preadv, read = os.preadv, []
+
+    def counting_preadv(fd, buffers, offset):
+        n = real_preadv(fd, buffers, offset)
+        read.append(n)
+        return n
+
+    os.preadv = counting_preadv
+    try:
+        hdcp.load(target, checkpoint_id=path)
+    finally:
+        os.preadv = real_preadv
+    assert torch.equal(target["w"].full_tensor(), torch.arange(8 * 4096, dtype=torch.float32).view(8, 4096))
+    return sum(read)
+
+
+def test_reads_fetch_only_the_overlapping_bytes(tmp_path):
+    path = str(tmp_path / "ckpt")
+    hdcp.save({"w": torch.arange(8 * 4096, dtype=torch.float32).view(8, 4096)}, checkpoint_id=path, no_dist=True)
+    # Each of 4 ranks needs an 8 x 1024 column block: 8 runs of 4 KiB, nothing in between.
+    assert run_on_ranks(4, _bytes_read_for_column_shard, path, timeout=T) == [8 * 1024 * 4] * 4

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import itertools
 import json
 import os
 import shutil
@@ -576,32 +577,57 @@ class FileSystemReader(StorageReader):
         sizes = self._chunk_sizes.get((key, item.storage_index.offset))
         if sizes is None or numel(sizes) * md.dtype.itemsize != info.length:
             raise CheckpointError(f"checkpoint metadata of {key!r} chunk {item.storage_index.offset} is inconsistent")
-        strides = [1] * len(sizes)
-        for d in range(len(sizes) - 2, -1, -1):
-            strides[d] = strides[d + 1] * sizes[d + 1]
-        first = sum(o * s for o, s in zip(item.storage_offsets, strides))
-        last = first + sum((n - 1) * s for n, s in zip(item.lengths, strides))
-        dest = planner.acquire_tensor(item)
-        span = last - first + 1
-        contiguous_box = span == numel(item.lengths)
+        box = _BoxGeometry(sizes, item.storage_offsets, item.lengths)
+        itemsize = md.dtype.itemsize
         path = os.path.join(self.path, info.relative_path)
-        if not self.verify and contiguous_box and dest.is_contiguous() and dest.device.type == "cpu" \
-                and dest.dtype == md.dtype:
-            # The box is one byte range and the destination is plain memory: read straight into it.
-            _read_exact(fd, _flat_bytes(dest), info.offset + first * md.dtype.itemsize, path)
+        dest = planner.acquire_tensor(item)
+        if self.verify:
+            # The checksum covers the whole chunk, so read it whole.
+            chunk = torch.empty(numel(sizes), dtype=md.dtype)
+            _read_exact(fd, _flat_bytes(chunk), info.offset, path)
+            self._check(_flat_bytes(chunk), info, f"{key} chunk {item.storage_index.offset}")
+            planner.apply_tensor(item, chunk.as_strided(item.lengths, box.strides, box.first))
+        elif box.contiguous and dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == md.dtype:
+            # One byte range into plain memory: read straight into the destination.
+            _read_exact(fd, _flat_bytes(dest), info.offset + box.first * itemsize, path)
             planner.apply_tensor(item, dest)
-            return
-        if self.verify:
-            first, span = 0, numel(sizes)
-        buffer = torch.empty(span, dtype=md.dtype)
-        _read_exact(fd, _flat_bytes(buffer), info.offset + first * md.dtype.itemsize, path)
-        if self.verify:
-            self._check(_flat_bytes(buffer), info, f"{key} chunk {item.storage_index.offset}")
-            first_in_buffer = sum(o * s for o, s in zip(item.storage_offsets, strides))
+        elif box.span > 2 * box.volume and box.run * itemsize >= _MIN_RUN_BYTES:
+            # A thin box (e.g. a column block): read its rows, not everything between them.
+            buffer = torch.empty(item.lengths, dtype=md.dtype)
+            flat, run_bytes = _flat_bytes(buffer), box.run * itemsize
+            for i, start in enumerate(box.run_starts()):
+                _read_exact(fd, flat[i * run_bytes:(i + 1) * run_bytes], info.offset + start * itemsize, path)
+            planner.apply_tensor(item, buffer)
         else:
-            first_in_buffer = 0
-        box = buffer.as_strided(item.lengths, strides, first_in_buffer)
-        planner.apply_tensor(item, box)
+            buffer = torch.empty(box.span, dtype=md.dtype)
+            _read_exact(fd, _flat_bytes(buffer), info.offset + box.first * itemsize, path)
+            planner.apply_tensor(item, buffer.as_strided(item.lengths, box.strides, 0))
+
+
+_MIN_RUN_BYTES = 4096
+
+
+class _BoxGeometry:
+    """Where a box of a row-major chunk lies, in elements from the chunk's start."""
+
+    def __init__(self, sizes: Tuple[int, ...], offsets: Tuple[int, ...], lengths: Tuple[int, ...]) -> None:
+        self.offsets, self.lengths = offsets, lengths
+        self.strides = [1] * len(sizes)
+        for d in range(len(sizes) - 2, -1, -1):
+            self.strides[d] = self.strides[d + 1] * sizes[d + 1]
+        self.first = sum(o * s for o, s in zip(offsets, self.strides))
+        self.span = sum((n - 1) * s for n, s in zip(lengths, self.strides)) + 1
+        self.volume = numel(lengths)
+        self.contiguous = self.span == self.volume
+        # Runs: the box's contiguous pieces, spanning every dim from the last partial one on.
+        partial = [d for d, (n, size) in enumerate(zip(lengths, sizes)) if n != size]
+        self.run_dim = partial[-1] if partial else 0
+        self.run = numel(lengths[self.run_dim:])
+
+    def run_starts(self):
+        outer = [range(n) for n in self.lengths[:self.run_dim]]
+        for index in itertools.product(*outer):
+            yield self.first + sum(i * s for i, s in zip(index, self.strides))
 
 
 def verify_checkpoint(checkpoint_dir: str) -> Metadata:
