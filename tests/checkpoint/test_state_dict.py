@@ -190,23 +190,31 @@ def _fresh_optimizer_state_is_a_no_op():
     return all(torch.equal(v, b[k]) for k, v in a.items())
 
 
-def _torch_fully_shard_state_dict():
-    from torch.distributed.fsdp import fully_shard
+def _fully_shard_state_dict(impl):
+    """State dicts of torch's fully_shard and hp.fully_shard (uneven Shard(1)) models."""
+    if impl == "torch":
+        from torch.distributed.fsdp import fully_shard
+        kwargs = {}
+    else:
+        from hyper_parallel import fully_shard
+        kwargs = {"shard_placement_fn": lambda p: Shard(p.dim() - 1)}
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    reference = make_llama(seed=6)
-    model = make_llama(seed=6)
+    model = make_llama(seed=7, vocab_size=255)  # 255: uneven shards
+    reference = make_llama(seed=6, vocab_size=255)
     for layer in model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+        fully_shard(layer, mesh=mesh, **kwargs)
+    fully_shard(model, mesh=mesh, **kwargs)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    sd = get_model_state_dict(model)
-    assert sd.keys() == reference.state_dict().keys()
-    full = get_model_state_dict(model, options=FULL)
-    assert all(torch.equal(full[k], v) for k, v in reference.state_dict().items())
     osd = get_optimizer_state_dict(model, optim)
     assert osd["state"].keys() == dict(reference.named_parameters()).keys()
-    return True
+    assert get_model_state_dict(model).keys() == reference.state_dict().keys()
+    set_model_state_dict(model, reference.state_dict())  # full values into the sharded params
+    full = get_model_state_dict(model, options=FULL)
+    assert all(torch.equal(full[k], v) for k, v in reference.state_dict().items())
+    tokens = torch.randint(0, 255, (2, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():  # the forward uses the loaded values
+        return torch.allclose(model(tokens), reference(tokens), rtol=0, atol=1e-5)
 
 
 # ---------------------------------------------------------------------------- tests
@@ -234,5 +242,6 @@ def test_fresh_optimizer_state_dict_does_not_change_training():
     assert all(run_on_ranks(2, _fresh_optimizer_state_is_a_no_op, timeout=120))
 
 
-def test_torch_fully_shard_names_have_no_prefix():
-    assert all(run_on_ranks(2, _torch_fully_shard_state_dict, timeout=120))
+@pytest.mark.parametrize("impl", ["torch", "hyper_parallel"])
+def test_fully_shard_models(impl):
+    assert all(run_on_ranks(2, _fully_shard_state_dict, impl, timeout=120))
