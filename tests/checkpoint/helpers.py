@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+import contextlib
+import os
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -116,3 +118,21 @@ class FailingWriter(hdcp.FileSystemWriter):
         if self.rank == 1:
             raise OSError("disk full (simulated)")
         return super().execute_write(plan, planner)
+
+
+@contextlib.contextmanager
+def counting_reads():
+    """Yields a list that collects the byte count of every ``os.preadv`` (how readers read)."""
+    real_preadv = os.preadv
+    counts: List[int] = []
+
+    def preadv(fd, buffers, offset):
+        n = real_preadv(fd, buffers, offset)
+        counts.append(n)
+        return n
+
+    os.preadv = preadv
+    try:
+        yield counts
+    finally:
+        os.preadv = real_preadv

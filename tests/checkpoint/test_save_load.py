@@ -14,6 +14,7 @@ from tests.checkpoint.helpers import (
     FailingWriter,
     assert_state_equal,
     blank_state,
+    counting_reads,
     distribute_state,
     full_state,
     load_and_check,
@@ -219,18 +220,8 @@ def _bytes_read_for_column_shard(path):
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     target = {"w": distribute_tensor(torch.zeros(8, 4096), mesh, (Shard(1),))}
-    real_preadv, read = os.preadv, []
-
-    def counting_preadv(fd, buffers, offset):
-        n = real_preadv(fd, buffers, offset)
-        read.append(n)
-        return n
-
-    os.preadv = counting_preadv
-    try:
+    with counting_reads() as read:
         hdcp.load(target, checkpoint_id=path)
-    finally:
-        os.preadv = real_preadv
     assert torch.equal(target["w"].full_tensor(), torch.arange(8 * 4096, dtype=torch.float32).view(8, 4096))
     return sum(read)
 
@@ -240,3 +231,21 @@ def test_reads_fetch_only_the_overlapping_bytes(tmp_path):
     hdcp.save({"w": torch.arange(8 * 4096, dtype=torch.float32).view(8, 4096)}, checkpoint_id=path, no_dist=True)
     # Each of 4 ranks needs an 8 x 1024 column block: 8 runs of 4 KiB, nothing in between.
     assert run_on_ranks(4, _bytes_read_for_column_shard, path, timeout=T) == [8 * 1024 * 4] * 4
+
+
+def _hsdp_load_bytes(path):
+    target = distribute_state(blank_state(), "hsdp")
+    with counting_reads() as read:
+        hdcp.load(target, checkpoint_id=path)
+    assert_state_equal(target, full_state())
+    return sum(read)
+
+
+def test_hsdp_load_reads_each_shard_once_and_broadcasts(tmp_path):
+    path = str(tmp_path / "ckpt")
+    save_layout(path, None, no_dist=True)
+    reads = run_on_ranks(4, _hsdp_load_bytes, path, timeout=T)
+    # Ranks 2 and 3 (replicate coordinate 1) read only the plain tensors and values.
+    assert reads[2] == reads[3] < 1024
+    plain = 4 * len(full_state()["optim"]["state"])  # the float32 "step" tensors
+    assert reads[0] + reads[1] - 2 * reads[2] == state_nbytes(full_state()) - plain
