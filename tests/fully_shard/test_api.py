@@ -139,7 +139,7 @@ def _errors():
     expect("mesh_rank", ValueError, lambda: hp.fully_shard(nn.Linear(4, 4), mesh=mesh3d))
     expect("placement", ValueError,
            lambda: hp.fully_shard(nn.Linear(4, 4), shard_placement_fn=lambda p: Replicate()))
-    expect("reshard_int", ValueError, lambda: hp.fully_shard(nn.Linear(4, 4), reshard_after_forward=2))
+    expect("reshard_int", ValueError, lambda: hp.fully_shard(nn.Linear(4, 4), reshard_after_forward=3))
     expect("prefetch", ValueError, lambda: model.set_modules_to_forward_prefetch([nn.Linear(2, 2)]))
     # A parameter on another device type than the mesh's: no second device type exists on a
     # CPU-only machine, so make every tensor report "cuda:0" while fully_shard inspects it.

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -80,6 +81,33 @@ def _hsdp_and_uneven():
         train(model, [b.chunk(4)[rank] for b in batches], loss_fn=_mse)
         results[name] = max_diff(full_params(model), full_params(reference))
     return results
+
+
+def _reshard_to_smaller_group():
+    """reshard_after_forward=2 on 4 ranks: backward all-gathers within pairs of ranks."""
+    rank = dist.get_rank()
+    sizes = []
+    real_all_gather = collectives.all_gather
+
+    def recording_all_gather(output, shard, group, async_op):
+        sizes.append(dist.get_world_size(group))
+        return real_all_gather(output, shard, group, async_op)
+
+    def wrap(model):
+        for layer in model.layers:
+            hp.fully_shard(layer, reshard_after_forward=2)
+        return hp.fully_shard(model)
+
+    with mock.patch.object(collectives, "all_gather", recording_all_gather):
+        diff = parity(wrap, rank, 4, model_fn=lambda: tiny_llama(vocab_size=33, dim=20))  # uneven wk, wv
+    # Per step: forward 3 all-gathers over 4 ranks, backward 2 (the layers) over 2 ranks.
+    assert sizes == [4, 4, 4, 2, 2] * 2, sizes
+    return diff
+
+
+def test_reshard_after_forward_to_smaller_group():
+    for diff in run_on_ranks(4, _reshard_to_smaller_group, timeout=180):
+        assert diff <= TOL, diff
 
 
 def test_hsdp_and_uneven_empty_shards():

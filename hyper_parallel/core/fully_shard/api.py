@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
+from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
@@ -140,6 +141,20 @@ def _collect(module: nn.Module, ignored: set) -> Tuple[Dict[int, Tuple[nn.Parame
     return own, foreign
 
 
+def _post_forward_resharding(value: Optional[Union[bool, int]], dp: DataParallelMesh
+                             ) -> Tuple[Optional[bool], Optional[Tuple[int, dist.ProcessGroup]]]:
+    """``reshard_after_forward`` as (bool or None, smaller post-forward group or None)."""
+    if value is None or isinstance(value, bool):
+        return value, None
+    if value < 1 or dp.shard_size % value:
+        raise ValueError(f"reshard_after_forward={value} must divide the shard world size {dp.shard_size}")
+    if value == 1:
+        return False, None  # a group of one rank: keep everything
+    if value == dp.shard_size:
+        return True, None
+    return True, (value, dp.shard_subgroup(value))
+
+
 def _register_full_state_dict_loading(params: List[HSDPParam]) -> None:
     """load_state_dict may hold full (plain) tensors for sharded params: slice them locally."""
     by_module: Dict[nn.Module, List[Tuple[str, HSDPParam]]] = {}
@@ -159,7 +174,7 @@ def fully_shard(
     module: nn.Module,
     *,
     mesh: Optional[DeviceMesh] = None,
-    reshard_after_forward: Optional[bool] = None,
+    reshard_after_forward: Optional[Union[bool, int]] = None,
     shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
@@ -172,7 +187,9 @@ def fully_shard(
         module: the module; its class becomes a subclass of :class:`FSDPModule`.
         mesh: 1-D (FSDP) or 2-D (HSDP: replicate, shard) data-parallel mesh; None = world.
         reshard_after_forward: free the unsharded parameters after forward (all-gather again
-            in backward); None = True except for the root module.
+            in backward); None = True except for the root module. An int ``k`` dividing the
+            shard world size keeps the parameters sharded over groups of ``k`` ranks after
+            forward, so backward all-gathers only within them (e.g. within a node).
         shard_placement_fn: ``param -> Shard(d)`` (any dim, uneven sizes padded) or None (dim 0).
         mp_policy: mixed-precision dtypes (:class:`MixedPrecisionPolicy`).
         offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on CPU.
@@ -185,13 +202,15 @@ def fully_shard(
         RuntimeError: no process group is initialised.
         ValueError: the module is already wrapped, the mesh is not 1-D/2-D or on another device
             type, a parameter is on the wrong device, ``shard_placement_fn`` returned a
-            non-``Shard`` placement, or ``reshard_after_forward`` is not a bool/None.
+            non-``Shard`` placement, or ``reshard_after_forward`` is not a bool, None or a
+            divisor of the shard world size.
     """
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
-    if reshard_after_forward is not None and not isinstance(reshard_after_forward, bool):
-        raise ValueError(f"reshard_after_forward must be True, False or None, got {reshard_after_forward!r}")
+    if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
+        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
     dp = resolve_mesh(mesh)
+    reshard_after_forward, post_forward_group = _post_forward_resharding(reshard_after_forward, dp)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     ignored = {id(p) for p in (ignored_params or ())}
     own, foreign = _collect(module, ignored)
@@ -199,7 +218,7 @@ def fully_shard(
     for param, name, slots in own.values():
         _check_device(name, param, dp, offload)
         params.append(HSDPParam(param, slots, dp, _shard_dim(param, shard_placement_fn)))
-    group = HSDPParamGroup(params, dp, mp_policy, offload_policy, reshard_after_forward)
+    group = HSDPParamGroup(params, dp, mp_policy, offload_policy, reshard_after_forward, post_forward_group)
     for hsdp_param, (original, _, _) in zip(params, own.values()):
         _OWNERS[id(original)] = _OWNERS[id(hsdp_param.sharded_param)] = group
         hsdp_param.use_sharded()

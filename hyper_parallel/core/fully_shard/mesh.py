@@ -13,6 +13,7 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 from hyper_parallel.platform import get_platform
 
 _WORLD_MESH: dict = {}
+_SUBGROUPS: dict = {}  # (mesh ranks, size) -> this rank's subgroup of its shard group
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,17 @@ class DataParallelMesh:
 
     def placements(self, shard: Placement) -> Tuple[Placement, ...]:
         return (Replicate(), shard) if self.is_hsdp else (shard,)
+
+    def shard_subgroup(self, size: int) -> dist.ProcessGroup:
+        """The group of ``size`` consecutive shard ranks (``size`` divides the shard world
+        size) this rank belongs to; created collectively on first use, so every rank must ask
+        for the same sizes in the same order."""
+        key = (tuple(self.mesh.mesh.flatten().tolist()), size)
+        if key not in _SUBGROUPS:
+            rows = self.mesh.mesh.reshape(-1, self.shard_size).tolist()
+            ranks = [row[i:i + size] for row in rows for i in range(0, self.shard_size, size)]
+            _SUBGROUPS[key], _ = dist.new_subgroups_by_enumeration(ranks)
+        return _SUBGROUPS[key]
 
 
 def _world_mesh() -> DeviceMesh:

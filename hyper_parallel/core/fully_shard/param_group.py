@@ -85,12 +85,29 @@ class _Bucket:
         self.free_unsharded()
 
     def all_gather(self, group: dist.ProcessGroup, device: torch.device, async_op: bool):
+        """Issue the all-gather of the flat shard; returns (work, rank-major result, copy-out
+        destinations) for :meth:`copy_out`."""
         self.gathered_version = self._shard_version()
         shard = self.shard_flat.to(device=device, dtype=self.compute_dtype, non_blocking=True)
         output = torch.empty(self.world * self.total, dtype=self.compute_dtype, device=device)
-        return collectives.all_gather(output, shard, group, async_op), output
+        work = collectives.all_gather(output, shard, group, async_op)
+        return work, output.view(self.world, self.total), self._copy_out_views
 
-    def copy_out(self, gathered: torch.Tensor) -> None:
+    def post_forward_piece(self, size: int, sub_rank: int) -> torch.Tensor:
+        """What this rank keeps after forward when resharding to groups of ``size`` ranks: the
+        shards of ranks ``sub_rank, sub_rank + size, ...`` as a ``(world // size, total)`` block."""
+        return torch.cat([view[sub_rank::size] for view in self._copy_out_views], dim=1)
+
+    def all_gather_pieces(self, piece: torch.Tensor, group: dist.ProcessGroup, size: int, async_op: bool):
+        """Rebuild the unsharded parameters from post-forward pieces over a ``size``-rank group."""
+        output = torch.empty(self.world * self.total, dtype=self.compute_dtype, device=piece.device)
+        work = collectives.all_gather(output, piece.view(-1), group, async_op)
+        rows = self.world // size
+        # Gathered row (j, m) is rank m * size + j's shard.
+        gathered = output.view(size, rows, self.total).transpose(0, 1)
+        return work, gathered, [view.view(rows, size, -1) for view in self._copy_out_views]
+
+    def copy_out(self, gathered: torch.Tensor, destinations: List[torch.Tensor]) -> None:
         storage = self.unsharded_flat.untyped_storage()
         nbytes = self.unsharded_flat.numel() * self.unsharded_flat.element_size()
         if storage.nbytes() != nbytes:
@@ -98,8 +115,7 @@ class _Bucket:
         # Autograd saved the unsharded params in forward; refilling the same storage before
         # backward is intended, so the version counter must not change.
         with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded_flat):
-            torch.split_with_sizes_copy(gathered.view(self.world, self.total), self.sizes, dim=1,
-                                        out=self._copy_out_views)
+            torch.split_with_sizes_copy(gathered, self.sizes, dim=-1, out=destinations)
 
     def free_unsharded(self) -> None:
         self.unsharded_flat.untyped_storage().resize_(0)
@@ -146,7 +162,8 @@ class HSDPParamGroup:
     """The parameters of one fully_shard call, their state machine and their collectives."""
 
     def __init__(self, params: List[HSDPParam], dp: DataParallelMesh, mp_policy: MixedPrecisionPolicy,
-                 offload_policy: OffloadPolicy, reshard_after_forward: Optional[bool]):
+                 offload_policy: OffloadPolicy, reshard_after_forward: Optional[bool],
+                 post_forward_group: Optional[Tuple[int, dist.ProcessGroup]] = None):
         self.params = params
         self.dp = dp
         self.mp_policy = mp_policy
@@ -159,6 +176,9 @@ class HSDPParamGroup:
         self.user_reshard_after_forward = reshard_after_forward
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
         self.reshard_after_backward = True
+        # reshard_after_forward=<int>: (size, group) of the smaller group kept after forward.
+        self.post_forward_group = post_forward_group
+        self._post_forward_pieces: Optional[List[torch.Tensor]] = None
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.state = ShardState.SHARDED
@@ -211,7 +231,13 @@ class HSDPParamGroup:
         up-to-date shards)."""
         if self.state == ShardState.UNSHARDED and any(b.stale for b in self.buckets):
             self.reshard()
-        if self.state == ShardState.SHARDED:
+        if self.state == ShardState.SHARDED and self._post_forward_pieces is not None:
+            size, group = self.post_forward_group
+            self._gathers = [(b, *b.all_gather_pieces(piece, group, size, async_op))
+                             for b, piece in zip(self.buckets, self._post_forward_pieces)]
+            self._post_forward_pieces = None
+            self.state = ShardState.UNSHARDING
+        elif self.state == ShardState.SHARDED:
             self._gathers = [(b, *b.all_gather(self.dp.shard_group, self.device, async_op))
                              for b in self.buckets]
             self.state = ShardState.UNSHARDING
@@ -223,17 +249,31 @@ class HSDPParamGroup:
     def wait_for_unshard(self) -> None:
         if self.state != ShardState.UNSHARDING:
             return
-        for bucket, work, output in self._gathers:
+        for bucket, work, gathered, destinations in self._gathers:
             if work is not None:
                 work.wait()
-            bucket.copy_out(output)
+            bucket.copy_out(gathered, destinations)
         self._gathers = []
         for slots, name, value in self._unsharded_slots:
             slots[name] = value
         self.state = ShardState.UNSHARDED
 
+    def reshard_after_forward_pass(self) -> None:
+        """Reshard after a forward that backward will follow: fully, or with
+        ``reshard_after_forward=<int>`` keep the shards of a smaller group so that backward
+        all-gathers only within it."""
+        if self.post_forward_group is None or self.state == ShardState.SHARDED:
+            self.reshard()
+            return
+        self.wait_for_unshard()
+        size, _ = self.post_forward_group
+        pieces = [b.post_forward_piece(size, self.dp.shard_rank % size) for b in self.buckets]
+        self.reshard()
+        self._post_forward_pieces = pieces
+
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones on the modules."""
+        self._post_forward_pieces = None
         if self.state == ShardState.SHARDED:
             return
         self.wait_for_unshard()

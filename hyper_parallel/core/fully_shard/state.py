@@ -157,11 +157,11 @@ class HSDPState:
         if _in_backward():  # recomputation (activation checkpointing): backward needs the params
             return output
         grad_enabled = torch.is_grad_enabled()
-        if self.group.reshard_after_forward or not grad_enabled:
-            self.group.reshard()
-        for group in self.borrowed:
-            if group.reshard_after_forward or not grad_enabled:
+        for group in (self.group, *self.borrowed):
+            if not grad_enabled:
                 group.reshard()
+            elif group.reshard_after_forward:
+                group.reshard_after_forward_pass()
         if self.mp_policy.output_dtype is not None:
             output = cast_floating(output, self.mp_policy.output_dtype)
         if grad_enabled:
