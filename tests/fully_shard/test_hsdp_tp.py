@@ -139,9 +139,17 @@ def _fsdp_tp():
         assert wo.placements == (Shard(0), Shard(1)), wo.placements
         return model
 
-    return parity(wrap, dp_rank, 2, model_fn=lambda: tiny_llama(n_kv_heads=2))
+    diff = parity(wrap, dp_rank, 2, model_fn=lambda: tiny_llama(n_kv_heads=2))
+    # Full (plain) tensors load into the (dp, tp)-sharded parameters: each rank takes its slice.
+    torch.manual_seed(1)
+    source = full_params(tiny_llama(n_kv_heads=2))
+    torch.manual_seed(2)
+    target = wrap(tiny_llama(n_kv_heads=2))
+    target.load_state_dict(source)
+    return diff, max_diff(full_params(target), source)
 
 
 def test_fsdp_plus_tensor_parallel():
-    for diff in run_on_ranks(4, _fsdp_tp, timeout=240):
+    for diff, load_diff in run_on_ranks(4, _fsdp_tp, timeout=240):
         assert diff <= TOL, diff
+        assert load_diff == 0, load_diff

@@ -183,7 +183,7 @@ class HSDPParamGroup:
         self.requires_all_reduce = True
         self.state = ShardState.SHARDED
         self.device = get_platform().current_device()
-        self._gathers: List[Tuple[_Bucket, object, torch.Tensor]] = []
+        self._gathers: List[tuple] = []  # (bucket, work, gathered, copy-out destinations)
         self._pending: List[_PendingReduce] = []
         self._initialized = False
         self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
@@ -324,7 +324,3 @@ class HSDPParamGroup:
             if self.offload:
                 reduced = reduced.to("cpu")
             bucket.assign_grads(reduced)
-
-    @property
-    def has_pending_reduce(self) -> bool:
-        return bool(self._pending)
