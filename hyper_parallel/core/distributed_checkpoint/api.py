@@ -77,22 +77,24 @@ class _SaveContext:
 def _plan_save(state_dict: Dict[str, Any], checkpoint_id, storage_writer, planner, no_dist: bool,
                use_collectives: bool, remove_redundancy: bool, save_to_minimum_rank: bool) -> _SaveContext:
     writer = storage_writer if storage_writer is not None else FileSystemWriter()
-    writer.initialize_writer(None if checkpoint_id is None else os.fspath(checkpoint_id))
     planner = planner if planner is not None else StandardSavePlanner()
     with_dist = _dist_ready(no_dist)
     rank = dist.get_rank() if with_dist else 0
     world = dist.get_world_size() if with_dist else 1
     rank_local = not use_collectives
     dw = DistWrapper(with_dist and not rank_local)
-    planner.configure_planner(state_dict, rank=rank, is_coordinator=rank == 0,
-                              remove_redundancy=remove_redundancy, save_to_minimum_rank=save_to_minimum_rank,
-                              allow_pickle=getattr(writer, "allow_pickle", False), use_collectives=not rank_local)
-    writer.configure_writer(rank == 0, rank=rank, world_size=world, use_collectives=not rank_local)
     key = (type(planner), type(writer), rank, world, rank_local, remove_redundancy, save_to_minimum_rank)
 
+    def build_local_plan() -> SavePlan:
+        writer.initialize_writer(None if checkpoint_id is None else os.fspath(checkpoint_id))
+        planner.configure_planner(state_dict, rank=rank, is_coordinator=rank == 0,
+                                  remove_redundancy=remove_redundancy, save_to_minimum_rank=save_to_minimum_rank,
+                                  allow_pickle=getattr(writer, "allow_pickle", False), use_collectives=not rank_local)
+        writer.configure_writer(rank == 0, rank=rank, world_size=world, use_collectives=not rank_local)
+        return writer.optimize_local_plan(planner.build_local_plan())
+
     if rank_local:
-        local = writer.optimize_local_plan(planner.build_local_plan())
-        (plan,), metadata = planner.build_global_plan([local])
+        (plan,), metadata = planner.build_global_plan([build_local_plan()])
         metadata.world_size, metadata.save_id = world, uuid.uuid4().hex
         return _SaveContext(writer, planner, dw, planner.finalize_plan(plan), metadata, True, key, _PlanCache())
 
@@ -100,7 +102,7 @@ def _plan_save(state_dict: Dict[str, Any], checkpoint_id, storage_writer, planne
     update = _PlanCache()
 
     def local_step():
-        local = writer.optimize_local_plan(planner.build_local_plan())
+        local = build_local_plan()
         update.local = local
         return ("same", local.value_checksums) if local == cache.local else ("plan", local)
 
@@ -299,15 +301,17 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     rank = dist.get_rank() if with_dist else 0
     dw = DistWrapper(with_dist and use_collectives)
     metadata = dw.from_coordinator("reading checkpoint metadata", reader.load_metadata)
-    planner.configure_planner(state_dict, metadata, rank=rank, is_coordinator=rank == 0,
-                              use_collectives=dw.use_dist)
-    reader.configure_reader(metadata, rank == 0, verify=verify)
+
+    def local_step():
+        planner.configure_planner(state_dict, metadata, rank=rank, is_coordinator=rank == 0,
+                                  use_collectives=dw.use_dist)
+        reader.configure_reader(metadata, rank == 0, verify=verify)
+        return reader.optimize_local_plan(planner.build_local_plan())
 
     def global_step(plans):
         return reader.optimize_global_plan(planner.build_global_plan(plans))
 
-    plan = dw.gather_then_scatter(
-        "load planning", lambda: reader.optimize_local_plan(planner.build_local_plan()), global_step)
+    plan = dw.gather_then_scatter("load planning", local_step, global_step)
     plan = planner.finalize_plan(plan)
     dw.gather_then_broadcast("load", lambda: reader.execute_read(plan, planner), lambda _: None)
     if dw.use_dist:
