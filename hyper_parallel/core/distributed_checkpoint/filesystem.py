@@ -86,7 +86,7 @@ def _write_file_atomically(path: str, data: bytes, sync: bool = True) -> None:
 
 
 def _flat_bytes(tensor: torch.Tensor):
-    """A writable-or-readable numpy view of a contiguous CPU tensor's bytes."""
+    """The bytes of a contiguous CPU tensor as a uint8 numpy array sharing its memory."""
     return tensor.reshape(-1).view(torch.uint8).numpy()
 
 
@@ -274,8 +274,8 @@ class FileSystemWriter(StorageWriter):
                          use_collectives: bool = True, **kwargs: Any) -> None:
         self.is_coordinator, self.rank, self.world_size = is_coordinator, rank, world_size
         self.use_collectives = use_collectives
-        if not use_collectives and os.path.exists(os.path.join(self.path, _RANK_METADATA.format(rank))) \
-                or not use_collectives and os.path.exists(os.path.join(self.path, METADATA_FILE)):
+        committed = (METADATA_FILE, _RANK_METADATA.format(rank))
+        if not use_collectives and any(os.path.exists(os.path.join(self.path, n)) for n in committed):
             raise CheckpointError(
                 f"{self.path} already holds a checkpoint; a save with use_collectives=False cannot "
                 "replace it atomically: choose a new checkpoint_id"
