@@ -249,3 +249,12 @@ def test_hsdp_load_reads_each_shard_once_and_broadcasts(tmp_path):
     assert reads[2] == reads[3] < 1024
     plain = 4 * len(full_state()["optim"]["state"])  # the float32 "step" tensors
     assert reads[0] + reads[1] - 2 * reads[2] == state_nbytes(full_state()) - plain
+
+
+def test_plain_values_keep_their_python_types(tmp_path):
+    path = str(tmp_path / "ckpt")
+    values = {"groups": [{1: "a", (2, 3): None}, (1.5, "s", [True])], "inf": float("inf"), "empty": {}}
+    hdcp.save(values, checkpoint_id=path, no_dist=True)
+    target = {"groups": None, "inf": 0.0, "empty": None}
+    hdcp.load(target, checkpoint_id=path, no_dist=True)
+    assert target == values and isinstance(target["groups"][1], tuple)
