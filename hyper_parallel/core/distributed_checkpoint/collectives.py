@@ -66,7 +66,7 @@ class DistWrapper:
         if own_error is not None:
             raise own_error
         if isinstance(result, _Failure):
-            raise CheckpointError(result.message)
+            raise CheckpointError(f"{result.message}\n--- traceback on that rank ---\n{result.trace}")
         return result
 
     def _global(self, step: str, gathered: List[Any], global_fn: Callable[[List[Any]], Any]):
