@@ -48,6 +48,15 @@ def _meta_init_and_state_dict():
     train(model, [b.chunk(world)[rank] for b in batches])
     results = {"meta_init": max_diff(full_params(model), full_params(reference))}
 
+    # Re-materialised after its first forward (new local tensors): all-gathers use the new data.
+    saved = full_params(model)
+    model.to_empty(device="cpu")
+    model.init_weights(seed=5)  # also rebuilds the (non-persistent) RoPE tables
+    model.load_state_dict(saved)
+    train(reference, [global_batch(2)])
+    train(model, [global_batch(2).chunk(world)[rank]])
+    results["rematerialised"] = max_diff(full_params(model), full_params(reference))
+
     # state_dict holds the sharded DTensors; both full and sharded values load back.
     state = model.state_dict()
     assert all(isinstance(v, DTensor) and v.placements == (Shard(0),) for v in state.values())

@@ -76,6 +76,13 @@ class _Bucket:
         for param, piece in zip(self.params, self.shard_flat.split(self.sizes)):
             param.bind_shard(piece)
 
+    def rebind_if_replaced(self) -> None:
+        """Re-point the parameters into the flat shard buffer if their local tensors were
+        replaced (``to_empty`` / ``to`` after the first forward); O(1) per bucket."""
+        local = self.params[0].sharded_param._local_tensor
+        if local.untyped_storage().data_ptr() != self.shard_flat.untyped_storage().data_ptr():
+            self.bind_shards(local.device, pin=self.shard_flat.is_pinned())
+
     def bind_unsharded(self, device: torch.device) -> None:
         self.unsharded_flat = torch.empty(self.world * self.total, dtype=self.compute_dtype, device=device)
         segments = self.unsharded_flat.split([self.world * n for n in self.sizes])
@@ -238,6 +245,8 @@ class HSDPParamGroup:
             self._post_forward_pieces = None
             self.state = ShardState.UNSHARDING
         elif self.state == ShardState.SHARDED:
+            for bucket in self.buckets:
+                bucket.rebind_if_replaced()
             self._gathers = [(b, *b.all_gather(self.dp.shard_group, self.device, async_op))
                              for b in self.buckets]
             self.state = ShardState.UNSHARDING
