@@ -45,8 +45,12 @@ def blank_state() -> Dict[str, Any]:
 def mesh_and_placements(layout: str):
     """(mesh, placements for a tensor of a given ndim) for a named layout."""
     world = dist.get_world_size()
-    if layout == "hsdp":
+    if layout in ("hsdp", "2d", "shard00"):
         mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+        if layout == "2d":  # both mesh dims shard, different tensor dims
+            return mesh, lambda ndim: (Shard(0), Shard(ndim - 1))
+        if layout == "shard00":  # both mesh dims shard tensor dim 0
+            return mesh, lambda ndim: (Shard(0), Shard(0))
         return mesh, lambda ndim: (Replicate(), Shard(0))
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
     if layout == "fsdp":

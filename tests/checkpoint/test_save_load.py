@@ -43,7 +43,8 @@ def _tensor_bytes_by_rank(path):
 
 def test_fsdp_save_loads_into_every_layout_on_4_ranks(tmp_path):
     path = str(tmp_path / "ckpt")
-    assert all(run_on_ranks(4, _save_then_load, path, "fsdp", ["hsdp", "shard1", "replicate", "fsdp"], timeout=T))
+    layouts = ["hsdp", "shard1", "replicate", "2d", "shard00", "fsdp"]
+    assert all(run_on_ranks(4, _save_then_load, path, "fsdp", layouts, timeout=T))
     # ... and into 2 ranks, and into one plain process.
     assert all(run_on_ranks(2, load_and_check, path, ["shard1", "hsdp"], timeout=T))
     assert load_and_check(path, [None], no_dist=True)
@@ -77,6 +78,8 @@ def test_shard1_on_2_ranks_to_hsdp_on_4(tmp_path):
     path = str(tmp_path / "ckpt")
     run_on_ranks(2, save_layout, path, "shard1", timeout=T)
     assert all(run_on_ranks(4, load_and_check, path, ["hsdp", "shard1"], timeout=T))
+    run_on_ranks(4, save_layout, path, "2d", timeout=T)
+    assert all(run_on_ranks(2, load_and_check, path, ["hsdp"], timeout=T))
 
 
 def test_single_process_save_loads_sharded(tmp_path):
