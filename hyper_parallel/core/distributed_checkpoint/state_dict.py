@@ -87,24 +87,32 @@ def _export_tensor(value: torch.Tensor, options: StateDictOptions) -> torch.Tens
     return value.cpu() if options.cpu_offload else value
 
 
+def _rank0_only(options: StateDictOptions) -> bool:
+    # Full + offloaded state lives on rank 0 only: one host copy for the whole job.
+    return options.full_state_dict and options.cpu_offload
+
+
 def _export(values: Dict[str, Any], options: StateDictOptions) -> Dict[str, Any]:
-    """Apply ``options`` to every tensor of a (nested) dict, in a fixed order on all ranks."""
+    """Apply ``options`` to every tensor of a (nested) dict, in a fixed order on all ranks.
+
+    Ranks that do not keep the values (rank-0-only state) drop each gathered tensor at once.
+    """
+    keep = not _rank0_only(options) or _rank() == 0
     out: Dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, dict):
             out[key] = _export(value, options)
         elif isinstance(value, torch.Tensor):
-            out[key] = _export_tensor(value, options)
+            exported = _export_tensor(value, options)
+            if keep:
+                out[key] = exported
         else:
             out[key] = value
     return out
 
 
 def _finish(state: Dict[str, Any], options: StateDictOptions) -> Dict[str, Any]:
-    # Full + offloaded state lives on rank 0 only: one host copy for the whole job.
-    if options.full_state_dict and options.cpu_offload and _rank() != 0:
-        return {}
-    return state
+    return {} if _rank0_only(options) and _rank() != 0 else state
 
 
 def _check_keys(missing: Iterable[str], unexpected: Iterable[str], what: str,
