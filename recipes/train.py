@@ -11,11 +11,17 @@ from __future__ import annotations
 import os
 import sys
 
-import torch.distributed as dist
-from omegaconf import OmegaConf
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Run from a checkout whether or not (or however) the package is installed.
+sys.path.insert(0, REPO)
 
-from hyper_parallel.platform import get_platform, init_distributed
-from hyper_parallel.trainer import ConfigError, compose_config, run_training, validate_config
+import torch.distributed as dist  # noqa: E402
+from omegaconf import OmegaConf  # noqa: E402
+
+from hyper_parallel.platform import init_distributed  # noqa: E402
+from hyper_parallel.trainer import ConfigError, compose_config, run_training, validate_config  # noqa: E402
+
+CONFIG_DIR = os.path.join(REPO, "configs")
 
 
 def _fail(message: str) -> int:
@@ -29,7 +35,7 @@ def main(argv: list[str]) -> int:
         print(__doc__)
         return 0
     try:
-        cfg = compose_config([a for a in argv if a != "--cfg"])
+        cfg = compose_config([a for a in argv if a != "--cfg"], config_dir=CONFIG_DIR)
         dims = validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
     except ConfigError as err:
         return _fail(str(err))

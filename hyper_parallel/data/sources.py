@@ -30,17 +30,19 @@ class TokenSource(Protocol):
 class MarkovSource:
     """Sequences from a fixed, seeded, sparse first-order Markov chain over ``vocab_size`` tokens.
 
-    Each token has ``branching`` possible successors with random probabilities; sample ``i`` is
-    drawn with its own generator seeded by ``(seed, i)``. Because the chain and the start
+    Each token has ``branching`` possible successors with random probabilities (the chain is
+    fixed by ``seed``); sample ``i`` is drawn with its own generator seeded by
+    ``(sample_seed, i)`` (``sample_seed`` defaults to ``seed``). Because the chain and the start
     distribution (uniform) are known, the best achievable mean next-token loss is exact:
     see :meth:`loss_floor`.
     """
 
-    def __init__(self, vocab_size: int, seq_len: int, *, seed: int = 0, branching: int = 4,
-                 concentration: float = 0.5):
+    def __init__(self, vocab_size: int, seq_len: int, *, seed: int = 0, sample_seed: Optional[int] = None,
+                 branching: int = 4, concentration: float = 0.5):
         if not 1 <= branching <= vocab_size:
             raise ValueError(f"branching={branching} must be in [1, vocab_size={vocab_size}]")
-        self.vocab_size, self.seq_len, self.seed = vocab_size, seq_len, seed
+        self.vocab_size, self.seq_len = vocab_size, seq_len
+        self.sample_seed = seed if sample_seed is None else sample_seed
         self.num_samples: Optional[int] = None
         chain_rng = np.random.default_rng([seed, 0x6D61726B])  # the chain itself, not the samples
         self.successors = np.stack(
@@ -53,7 +55,7 @@ class MarkovSource:
     def samples(self, indices: Sequence[int]) -> torch.Tensor:
         n = len(indices)
         uniforms = np.stack(
-            [np.random.default_rng([self.seed, int(i)]).random(self.seq_len + 1) for i in indices]
+            [np.random.default_rng([self.sample_seed, int(i)]).random(self.seq_len + 1) for i in indices]
         ) if n else np.zeros((0, self.seq_len + 1))
         tokens = np.empty((n, self.seq_len + 1), dtype=np.int64)
         tokens[:, 0] = np.minimum((uniforms[:, 0] * self.vocab_size).astype(np.int64), self.vocab_size - 1)
@@ -157,18 +159,19 @@ def build_source(kind: str, *, seq_len: int, vocab_size: int, seed: int, **optio
     """Build a token source from the ``data`` config group.
 
     Args:
-        kind: ``synthetic`` (options: ``branching``, ``concentration``, ``seed``), ``text``
+        kind: ``synthetic`` (options: ``branching``, ``concentration``, ``chain_seed``), ``text``
             (``paths``) or ``tokens`` (``path``, ``dtype``).
         seq_len: tokens per sample fed to the model (each sample holds ``seq_len + 1``).
         vocab_size: the model's vocabulary; token ids must be below it.
-        seed: default seed for the synthetic chain.
+        seed: seeds the synthetic samples (and the chain, unless ``chain_seed`` is given).
 
     Raises:
         ValueError: unknown kind or options, or data that does not fit the model.
         FileNotFoundError: a named file does not exist.
     """
     if kind == "synthetic":
-        return MarkovSource(vocab_size, seq_len, seed=options.pop("seed", seed), **options)
+        chain_seed = options.pop("chain_seed", seed)
+        return MarkovSource(vocab_size, seq_len, seed=chain_seed, sample_seed=seed, **options)
     if kind == "text":
         tokenizer = ByteTokenizer()
         if vocab_size < tokenizer.vocab_size:

@@ -109,6 +109,9 @@ def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Run
                                 keep_last_n=cfg.checkpoint.keep_last_n, async_save=cfg.checkpoint.async_save)
     log = MetricsLogger(cfg.output_dir, total_steps=t.steps, is_main=rank == 0,
                         log_every=cfg.logging.log_every, tensorboard=cfg.logging.tensorboard)
+    if rank == 0:
+        os.makedirs(cfg.output_dir, exist_ok=True)
+        OmegaConf.save(cfg, os.path.join(cfg.output_dir, "config.yaml"))
     floor = loader.source.loss_floor() if hasattr(loader.source, "loss_floor") else None
 
     step = (manager.load_latest(state) if cfg.checkpoint.resume else None) or 0

@@ -1,0 +1,32 @@
+#!/usr/bin/env python
+"""Show what a checkpoint holds: step, mesh at save, tensors, dtypes, sizes, saved values.
+
+    scripts/inspect_checkpoint.py outputs/train/checkpoints          # the newest step-N in it
+    scripts/inspect_checkpoint.py outputs/train/checkpoints/step-40
+
+Delegates to ``python -m hyper_parallel.checkpoint inspect``; exits 1 on a bad checkpoint.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from _checkpoints import resolve_checkpoint
+
+from hyper_parallel.checkpoint import CheckpointError
+from hyper_parallel.core.distributed_checkpoint import cli
+
+
+def main(argv: list[str]) -> int:
+    if len(argv) != 1 or argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    try:
+        return cli.main(["inspect", resolve_checkpoint(argv[0])])
+    except CheckpointError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,171 @@
+"""The recipe end to end under torchrun on CPU: learning, resume on other meshes, faults, data,
+multi-node, HF export. Runs share one uninterrupted 2-rank reference run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from hyper_parallel.checkpoint import CheckpointManager, ModelState, is_checkpoint
+from hyper_parallel.models.llama import LlamaConfig, Transformer
+from tests.recipes.launch import (REPO, TINY, assert_losses_match, finish, free_port, last_loss_per_step,
+                                  read_metrics, run, start, torchrun_cmd, wait_for_step, worker_pids)
+
+STEPS = 12
+
+
+def _ok(result):
+    assert result.returncode == 0, f"exit {result.returncode}\n{result.stdout}\n{result.stderr}"
+    return result.stdout
+
+
+def _copy_checkpoint(src_folder: str, step: int, dst_output: str) -> list[str]:
+    """A new output dir whose checkpoint folder holds only ``step`` of ``src_folder``."""
+    folder = os.path.join(dst_output, "checkpoints")
+    shutil.copytree(os.path.join(src_folder, f"step-{step}"), os.path.join(folder, f"step-{step}"))
+    return [f"output_dir={dst_output}"]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """2-rank FSDP, uninterrupted, async checkpoints at steps 6 and 12."""
+    out = str(tmp_path_factory.mktemp("reference"))
+    stdout = _ok(run(torchrun_cmd(2, [*TINY, f"output_dir={out}", "checkpoint.interval=6",
+                                      "checkpoint.keep_last_n=3", "checkpoint.async_save=true"],
+                                  extra=["--standalone"])))
+    return out, stdout
+
+
+def test_loss_goes_down_with_progress_metrics_and_summary(reference):
+    out, stdout = reference
+    records = read_metrics(out)
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for key in ("loss", "lr", "tokens_per_s", "grad_norm", "loss_floor"):
+        assert all(isinstance(r[key], float) for r in records), key
+    floor = records[0]["loss_floor"]
+    assert sum(r["loss"] for r in records[-3:]) / 3 < records[0]["loss"] - 0.7
+    assert records[-1]["loss"] > floor
+    assert records[1]["lr"] == pytest.approx(1e-2) and records[-1]["lr"] == pytest.approx(1e-3)
+    assert f"step {STEPS}/{STEPS}" in stdout and "tok/s" in stdout and "eta" in stdout
+    assert "mesh 2 (shard)" in stdout and f"floor {floor:.4f}" in stdout
+    assert "done: steps 0 -> 12" in stdout
+    folder = os.path.join(out, "checkpoints")
+    assert sorted(os.listdir(folder)) == ["step-12", "step-6"]
+
+
+def test_resume_on_hsdp_2x2_over_two_nodes_matches(reference, tmp_path):
+    """Two torchrun agents ("nodes") x 2 ranks on loopback, c10d rendezvous, via scripts/train.sh."""
+    ref_out, _ = reference
+    overrides = [*TINY, *_copy_checkpoint(os.path.join(ref_out, "checkpoints"), 6, str(tmp_path)),
+                 "parallel=hsdp", "checkpoint.interval=100"]
+    env = {"NNODES": "2", "NPROC": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
+           "RDZV_ID": "e2e", "TORCHRUN": f"{os.path.dirname(os.sys.executable)}/torchrun"}
+    nodes = [start(["env", *(f"{k}={v}" for k, v in env.items()), "scripts/train.sh", *overrides])
+             for _ in range(2)]
+    outputs = [finish(node, timeout=150) for node in nodes]
+    assert all(node.returncode == 0 for node in nodes), "\n".join(outputs)
+    assert "mesh 2x2 (replicate, shard)" in "".join(outputs)
+    assert "resumed from" in "".join(outputs)
+    resumed = last_loss_per_step(str(tmp_path))
+    assert sorted(resumed) == list(range(7, STEPS + 1))
+    assert_losses_match(last_loss_per_step(ref_out), resumed, range(7, STEPS + 1))
+
+
+def test_resume_on_one_rank_with_accumulation_matches_and_exports_to_hf(reference, tmp_path):
+    ref_out, _ = reference
+    out = tmp_path / "one"
+    overrides = [*TINY, *_copy_checkpoint(os.path.join(ref_out, "checkpoints"), 6, str(out)),
+                 "training.grad_accum_steps=2"]
+    _ok(run([os.sys.executable, "recipes/train.py", *overrides]))  # plain python: a 1-rank job
+    assert_losses_match(last_loss_per_step(ref_out), last_loss_per_step(str(out)), range(7, STEPS + 1))
+
+    # The final checkpoint, exported to HF safetensors, loads into a plain model with the
+    # same outputs as the checkpoint loaded through the sharded-checkpoint reader.
+    hf_dir = tmp_path / "hf"
+    _ok(run([os.sys.executable, "scripts/export_hf.py", os.path.join(ref_out, "checkpoints"), str(hf_dir)]))
+    config = json.loads((hf_dir / "config.json").read_text())
+    config.pop("architectures")
+    index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
+    tensors = {}
+    for file in set(index["weight_map"].values()):
+        tensors.update(load_file(hf_dir / file))
+    from_hf = Transformer(LlamaConfig(**config))
+    from_hf.load_state_dict(tensors, strict=False)
+    assert set(tensors) == set(from_hf.state_dict())
+    from_ckpt = Transformer(LlamaConfig(**config))
+    assert CheckpointManager(os.path.join(ref_out, "checkpoints")).load_latest({"model": ModelState(from_ckpt)}) == 12
+    tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(from_hf(tokens), from_ckpt(tokens), rtol=0, atol=0)
+    fresh = Transformer(LlamaConfig(**config))
+    fresh.init_weights(0)
+    assert not torch.allclose(fresh(tokens), from_hf(tokens))
+
+    listing = _ok(run([os.sys.executable, "scripts/inspect_checkpoint.py", os.path.join(ref_out, "checkpoints")]))
+    assert "step: 12" in listing and "model.layers.0.attention.wq.weight" in listing and "mesh 2" in listing
+
+
+def test_killed_rank_restarts_and_resumes(reference, tmp_path):
+    ref_out, _ = reference
+    proc = start(torchrun_cmd(2, [*TINY, f"output_dir={tmp_path}", "checkpoint.interval=3"],
+                              extra=["--standalone", "--max-restarts=1", "--monitor-interval=0.1"]))
+    wait_for_step(str(tmp_path), 5, proc)
+    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+    output = finish(proc, timeout=150)
+    assert proc.returncode == 0, output
+    steps = [r["step"] for r in read_metrics(str(tmp_path))]
+    assert steps[-1] == STEPS and len(steps) > STEPS, "no step was run twice: the job did not restart"
+    assert "resumed from" in output
+    assert_losses_match(last_loss_per_step(ref_out), last_loss_per_step(str(tmp_path)))
+
+
+def test_sigterm_saves_a_final_checkpoint(tmp_path):
+    proc = start(torchrun_cmd(2, [*TINY, f"output_dir={tmp_path}", "checkpoint.interval=100",
+                                  "training.steps=400"], extra=["--standalone"]))
+    wait_for_step(str(tmp_path), 3, proc)
+    proc.send_signal(signal.SIGTERM)  # torchrun forwards it to every rank
+    output = finish(proc, timeout=60)
+    last = read_metrics(str(tmp_path))[-1]["step"]
+    assert last < 400
+    assert f"SIGTERM: saved a final checkpoint at step {last}" in output
+    assert os.listdir(tmp_path / "checkpoints") == [f"step-{last}"]
+    assert is_checkpoint(str(tmp_path / "checkpoints" / f"step-{last}"))
+
+
+def test_text_and_token_files(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    tokens = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint16).tofile(tokens)
+    short = [*TINY, "training.steps=3"]
+    _ok(run(torchrun_cmd(2, [*short, f"output_dir={tmp_path / 'text'}", "data=text", f"data.paths={text}"],
+                         extra=["--standalone"])))
+    _ok(run([os.sys.executable, "recipes/train.py", *short, f"output_dir={tmp_path / 'tok'}", "data=tokens",
+             f"data.path={tokens}", "data.dtype=uint16"]))
+    for name in ("text", "tok"):
+        records = read_metrics(str(tmp_path / name))
+        assert [r["step"] for r in records] == [1, 2, 3] and "loss_floor" not in records[0]
+
+
+def test_bad_configs_fail_fast_and_readably(tmp_path):
+    def no_traceback_from_the_recipe(stderr):
+        # torchrun reports a failed worker with its own traceback; ours must not add one.
+        assert "recipes/train.py\", line" not in stderr and "hyper_parallel/" not in stderr, stderr
+
+    bad = run(torchrun_cmd(4, [f"output_dir={tmp_path}", "parallel.dp_replicate=3", "training.steps=-1"],
+                           extra=["--standalone"]), timeout=60)
+    assert bad.returncode != 0
+    assert "dp_replicate=3 does not divide the world size 4" in bad.stderr, bad.stderr
+    assert "training.steps=-1 must be a positive integer" in bad.stderr
+    no_traceback_from_the_recipe(bad.stderr)
+    for overrides, message in [(["training.stepz=1"], "Key 'stepz' is not in struct"),
+                               (["data=text", f"data.paths={tmp_path}/nope.txt"], "no such data file")]:
+        result = run([os.sys.executable, "recipes/train.py", f"output_dir={tmp_path}", *overrides], timeout=60)
+        assert result.returncode == 2 and message in result.stderr, result.stderr
+        no_traceback_from_the_recipe(result.stderr)
