@@ -261,3 +261,15 @@ def test_plain_values_keep_their_python_types(tmp_path):
     target = {"groups": None, "inf": 0.0, "empty": None}
     hdcp.load(target, checkpoint_id=path, no_dist=True)
     assert target == values and isinstance(target["groups"][1], tuple)
+
+
+def test_load_fills_parameters_in_place(tmp_path):
+    path = str(tmp_path / "ckpt")
+    torch.manual_seed(0)
+    source = torch.nn.Linear(5, 3)
+    hdcp.save(dict(source.named_parameters()), checkpoint_id=path, no_dist=True)
+    target = torch.nn.Linear(5, 3)
+    weight = target.weight
+    hdcp.load(dict(target.named_parameters()), checkpoint_id=path, no_dist=True)
+    assert target.weight is weight and weight.requires_grad
+    assert torch.equal(target.weight, source.weight) and torch.equal(target.bias, source.bias)

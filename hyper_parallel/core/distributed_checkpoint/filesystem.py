@@ -87,7 +87,7 @@ def _write_file_atomically(path: str, data: bytes, sync: bool = True) -> None:
 
 def _flat_bytes(tensor: torch.Tensor):
     """The bytes of a contiguous CPU tensor as a uint8 numpy array sharing its memory."""
-    return tensor.reshape(-1).view(torch.uint8).numpy()
+    return tensor.detach().reshape(-1).view(torch.uint8).numpy()
 
 
 def _exchange_dirs(a: str, b: str) -> bool:

@@ -424,7 +424,7 @@ class StandardLoadPlanner(LoadPlanner):
         coord = mesh.get_coordinate()
         src_index = tuple(0 if d == dim else c for d, c in enumerate(coord))
         src = int(mesh.mesh[src_index])
-        self._broadcasts.append((local_data(value), src, mesh.get_group(dim)))
+        self._broadcasts.append((local_data(value).detach(), src, mesh.get_group(dim)))
         return src != self.rank
 
     def build_global_plan(self, all_plans: List[LoadPlan]) -> List[LoadPlan]:
@@ -434,7 +434,8 @@ class StandardLoadPlanner(LoadPlanner):
         return plan
 
     def acquire_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        return narrow(local_data(self.flat[read_item.dest_index.fqn]), read_item.dest_offsets, read_item.lengths)
+        dest = local_data(self.flat[read_item.dest_index.fqn]).detach()  # parameters are filled in place
+        return narrow(dest, read_item.dest_offsets, read_item.lengths)
 
     def apply_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         dest = self.acquire_tensor(read_item)
