@@ -149,7 +149,7 @@ class _Bucket:
 
 
 class _PendingReduce:
-    """A bucket's reduce-scatter in flight."""
+    """A bucket's reduce-scatter (then, for HSDP, all-reduce) in flight."""
 
     def __init__(self, bucket: _Bucket, work, grad_input: torch.Tensor, output: torch.Tensor):
         self.bucket, self.work, self.grad_input, self.output = bucket, work, grad_input, output
@@ -191,7 +191,8 @@ class HSDPParamGroup:
         self.state = ShardState.SHARDED
         self.device = get_platform().current_device()
         self._gathers: List[tuple] = []  # (bucket, work, gathered, copy-out destinations)
-        self._pending: List[_PendingReduce] = []
+        self._pending: List[_PendingReduce] = []  # reduce-scatters in flight
+        self._all_reducing: List[_PendingReduce] = []  # HSDP all-reduces in flight
         self._initialized = False
         self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
         self._grads_expected = 0
@@ -313,23 +314,38 @@ class HSDPParamGroup:
             work = collectives.reduce_scatter(output, grad_input, self.dp.shard_group, async_op=True)
             self._pending.append(_PendingReduce(bucket, work, grad_input, output))
 
-    def finish_reduce(self) -> None:
-        """Wait for issued reduce-scatters; all-reduce over the replicate dim (HSDP); set the
-        sharded gradients."""
+    def finish_scatter(self) -> bool:
+        """Wait for the issued reduce-scatters. FSDP: set the sharded gradients. HSDP: issue
+        the all-reduce over the replicate dim (async) and return True: call
+        :meth:`finish_all_reduce` later. (With ``requires_all_reduce=False`` the result is
+        kept as a partial sum for the next all-reduce instead.)"""
         pending, self._pending = self._pending, []
         for item in pending:
             item.work.wait()
             bucket, reduced = item.bucket, item.output
-            if self.dp.is_hsdp:
-                if bucket.partial_grad is not None:
-                    reduced += bucket.partial_grad
-                    bucket.partial_grad = None
-                if not self.requires_all_reduce:
-                    bucket.partial_grad = reduced
-                    continue
-                collectives.all_reduce(reduced, self.dp.replicate_group, async_op=False)
-            if self._post_factor != 1:
-                reduced.div_(self._post_factor)
-            if self.offload:
-                reduced = reduced.to("cpu")
-            bucket.assign_grads(reduced)
+            if not self.dp.is_hsdp:
+                self._set_grads(bucket, reduced)
+                continue
+            if bucket.partial_grad is not None:
+                reduced += bucket.partial_grad
+                bucket.partial_grad = None
+            if not self.requires_all_reduce:
+                bucket.partial_grad = reduced
+                continue
+            item.work = collectives.all_reduce(reduced, self.dp.replicate_group, async_op=True)
+            self._all_reducing.append(item)
+        return bool(self._all_reducing)
+
+    def finish_all_reduce(self) -> None:
+        """Wait for the replicate all-reduces (HSDP) and set the sharded gradients."""
+        items, self._all_reducing = self._all_reducing, []
+        for item in items:
+            item.work.wait()
+            self._set_grads(item.bucket, item.output)
+
+    def _set_grads(self, bucket: _Bucket, reduced: torch.Tensor) -> None:
+        if self._post_factor != 1:
+            reduced.div_(self._post_factor)
+        if self.offload:
+            reduced = reduced.to("cpu")
+        bucket.assign_grads(reduced)

@@ -25,7 +25,8 @@ class _RootContext:
         self.forward_order: List[HSDPState] = []
         self.next_in_forward: Dict[HSDPState, HSDPState] = {}  # previous step: implicit forward prefetch
         self.prev_in_forward: Dict[HSDPState, HSDPState] = {}  # this step: implicit backward prefetch
-        self.reducing: List[HSDPParamGroup] = []
+        self.reducing: List[HSDPParamGroup] = []  # reduce-scatters in flight
+        self.all_reducing: List[HSDPParamGroup] = []  # HSDP all-reduces in flight
         self.callback_queued = False
 
     def begin_step(self) -> None:
@@ -49,10 +50,17 @@ class _RootContext:
             self.prev_in_forward = dict(zip(order[1:], order))
             torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
 
+    def advance_reductions(self) -> None:
+        """Pipeline step: finish the all-reduces in flight, then move finished
+        reduce-scatters on to their all-reduce (HSDP) or set their gradients (FSDP)."""
+        for group in self.all_reducing:
+            group.finish_all_reduce()
+        self.all_reducing = [group for group in self.reducing if group.finish_scatter()]
+        self.reducing = []
+
     def finish_reductions(self) -> None:
-        reducing, self.reducing = self.reducing, []
-        for group in reducing:
-            group.finish_reduce()
+        self.advance_reductions()
+        self.advance_reductions()
 
     def _final_callback(self) -> None:
         for state in self.states:
@@ -189,7 +197,7 @@ class HSDPState:
             return
         self.post_backward_done = True
         self.ctx.ensure_final_callback()
-        self.ctx.finish_reductions()  # keep one reduction in flight
+        self.ctx.advance_reductions()  # overlap: at most one group per stage in flight
         if self.group.requires_gradient_sync:
             self.group.reduce_grads()
             self.ctx.reducing.append(self.group)
