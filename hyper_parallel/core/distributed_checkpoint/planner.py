@@ -176,9 +176,10 @@ class StandardSavePlanner(SavePlanner):
     and non-tensor values from the coordinator only.
 
     A plain tensor or value is one value for the whole job (torch DCP's contract): the
-    coordinator's copy is saved, and the save fails, naming the key, if another rank holds
-    a different value or a key the coordinator lacks (``use_collectives=True``; without
-    communication nothing can be compared and the coordinator's copy is saved).
+    coordinator's copy is saved. Each rank reports a crc32 of every plain value in its plan
+    (``value_checksums``), and ``save`` refuses, naming the key, values that differ from the
+    coordinator's or keys it lacks (:func:`check_values_agree`; with ``use_collectives=False``
+    nothing can be compared and the coordinator's copy is saved).
 
     Replicated chunks are assigned without communication: every replica enumerates the
     same chunks in key order and gives each to the replica with the fewest bytes so far
@@ -331,7 +332,7 @@ def check_values_agree(checksums: Sequence[Dict[str, int]]) -> None:
                 raise CheckpointError(
                     f"plain value {key!r} differs between rank 0 and rank {rank}; plain tensors and "
                     "values are saved once for the job: make it a DTensor or store per-rank values "
-                    "under rank-specific keys (e.g. f'{key}.rank{rank}')"
+                    "under rank-specific keys (e.g. '{key}.rank{rank}')"
                 )
 
 
