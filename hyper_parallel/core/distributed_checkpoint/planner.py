@@ -332,7 +332,7 @@ def check_values_agree(checksums: Sequence[Dict[str, int]]) -> None:
                 raise CheckpointError(
                     f"plain value {key!r} differs between rank 0 and rank {rank}; plain tensors and "
                     "values are saved once for the job: make it a DTensor or store per-rank values "
-                    "under rank-specific keys (e.g. '{key}.rank{rank}')"
+                    f"under rank-specific keys (e.g. '{key}.rank{rank}')"
                 )
 
 
