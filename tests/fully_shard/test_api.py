@@ -72,6 +72,17 @@ def _meta_init_and_state_dict():
     train(fresh, [global_batch(5).chunk(world)[rank]])
     train(model, [global_batch(5).chunk(world)[rank]])
     results["train_after_load"] = max_diff(full_params(fresh), full_params(model))
+
+    def tied_across_groups(seed):
+        torch.manual_seed(seed)
+        tied = tiny_llama(vocab_size=33, tie_embeddings=True)
+        hp.fully_shard(tied.tok_embeddings)
+        hp.fully_shard(tied.output)
+        return _wrap(tied)
+    source = full_params(tied_across_groups(3))
+    target = tied_across_groups(4)
+    target.load_state_dict(source)
+    results["load_full_tied_across_groups"] = max_diff(full_params(target), source)
     return results
 
 

@@ -155,12 +155,11 @@ def _post_forward_resharding(value: Optional[Union[bool, int]], dp: DataParallel
     return True, (value, dp.shard_subgroup(value))
 
 
-def _register_full_state_dict_loading(params: List[HSDPParam]) -> None:
+def _register_full_state_dict_loading(slots: List[Tuple[nn.Module, str, HSDPParam]]) -> None:
     """load_state_dict may hold full (plain) tensors for sharded params: slice them locally."""
     by_module: Dict[nn.Module, List[Tuple[str, HSDPParam]]] = {}
-    for param in params:
-        for mod, name in param.slots:
-            by_module.setdefault(mod, []).append((name, param))
+    for mod, name, param in slots:
+        by_module.setdefault(mod, []).append((name, param))
     for mod, entries in by_module.items():
         def hook(state_dict, prefix, *_, entries=entries):
             for name, param in entries:
@@ -222,13 +221,15 @@ def fully_shard(
     for hsdp_param, (original, _, _) in zip(params, own.values()):
         _OWNERS[id(original)] = _OWNERS[id(hsdp_param.sharded_param)] = group
         hsdp_param.use_sharded()
+    load_slots = [(mod, name, p) for p in params for mod, name in p.slots]
     borrowed: List[HSDPParamGroup] = []
     for mod, name, param in foreign:
         owner_param, owner_group = _owner(param)
         owner_group.add_slot(owner_param, mod, name)
+        load_slots.append((mod, name, owner_param))
         if owner_group is not group and owner_group not in borrowed:
             borrowed.append(owner_group)
-    _register_full_state_dict_loading(params)
+    _register_full_state_dict_loading(load_slots)
     module._hsdp_state = HSDPState(module, group, mp_policy, borrowed)
     cls = type(module)
     if cls not in _CLASS_CACHE:
