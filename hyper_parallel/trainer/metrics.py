@@ -78,7 +78,7 @@ class MetricsLogger:
                 if key != "step" and isinstance(value, (int, float)):
                     self._tb.add_scalar(key, value, record["step"])
         step = record["step"]
-        if step % self.log_every == 0 or step == self.total_steps:
+        if step % self.log_every == 0 or step == self.total_steps or self._steps_timed == 1:
             eta = (now - self._start) / self._steps_timed * (self.total_steps - step)
             parts = [f"step {step:>{len(str(self.total_steps))}}/{self.total_steps}",
                      f"loss {record['loss']:.4f}"]

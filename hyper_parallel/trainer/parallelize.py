@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel.models.llama import LlamaConfig, Transformer
-from hyper_parallel.trainer.config import ParallelDims
+from hyper_parallel.trainer.config import ConfigError, ParallelDims
 
 _MODEL_RECIPE_KEYS = ("name", "activation_checkpointing", "init_from")
 
@@ -62,6 +62,9 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
     With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
     reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
     initialisation, each rank reading only its own slices.
+
+    Raises:
+        ConfigError: ``model.init_from`` cannot be read or does not fit the model.
     """
     with torch.device("meta"):
         model = Transformer(llama_config(model_cfg))
@@ -76,7 +79,10 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
         warnings.filterwarnings("ignore", message="DTensor random operators")
         model.init_weights(seed)
     if model_cfg.init_from:
-        from hyper_parallel.checkpoint import load_hf
+        from hyper_parallel.checkpoint import CheckpointError, load_hf
 
-        load_hf(model, str(model_cfg.init_from))
+        try:
+            load_hf(model, str(model_cfg.init_from))
+        except (CheckpointError, KeyError, ValueError, OSError) as err:
+            raise ConfigError(f"model.init_from={model_cfg.init_from}: {err}") from None
     return model

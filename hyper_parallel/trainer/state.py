@@ -14,7 +14,11 @@ from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 
 
 class RNGState:
-    """The CPU (and accelerator) generator state of rank 0, restored on every rank."""
+    """The CPU (and accelerator) generator state, the same on every rank by construction.
+
+    The recipe seeds all ranks identically; anything random during training must be drawn
+    identically on every rank (or derived from the step), so one state restores any mesh.
+    """
 
     def __init__(self, device_module=None):
         self.device_module = device_module
