@@ -106,17 +106,19 @@ def _unshard_reshard_and_prefetch():
     assert isinstance(layer0.attention.wq.weight, DTensor)
     assert torch.equal(layer0.attention.wq.weight.full_tensor(), reference_wq)
 
-    seen = []
+    seen, after_backward = [], []
 
-    def record(states_of):
+    def record(states_of, into=seen):
         def hook(*_):
-            seen.append(tuple(m._state.group.state for m in states_of))
+            into.append(tuple(m._state.group.state for m in states_of))
         return hook
 
     # Forward: when layer 0 computes, layer 1's all-gather has already been issued.
     layer0.attention.register_forward_hook(record([layer1]))
     # Backward: when layer 1's backward computes, layer 0's all-gather has been issued.
     layer1.attention.register_full_backward_hook(record([layer0]))
+    # Layer 1 is resharded as soon as its backward is over (before layer 0's backward).
+    layer0.attention.register_full_backward_hook(record([layer1], after_backward))
     tokens = global_batch(0).chunk(world)[rank]
     lm_loss(model, tokens).backward()   # step 1: no order known yet for implicit forward prefetch
     first = list(seen)
@@ -132,12 +134,14 @@ def _unshard_reshard_and_prefetch():
     model.set_modules_to_forward_prefetch([layer0, layer1])
     lm_loss(model, tokens).backward()
     explicit = list(seen)
-    return first, implicit, disabled, explicit
+    return first, implicit, disabled, explicit, after_backward
 
 
 def test_unshard_reshard_and_prefetch():
     sharded, unsharding, unsharded = ShardState.SHARDED, ShardState.UNSHARDING, ShardState.UNSHARDED
-    for first, implicit, disabled, explicit in run_on_ranks(2, _unshard_reshard_and_prefetch, timeout=120):
+    for first, implicit, disabled, explicit, after_backward in run_on_ranks(
+            2, _unshard_reshard_and_prefetch, timeout=120):
+        assert after_backward == [(sharded,)] * 4, after_backward
         issued = (unsharding, unsharded)
         assert first[0] == (sharded,) and first[1][0] in issued, first
         assert implicit[0][0] in issued and implicit[1][0] in issued, implicit

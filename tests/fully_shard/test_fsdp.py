@@ -85,6 +85,13 @@ def _fsdp_variants():
         model.set_requires_gradient_sync(micro == n_micro - 1)
     results["grad_accum"] = parity(_wrap_layers, rank, world, micro_batches=2, before_micro=no_sync)
 
+    def partly_frozen():
+        model = tiny_llama()
+        for name, param in model.named_parameters():
+            param.requires_grad_(not name.endswith("norm.weight") and "wk" not in name)
+        return model
+    results["partly_frozen"] = parity(_wrap_layers, rank, world, model_fn=partly_frozen)
+
     def offloaded(model):
         return _wrap_layers(model, offload_policy=hp.CPUOffloadPolicy())
     results["cpu_offload"] = parity(offloaded, rank, world)

@@ -51,6 +51,9 @@ class _Bucket:
         self.reduce_dtype = mp.reduce_dtype or self.compute_dtype
         self.sizes = [p.shard_numel for p in params]
         self.total = sum(self.sizes)
+        self.trainable = [p for p in params if p.requires_grad]  # frozen ones are not reduced
+        self.grad_sizes = [p.shard_numel for p in self.trainable]
+        self.grad_total = sum(self.grad_sizes)
         self.shard_flat: Optional[torch.Tensor] = None
         self.unsharded_flat: Optional[torch.Tensor] = None
         self._copy_out_views: List[torch.Tensor] = []
@@ -128,12 +131,12 @@ class _Bucket:
         self.unsharded_flat.untyped_storage().resize_(0)
 
     def gradient_input(self) -> Optional[torch.Tensor]:
-        """Unsharded grads as one rank-major flat reduce-scatter input (None: no grads at all).
-        Clears the unsharded grads."""
-        grads = [p.unsharded_grad() for p in self.params]
+        """Unsharded grads of the trainable parameters as one rank-major flat reduce-scatter
+        input (None: no grads at all). Clears the unsharded grads."""
+        grads = [p.unsharded_grad() for p in self.trainable]
         if all(g is None for g in grads):
             return None
-        for i, (param, grad) in enumerate(zip(self.params, grads)):
+        for i, (param, grad) in enumerate(zip(self.trainable, grads)):
             if grad is None:
                 shape = (param.unsharded_local_shape[param.shard_dim], *param.rest_shape)
                 grads[i] = torch.zeros(shape, dtype=self.compute_dtype, device=self.unsharded_flat.device)
@@ -143,9 +146,8 @@ class _Bucket:
 
     def assign_grads(self, reduced: torch.Tensor) -> None:
         reduced = reduced.to(self.dtype)
-        for param, piece in zip(self.params, reduced.split(self.sizes)):
-            if param.requires_grad:
-                param.accumulate_sharded_grad(piece)
+        for param, piece in zip(self.trainable, reduced.split(self.grad_sizes)):
+            param.accumulate_sharded_grad(piece)
 
 
 class _PendingReduce:
@@ -310,7 +312,7 @@ class HSDPParamGroup:
                 continue
             if self._pre_factor != 1:
                 grad_input.div_(self._pre_factor)
-            output = torch.empty(bucket.total, dtype=bucket.reduce_dtype, device=grad_input.device)
+            output = torch.empty(bucket.grad_total, dtype=bucket.reduce_dtype, device=grad_input.device)
             work = collectives.reduce_scatter(output, grad_input, self.dp.shard_group, async_op=True)
             self._pending.append(_PendingReduce(bucket, work, grad_input, output))
 

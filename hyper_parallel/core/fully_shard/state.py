@@ -102,6 +102,9 @@ class HSDPState:
         self.recorded = False
         self.backward_started = False
         self.post_backward_done = False
+        # Forward calls whose inputs' gradients are still to come in this backward.
+        self.input_grads_pending = 0
+        self.input_grads_hooked = False
         group.on_all_grads = self.post_backward
         module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
@@ -128,6 +131,8 @@ class HSDPState:
         self.recorded = False
         self.backward_started = False
         self.post_backward_done = False
+        self.input_grads_pending = 0
+        self.input_grads_hooked = False
         self.group.reset_grad_count()
 
     # -- hooks ----------------------------------------------------------------------------
@@ -159,6 +164,12 @@ class HSDPState:
         dtype = self.mp_policy.param_dtype
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
+        if not in_backward and torch.is_grad_enabled():
+            inputs = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
+            if inputs:
+                self.input_grads_hooked = True
+                self.input_grads_pending += 1
+                torch.autograd.graph.register_multi_grad_hook(inputs, self._on_input_grads, mode="all")
         return args, kwargs
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -192,7 +203,8 @@ class HSDPState:
             self._prefetch([self.ctx.prev_in_forward[self]])
 
     def post_backward(self) -> None:
-        """All gradients of the group are accumulated: reduce them (async) and reshard."""
+        """All gradients of the group are accumulated: reduce them (async); reshard once the
+        module's backward is complete too."""
         if self.post_backward_done:
             return
         self.post_backward_done = True
@@ -201,5 +213,17 @@ class HSDPState:
         if self.group.requires_gradient_sync:
             self.group.reduce_grads()
             self.ctx.reducing.append(self.group)
-        if self.group.reshard_after_backward:
+        self._maybe_reshard_after_backward()
+
+    def _on_input_grads(self, grads) -> None:
+        self.input_grads_pending -= 1
+        self._maybe_reshard_after_backward()
+
+    def _maybe_reshard_after_backward(self) -> None:
+        # The last parameter gradient can arrive before the module's backward is over: frozen
+        # parameters (or detached uses) are still read by the nodes that compute the input
+        # gradients. So free only once the gradients w.r.t. every forward call's inputs are
+        # done too; without such inputs, the end-of-backward callback reshards.
+        if (self.post_backward_done and self.input_grads_hooked and self.input_grads_pending == 0
+                and self.group.reshard_after_backward):
             self.group.reshard()
