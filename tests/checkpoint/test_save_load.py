@@ -88,15 +88,20 @@ def test_single_process_save_loads_sharded(tmp_path):
     assert all(run_on_ranks(4, load_and_check, path, ["fsdp"], timeout=T))
 
 
-def _rank_local_round_trip(path):
+def _rank_local_round_trip(path, diverging_path):
     save_layout(path, "hsdp", use_collectives=False)
     dist.barrier()
-    return load_and_check(path, ["hsdp", "fsdp"], use_collectives=False)
+    load_and_check(path, ["hsdp", "fsdp"], use_collectives=False)
+    hdcp.save({"rng": torch.tensor([dist.get_rank()])}, checkpoint_id=diverging_path, use_collectives=False)
+    return True
 
 
 def test_use_collectives_false_round_trip(tmp_path):
     path = str(tmp_path / "ckpt")
-    assert all(run_on_ranks(4, _rank_local_round_trip, path, timeout=T))
+    diverging = str(tmp_path / "diverging")
+    assert all(run_on_ranks(4, _rank_local_round_trip, path, diverging, timeout=T))
+    with pytest.raises(hdcp.CheckpointError, match="ranks saved different values for 'rng'"):
+        hdcp.load({"rng": torch.zeros(1, dtype=torch.int64)}, checkpoint_id=diverging, no_dist=True)
     assert sorted(os.path.basename(p) for p in glob.glob(os.path.join(path, "metadata.rank*.json"))) == [
         f"metadata.rank{r}.json" for r in range(4)]
     assert hdcp.is_checkpoint(path) and not os.path.exists(os.path.join(path, "metadata.json"))
@@ -273,3 +278,31 @@ def test_load_fills_parameters_in_place(tmp_path):
     hdcp.load(dict(target.named_parameters()), checkpoint_id=path, no_dist=True)
     assert target.weight is weight and weight.requires_grad
     assert torch.equal(target.weight, source.weight) and torch.equal(target.bias, source.bias)
+
+
+def _per_rank_keys(path):
+    rank = dist.get_rank()
+    state = distribute_state(full_state(), "fsdp")
+    state[f"rng.rank{rank}"] = torch.tensor([rank, 10 * rank])
+    state[f"loader.rank{rank}"] = {"position": 100 + rank}
+    hdcp.save(state, checkpoint_id=path)
+    target = distribute_state(blank_state(), "hsdp")
+    target[f"rng.rank{rank}"] = torch.zeros(2, dtype=torch.int64)
+    target[f"loader.rank{rank}"] = {"position": None}
+    hdcp.load(target, checkpoint_id=path)
+    expected = full_state()
+    expected[f"rng.rank{rank}"] = torch.tensor([rank, 10 * rank])
+    expected[f"loader.rank{rank}"] = {"position": 100 + rank}
+    assert_state_equal(target, expected)
+    return sorted(hdcp.read_checkpoint_metadata(path).files)
+
+
+def test_per_rank_values_under_rank_specific_keys(tmp_path):
+    files = run_on_ranks(4, _per_rank_keys, str(tmp_path / "ckpt"), timeout=T)[0]
+    # Every rank wrote its own values file; keys held by all ranks came from rank 0 only.
+    assert [f for f in files if "values" in f] == [f"__{r}.values.json" for r in range(4)]
+    md = hdcp.read_checkpoint_metadata(str(tmp_path / "ckpt"))
+    assert {i.fqn: s.relative_path for i, s in md.storage_data.items() if i.fqn.startswith(("train.", "optim.state.norm"))
+            and "exp_avg" not in i.fqn} == {
+        "train.step": "__0.values.json", "train.tokens_seen": "__0.values.json", "train.name": "__0.values.json",
+        "optim.state.norm.weight.step": "__0_0.safetensors"}

@@ -439,12 +439,21 @@ def _merge_rank_metadata(parts: List[Metadata], directory: str) -> Metadata:
             "the checkpoint is incomplete"
         )
     merged = Metadata(state_dict_metadata={}, world_size=world, save_id=parts[0].save_id)
+    chunks_seen: Dict[str, set] = {}
     for part in sorted(parts, key=lambda p: p.rank):
+        for index, info in part.storage_data.items():
+            kept = merged.storage_data.setdefault(index, info)
+            if kept is not info and kept.checksum != info.checksum:
+                # Plain values are written by every rank without collectives; copies must agree.
+                raise CheckpointError(f"{directory}: ranks saved different values for {index.fqn!r} "
+                                      f"(files {kept.relative_path} and {info.relative_path})")
         for fqn, md in part.state_dict_metadata.items():
             existing = merged.state_dict_metadata.setdefault(fqn, md)
-            if existing is not md and isinstance(md, TensorStorageMetadata):
-                existing.chunks.extend(md.chunks)
-        merged.storage_data.update(part.storage_data)
+            if isinstance(md, TensorStorageMetadata):
+                known = chunks_seen.setdefault(fqn, set(existing.chunks))
+                if existing is not md:
+                    existing.chunks.extend(c for c in md.chunks if c not in known)
+                    known.update(md.chunks)
         merged.files.update(part.files)
         merged.layouts.update(part.layouts)
     return merged

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import abc
+import dataclasses
 import enum
 import zlib
 from collections import defaultdict
@@ -172,14 +173,15 @@ def _check_savable_tensor(key: str, value: torch.Tensor) -> None:
 
 
 class StandardSavePlanner(SavePlanner):
-    """Writes every DTensor chunk once (Replicate copies deduplicated), and plain tensors
-    and non-tensor values from the coordinator only.
+    """Writes every DTensor chunk once (Replicate copies deduplicated), and every plain
+    tensor and non-tensor value once, from the lowest rank that holds its key.
 
-    A plain tensor or value is one value for the whole job (torch DCP's contract): the
-    coordinator's copy is saved. Each rank reports a crc32 of every plain value in its plan
-    (``value_checksums``), and ``save`` refuses, naming the key, values that differ from the
-    coordinator's or keys it lacks (:func:`check_values_agree`; with ``use_collectives=False``
-    nothing can be compared and the coordinator's copy is saved).
+    A plain tensor or value is one value per key for the whole job (torch DCP's contract:
+    rank 0's copy is saved for keys every rank holds). Each rank reports a crc32 of every
+    plain value in its plan (``value_checksums``) and ``save`` refuses, naming the key, a key
+    whose value differs between ranks (:func:`check_values_agree`); per-rank data goes under
+    rank-specific keys. With ``use_collectives=False`` every rank writes its plain values
+    and loading compares the copies instead.
 
     Replicated chunks are assigned without communication: every replica enumerates the
     same chunks in key order and gives each to the replica with the fewest bytes so far
@@ -231,17 +233,15 @@ class StandardSavePlanner(SavePlanner):
             elif isinstance(value, torch.Tensor):
                 _check_savable_tensor(key, value)
                 checksums[key] = _crc_of_tensor(value)
-                if self.is_coordinator:
-                    chunk = local_chunk(value)
-                    items.append(WriteItem(MetadataIndex(key, chunk.offsets), WriteItemType.TENSOR,
-                                           TensorWriteData(chunk, value.dtype, tuple(value.shape))))
+                chunk = local_chunk(value)
+                items.append(WriteItem(MetadataIndex(key, chunk.offsets), WriteItemType.TENSOR,
+                                       TensorWriteData(chunk, value.dtype, tuple(value.shape))))
             else:
                 data, encoding = encode_value(value, key, allow_pickle=self.allow_pickle)
                 checksums[key] = zlib.crc32(data)
-                if self.is_coordinator:
-                    self._encoded[key] = data
-                    items.append(WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO,
-                                           bytes_io_data=BytesIOWriteData(len(data), encoding)))
+                self._encoded[key] = data
+                items.append(WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO,
+                                       bytes_io_data=BytesIOWriteData(len(data), encoding)))
         return SavePlan(items, layouts=layouts, value_checksums=checksums)
 
     def _dtensor_item(self, key: str, value: DTensor, replica_load) -> Optional[WriteItem]:
@@ -276,23 +276,19 @@ class StandardSavePlanner(SavePlanner):
         state_md: Dict[str, Any] = {}
         layouts: Dict[str, Dict[str, Any]] = {}
         seen: Dict[MetadataIndex, int] = {}
+        plans = []
         for rank, plan in enumerate(all_plans):
             layouts.update(plan.layouts)
+            kept = []
             for item in plan.items:
                 if item.index in seen:
+                    if item.index.fqn in plan.value_checksums:
+                        continue  # a plain value: the lowest rank holding it writes it
                     raise CheckpointError(f"ranks {seen[item.index]} and {rank} both planned to write {item.index}")
                 seen[item.index] = rank
-                if item.type == WriteItemType.BYTE_IO:
-                    state_md[item.index.fqn] = BytesStorageMetadata()
-                    continue
-                td = item.tensor_data
-                md = state_md.setdefault(item.index.fqn, TensorStorageMetadata(td.dtype, td.size))
-                if not isinstance(md, TensorStorageMetadata) or (md.dtype, md.size) != (td.dtype, td.size):
-                    raise CheckpointError(
-                        f"ranks disagree on tensor {item.index.fqn!r}: {md} vs dtype {td.dtype} size {td.size}"
-                    )
-                if item.index.index is None:
-                    md.chunks.append(td.chunk)
+                kept.append(item)
+                self._add_to_metadata(state_md, item)
+            plans.append(dataclasses.replace(plan, items=kept))
         for fqn, md in state_md.items():
             if isinstance(md, TensorStorageMetadata):
                 md.chunks.sort(key=lambda c: c.offsets)
@@ -302,7 +298,21 @@ class StandardSavePlanner(SavePlanner):
                         f"the saved chunks of {fqn!r} cover {covered} of {numel(md.size)} elements; "
                         "ranks hold inconsistent layouts of this tensor"
                     )
-        return all_plans, Metadata(state_dict_metadata=state_md, layouts=layouts, world_size=len(all_plans))
+        return plans, Metadata(state_dict_metadata=state_md, layouts=layouts, world_size=len(all_plans))
+
+    @staticmethod
+    def _add_to_metadata(state_md: Dict[str, Any], item: WriteItem) -> None:
+        fqn = item.index.fqn
+        if item.type == WriteItemType.BYTE_IO:
+            if state_md.setdefault(fqn, BytesStorageMetadata()) != BytesStorageMetadata():
+                raise CheckpointError(f"{fqn!r} is a tensor on one rank and a plain value on another")
+            return
+        td = item.tensor_data
+        md = state_md.setdefault(fqn, TensorStorageMetadata(td.dtype, td.size))
+        if not isinstance(md, TensorStorageMetadata) or (md.dtype, md.size) != (td.dtype, td.size):
+            raise CheckpointError(f"ranks disagree on tensor {fqn!r}: {md} vs dtype {td.dtype} size {td.size}")
+        if item.index.index is None:
+            md.chunks.append(td.chunk)
 
     def finalize_plan(self, plan: SavePlan) -> SavePlan:
         return plan
@@ -314,25 +324,20 @@ class StandardSavePlanner(SavePlanner):
 
 
 def check_values_agree(checksums: Sequence[Dict[str, int]]) -> None:
-    """Refuse plain tensors/values that differ between ranks or that rank 0 lacks.
+    """Refuse plain tensors/values whose key holds different values on different ranks.
 
     ``checksums[r]`` is rank r's ``SavePlan.value_checksums``. Raises:
-        CheckpointError: naming the key and the rank.
+        CheckpointError: naming the key and two ranks that disagree.
     """
-    reference = checksums[0]
-    for rank, values in enumerate(checksums[1:], start=1):
+    first: Dict[str, Tuple[int, int]] = {}
+    for rank, values in enumerate(checksums):
         for key, crc in values.items():
-            if key not in reference:
+            holder, reference = first.setdefault(key, (rank, crc))
+            if reference != crc:
                 raise CheckpointError(
-                    f"rank {rank} holds plain value {key!r} that the coordinator (rank 0) does not; "
-                    "plain tensors and values are saved from rank 0 only: store per-rank values "
-                    "under rank-specific keys"
-                )
-            if reference[key] != crc:
-                raise CheckpointError(
-                    f"plain value {key!r} differs between rank 0 and rank {rank}; plain tensors and "
-                    "values are saved once for the job: make it a DTensor or store per-rank values "
-                    f"under rank-specific keys (e.g. '{key}.rank{rank}')"
+                    f"plain value {key!r} differs between rank {holder} and rank {rank}; a plain "
+                    "tensor or value is one value for the whole job: make it a DTensor or store "
+                    f"per-rank values under rank-specific keys (e.g. '{key}.rank{rank}')"
                 )
 
 
