@@ -149,28 +149,34 @@ class HSDPState:
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
         if self.ctx is None:
             self.lazy_init()
-        in_backward = _in_backward()
-        if not in_backward:
-            if self.is_root:
-                self.ctx.begin_step()
-            if torch.is_grad_enabled():
-                self.ctx.record_forward(self)
+        in_backward = _in_backward()  # checkpoint recomputation: only unshard
+        training = not in_backward and torch.is_grad_enabled()
+        if not in_backward and self.is_root:
+            self.ctx.begin_step()
+        if training:
+            self.ctx.record_forward(self)
         self._unshard()
         if not in_backward:
-            if self.forward_prefetch is not None:
-                self._prefetch(self.forward_prefetch)
-            elif self in self.ctx.next_in_forward:
-                self._prefetch([self.ctx.next_in_forward[self]])
+            self._prefetch_forward()
         dtype = self.mp_policy.param_dtype
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
-        if not in_backward and torch.is_grad_enabled():
-            inputs = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
-            if inputs:
-                self.input_grads_hooked = True
-                self.input_grads_pending += 1
-                torch.autograd.graph.register_multi_grad_hook(inputs, self._on_input_grads, mode="all")
+        if training:
+            self._hook_input_grads(args, kwargs)
         return args, kwargs
+
+    def _prefetch_forward(self) -> None:
+        if self.forward_prefetch is not None:
+            self._prefetch(self.forward_prefetch)
+        elif self in self.ctx.next_in_forward:
+            self._prefetch([self.ctx.next_in_forward[self]])
+
+    def _hook_input_grads(self, args: Any, kwargs: Any) -> None:
+        inputs = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
+        if inputs:
+            self.input_grads_hooked = True
+            self.input_grads_pending += 1
+            torch.autograd.graph.register_multi_grad_hook(inputs, self._on_input_grads, mode="all")
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if _in_backward():  # recomputation (activation checkpointing): backward needs the params
