@@ -20,11 +20,14 @@ from hyper_parallel.core.distributed_checkpoint.resharding import numel
 
 
 def _human(nbytes: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if nbytes < 1024 or unit == "GiB":
-            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
-        nbytes /= 1024
-    raise AssertionError("unreachable")
+    if nbytes < 1024:
+        return f"{nbytes} B"
+    size, unit = float(nbytes), "B"
+    for unit in ("KiB", "MiB", "GiB"):
+        size /= 1024
+        if size < 1024:
+            break
+    return f"{size:.2f} {unit}"
 
 
 def _layout(metadata: Metadata, fqn: str) -> str:
