@@ -122,6 +122,13 @@ def _placements_and_counts():
     assert counts == {"all_gather": 5, "reduce_scatter": 3}, counts
     for name, param in model.named_parameters():
         assert isinstance(param.grad, DTensor) and param.grad.placements == param.placements, name
+
+    # ignored_params stay plain parameters and are not reduced (local gradient).
+    lin = nn.Linear(3, 2)
+    hp.fully_shard(lin, ignored_params={lin.bias})
+    assert isinstance(lin.weight, DTensor) and not isinstance(lin.bias, DTensor)
+    lin(torch.full((1, 3), float(rank))).sum().backward()
+    assert torch.equal(lin.bias.grad, torch.ones(2))
     return True
 
 
