@@ -1,16 +1,19 @@
 """The pieces the training recipes share: config, mesh + model setup, LR schedule, metrics, loop."""
 
 from hyper_parallel.trainer.config import ConfigError, ParallelDims, compose_config, validate_config
-from hyper_parallel.trainer.loop import RunSummary, run_training, train_step
+from hyper_parallel.trainer.loop import RunSummary, TrainingJob, build_job, run_training, train_loop, train_step
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule, warmup_cosine_lr
 
 __all__ = [
     "ConfigError",
     "ParallelDims",
     "RunSummary",
+    "TrainingJob",
     "WarmupCosineSchedule",
+    "build_job",
     "compose_config",
     "run_training",
+    "train_loop",
     "train_step",
     "validate_config",
     "warmup_cosine_lr",

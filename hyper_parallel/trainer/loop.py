@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.data import DistributedBatchLoader, build_source
 from hyper_parallel.platform import Platform
@@ -43,28 +44,48 @@ def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
-               *, grad_accum_steps: int, max_grad_norm: float) -> Dict[str, float]:
+               *, grad_accum_steps: int, max_grad_norm: float) -> Dict[str, torch.Tensor]:
     """One optimizer step on this rank's slice of the global batch.
 
     ``batch`` is ``(local_batch, seq_len + 1)``; it is split into ``grad_accum_steps``
     micro-batches whose gradients accumulate locally, synchronised only on the last one.
-    Returns this rank's mean loss and the (global) gradient norm before clipping.
+    Returns 0-dim tensors (no host sync): this rank's mean ``loss`` and the global
+    ``grad_norm`` before clipping.
     """
     import hyper_parallel as hp
 
     micro_batches = batch.chunk(grad_accum_steps)
-    loss_sum = 0.0
+    loss_sum = torch.zeros((), device=batch.device)
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
         logits = model(micro[:, :-1])
         loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
         (loss / grad_accum_steps).backward()
-        loss_sum += loss.item()
+        loss_sum += loss.detach()
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = hp.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum / grad_accum_steps, "grad_norm": float(grad_norm)}
+    return {"loss": loss_sum / grad_accum_steps, "grad_norm": grad_norm}
+
+
+@dataclass
+class TrainingJob:
+    """Everything a run needs, built from the config (see :func:`build_job`)."""
+
+    cfg: DictConfig
+    dims: ParallelDims
+    platform: Platform
+    device: torch.device
+    mesh: DeviceMesh
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    schedule: WarmupCosineSchedule
+    loader: DistributedBatchLoader
+    manager: Any  # hyper_parallel.checkpoint.CheckpointManager
+    state: Dict[str, Any]
+    log: MetricsLogger
+    loss_floor: Optional[float]
 
 
 @dataclass
@@ -80,13 +101,14 @@ class RunSummary:
     tokens_per_s: float = 0.0
 
 
-def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> RunSummary:
-    """Train as configured, resuming from ``checkpoint.folder`` when it holds a checkpoint.
+def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> TrainingJob:
+    """Data, mesh, sharded model, optimizer, schedule, checkpoint manager and logger.
 
     Requires an initialised default process group of ``dims.dp_size`` ranks.
 
     Raises:
-        ConfigError: the data cannot be read or does not fit the model (same on every rank).
+        ConfigError: the data or ``model.init_from`` cannot be read or do not fit the model
+            (found identically on every rank).
     """
     from hyper_parallel.checkpoint import CheckpointManager
 
@@ -107,66 +129,95 @@ def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Run
     optimizer = build_optimizer(model, cfg.optim)
     schedule = WarmupCosineSchedule(optimizer, peak_lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps,
                                     total_steps=t.steps, min_lr_ratio=cfg.optim.min_lr_ratio)
-    state = training_state(model, optimizer, schedule, loader, RNGState(platform.device_module))
     manager = CheckpointManager(cfg.checkpoint.folder, interval=cfg.checkpoint.interval,
                                 keep_last_n=cfg.checkpoint.keep_last_n, async_save=cfg.checkpoint.async_save)
     log = MetricsLogger(cfg.output_dir, total_steps=t.steps, is_main=rank == 0,
                         log_every=cfg.logging.log_every, tensorboard=cfg.logging.tensorboard)
     if rank == 0:
-        os.makedirs(cfg.output_dir, exist_ok=True)
         OmegaConf.save(cfg, os.path.join(cfg.output_dir, "config.yaml"))
-    floor = loader.source.loss_floor() if hasattr(loader.source, "loss_floor") else None
+    return TrainingJob(
+        cfg=cfg, dims=dims, platform=platform, device=device, mesh=mesh, model=model,
+        optimizer=optimizer, schedule=schedule, loader=loader, manager=manager,
+        state=training_state(model, optimizer, schedule, loader, RNGState(platform.device_module)),
+        log=log, loss_floor=getattr(loader.source, "loss_floor", lambda: None)(),
+    )
 
-    step = (manager.load_latest(state) if cfg.checkpoint.resume else None) or 0
+
+def describe(job: TrainingJob) -> str:
+    """One line: model size, mesh, precision, data (and its loss floor)."""
+    cfg, mesh = job.cfg, job.mesh
     mesh_desc = "x".join(map(str, mesh.shape)) + f" ({', '.join(mesh.mesh_dim_names)})"
-    log.print(f"model {cfg.model.name}: {sum(p.numel() for p in model.parameters()):,} parameters, "
-              f"mesh {mesh_desc}, {cfg.parallel.mixed_precision}, data {cfg.data.kind}"
-              + (f", loss floor {floor:.4f}" if floor is not None else ""))
-    log.print(f"resumed from {cfg.checkpoint.folder}/step-{step}" if step else "starting from scratch")
-    summary = RunSummary(start_step=step, end_step=step, loss_floor=floor)
-    if step >= t.steps:
-        log.print(f"the latest checkpoint is at step {step} >= training.steps={t.steps}: nothing to train")
-        log.close()
-        return summary
+    floor = f", loss floor {job.loss_floor:.4f}" if job.loss_floor is not None else ""
+    return (f"model {cfg.model.name}: {sum(p.numel() for p in job.model.parameters()):,} parameters, "
+            f"mesh {mesh_desc}, {cfg.parallel.mixed_precision}, data {cfg.data.kind}{floor}")
 
-    stop = StopRequest().install() if cfg.checkpoint.save_on_sigterm else StopRequest()
-    tokens_per_step = t.global_batch_size * t.seq_len
-    started = time.perf_counter()
+
+def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> RunSummary:
+    """Train as configured, resuming from ``checkpoint.folder`` when it holds a checkpoint.
+
+    Raises:
+        ConfigError: see :func:`build_job`.
+    """
+    job = build_job(cfg, dims, platform)
+    step = (job.manager.load_latest(job.state) if cfg.checkpoint.resume else None) or 0
+    job.log.print(describe(job))
+    job.log.print(f"resumed from {cfg.checkpoint.folder}/step-{step}" if step else "starting from scratch")
+    if step >= cfg.training.steps:
+        job.log.print(f"the latest checkpoint is at step {step} >= training.steps={cfg.training.steps}: "
+                      "nothing to train")
+        job.log.close()
+        return RunSummary(start_step=step, end_step=step, loss_floor=job.loss_floor)
+    stop = StopRequest()
+    if cfg.checkpoint.save_on_sigterm:
+        stop.install()
     try:
-        while step < t.steps:
-            step_start = time.perf_counter()
-            platform.reset_peak_memory()
-            batch = loader.next_batch().to(device)
-            lr = schedule.step()
-            result = train_step(model, batch, optimizer, grad_accum_steps=t.grad_accum_steps,
-                                max_grad_norm=t.max_grad_norm)
-            step += 1
-            # One collective per step: the global mean loss, and whether any rank got SIGTERM.
-            reduced = all_reduce_sum(torch.tensor([result["loss"], stop.as_tensor_value], dtype=torch.float64))
-            loss, stopping = reduced[0].item() / dims.dp_size, reduced[1].item() > 0
-            platform.synchronize()
-            step_time = time.perf_counter() - step_start
-            record: Dict[str, Any] = {"step": step, "loss": loss, "lr": lr, "grad_norm": result["grad_norm"],
-                                      "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time}
-            if floor is not None:
-                record["loss_floor"] = floor
-            memory = platform.peak_memory_bytes()
-            record["memory_bytes"] = memory
-            log.log_step(record, memory_bytes=memory)
-            summary.losses.append(loss)
-            manager.save(step, state, force=step == t.steps or stopping)
-            if stopping:
-                summary.stopped_by_signal = True
-                log.print(f"SIGTERM: saved a final checkpoint at step {step}, stopping")
-                break
+        summary = train_loop(job, step, stop)
     finally:
         stop.uninstall()
-    manager.wait()
+    job.log.print(format_summary(summary, cfg))
+    job.log.close()
+    return summary
+
+
+def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
+    """Steps ``step+1 .. training.steps`` with metrics and checkpoints; stops early (after a
+    final checkpoint) when any rank got SIGTERM."""
+    t, platform = job.cfg.training, job.platform
+    summary = RunSummary(start_step=step, end_step=step, loss_floor=job.loss_floor)
+    tokens_per_step = t.global_batch_size * t.seq_len
+    started = time.perf_counter()
+    while step < t.steps:
+        step_start = time.perf_counter()
+        platform.reset_peak_memory()
+        batch = job.loader.next_batch().to(job.device)
+        lr = job.schedule.step()
+        result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
+                            max_grad_norm=t.max_grad_norm)
+        step += 1
+        # One collective per step: the global mean loss, and whether any rank got SIGTERM.
+        flag = torch.tensor(stop.as_tensor_value, device=job.device)
+        loss_sum, stop_votes = all_reduce_sum(torch.stack([result["loss"], flag])).tolist()
+        loss = loss_sum / job.dims.dp_size
+        step_time = time.perf_counter() - step_start
+        record: Dict[str, Any] = {
+            "step": step, "loss": loss, "lr": lr, "grad_norm": float(result["grad_norm"]),
+            "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
+            "memory_bytes": platform.peak_memory_bytes(),
+        }
+        if job.loss_floor is not None:
+            record["loss_floor"] = job.loss_floor
+        job.log.log_step(record, memory_bytes=record["memory_bytes"])
+        summary.losses.append(loss)
+        stopping = stop_votes > 0
+        job.manager.save(step, job.state, force=step == t.steps or stopping)
+        if stopping:
+            summary.stopped_by_signal = True
+            job.log.print(f"SIGTERM: saved a final checkpoint at step {step}, stopping")
+            break
+    job.manager.wait()
     summary.end_step = step
     summary.wall_time_s = time.perf_counter() - started
     summary.tokens_per_s = tokens_per_step * (step - summary.start_step) / summary.wall_time_s
-    log.print(format_summary(summary, cfg))
-    log.close()
     return summary
 
 
