@@ -146,10 +146,26 @@ def _fsdp_tp():
     torch.manual_seed(2)
     target = wrap(tiny_llama(n_kv_heads=2))
     target.load_state_dict(source)
-    return diff, max_diff(full_params(target), source)
+    load_diff = max_diff(full_params(target), source)
+
+    # HSDP + TP: a (replicate=1, shard=2, tp=2) mesh gives 3-D parameter placements.
+    mesh3d = hp.init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("replicate", "shard", "tp"))
+    hsdp_mesh = mesh3d["replicate", "shard"]
+
+    def wrap_hsdp(model):
+        for layer in model.layers:
+            parallelize_module(layer, mesh3d["tp"], _TP_PLAN)
+            hp.fully_shard(layer, mesh=hsdp_mesh)
+        hp.fully_shard(model, mesh=hsdp_mesh)
+        wo = model.layers[0].attention.wo.weight
+        assert wo.placements == (Replicate(), Shard(0), Shard(1)), wo.placements
+        return model
+
+    hsdp_diff = parity(wrap_hsdp, mesh3d["shard"].get_local_rank(), 2, model_fn=lambda: tiny_llama(n_kv_heads=2))
+    return diff, load_diff, hsdp_diff
 
 
-def test_fsdp_plus_tensor_parallel():
-    for diff, load_diff in run_on_ranks(4, _fsdp_tp, timeout=240):
-        assert diff <= TOL, diff
+def test_fsdp_and_hsdp_plus_tensor_parallel():
+    for diff, load_diff, hsdp_diff in run_on_ranks(4, _fsdp_tp, timeout=240):
+        assert diff <= TOL and hsdp_diff <= TOL, (diff, hsdp_diff)
         assert load_diff == 0, load_diff
