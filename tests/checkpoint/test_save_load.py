@@ -306,3 +306,25 @@ def test_per_rank_values_under_rank_specific_keys(tmp_path):
             and "exp_avg" not in i.fqn} == {
         "train.step": "__0.values.json", "train.tokens_seen": "__0.values.json", "train.name": "__0.values.json",
         "optim.state.norm.weight.step": "__0_0.safetensors"}
+
+
+def _empty_and_scalar_tensors(path):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    state = {"empty": distribute_tensor(torch.zeros(0, 4), mesh, (Shard(0),)),
+             "tiny": distribute_tensor(torch.tensor([7.0]), mesh, (Shard(0),)),
+             "scalar": torch.tensor(3.5), "flag": torch.tensor([True, False])}
+    hdcp.save(state, checkpoint_id=path)
+    target = {"empty": distribute_tensor(torch.ones(0, 4), mesh, (Shard(0),)),
+              "tiny": distribute_tensor(torch.zeros(1), mesh, (Shard(0),)),
+              "scalar": torch.tensor(0.0), "flag": torch.tensor([False, True])}
+    hdcp.load(target, checkpoint_id=path)
+    assert target["empty"].shape == (0, 4) and target["tiny"].full_tensor().tolist() == [7.0]
+    assert target["scalar"].item() == 3.5 and target["flag"].tolist() == [True, False]
+    return hdcp.read_checkpoint_metadata(path).state_dict_metadata["empty"].size
+
+
+def test_empty_scalar_and_bool_tensors(tmp_path):
+    assert run_on_ranks(2, _empty_and_scalar_tensors, str(tmp_path / "ckpt"), timeout=T) == [(0, 4)] * 2
