@@ -41,6 +41,7 @@ _M_MMAP_THRESHOLD = -3  # glibc mallopt parameter
 @dataclass
 class ImplResult:
     step_times_s: List[float] = field(default_factory=list)  # slowest rank's time per step
+    cpu_times_s: List[float] = field(default_factory=list)  # largest per-rank process CPU time per step
     peak_step_bytes: int = 0  # max over ranks, see _build_impl
     resident_bytes: int = 0  # max over ranks, held between steps
     losses: List[float] = field(default_factory=list)  # global-batch loss at steps 1 and 2
@@ -48,6 +49,10 @@ class ImplResult:
     @property
     def median_step_s(self) -> float:
         return statistics.median(self.step_times_s)
+
+    @property
+    def median_cpu_s(self) -> float:
+        return statistics.median(self.cpu_times_s)
 
 
 def _parse_args(argv=None) -> argparse.Namespace:
@@ -146,11 +151,13 @@ def _build_impl(name: str, reference: torch.nn.Module, mesh, tokens, result: Imp
     return model, optimizer
 
 
-def _timed_step(model, optimizer, tokens) -> float:
+def _timed_step(model, optimizer, tokens, result: ImplResult) -> None:
     dist.barrier()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     _step(model, optimizer, tokens)
-    return _over_ranks(time.perf_counter() - start)
+    cpu, wall = time.process_time() - cpu_start, time.perf_counter() - start
+    result.step_times_s.append(_over_ranks(wall))
+    result.cpu_times_s.append(_over_ranks(cpu))
 
 
 def run(args: argparse.Namespace) -> Dict[str, ImplResult]:
@@ -179,7 +186,7 @@ def run(args: argparse.Namespace) -> Dict[str, ImplResult]:
         order = IMPLS if r % 2 == 0 else IMPLS[::-1]  # alternate who goes first
         for name in order:
             for _ in range(args.chunk):
-                results[name].step_times_s.append(_timed_step(*wrapped[name], tokens))
+                _timed_step(*wrapped[name], tokens, results[name])
 
     if args.profile:
         for name in IMPLS:
@@ -197,19 +204,21 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
     layout = "HSDP 2x2" if args.hsdp else f"FSDP {dist.get_world_size()}"
     print(f"\n{args.model}, {layout} gloo ranks, batch {args.batch}/rank x seq {args.seq}, "
           f"{len(torch_r.step_times_s)} timed steps each (alternating, chunks of {args.chunk})")
-    print(f"{'':16}{'median step s':>14}{'min..max s':>16}{'peak step MB':>14}{'resident MB':>13}"
-          f"{'loss@1':>12}{'loss@2':>12}")
+    print(f"{'':16}{'median step s':>14}{'min..max s':>16}{'median CPU s':>14}{'peak step MB':>14}"
+          f"{'resident MB':>13}{'loss@1':>12}{'loss@2':>12}")
     for name, r in results.items():
         spread = f"{min(r.step_times_s):.3f}..{max(r.step_times_s):.3f}"
-        print(f"{name:16}{r.median_step_s:>14.3f}{spread:>16}{r.peak_step_bytes / mb:>14.1f}"
-              f"{r.resident_bytes / mb:>13.1f}{r.losses[0]:>12.6f}{r.losses[1]:>12.6f}")
+        print(f"{name:16}{r.median_step_s:>14.3f}{spread:>16}{r.median_cpu_s:>14.3f}"
+              f"{r.peak_step_bytes / mb:>14.1f}{r.resident_bytes / mb:>13.1f}"
+              f"{r.losses[0]:>12.6f}{r.losses[1]:>12.6f}")
     ratios = {
         "step_time": ours_r.median_step_s / torch_r.median_step_s,
+        "cpu_time": ours_r.median_cpu_s / torch_r.median_cpu_s,
         "peak_step_memory": ours_r.peak_step_bytes / torch_r.peak_step_bytes,
         "resident_memory": ours_r.resident_bytes / torch_r.resident_bytes,
     }
-    print(f"{'ours/torch':16}{ratios['step_time']:>14.3f}{'':16}{ratios['peak_step_memory']:>14.3f}"
-          f"{ratios['resident_memory']:>13.3f}")
+    print(f"{'ours/torch':16}{ratios['step_time']:>14.3f}{'':16}{ratios['cpu_time']:>14.3f}"
+          f"{ratios['peak_step_memory']:>14.3f}{ratios['resident_memory']:>13.3f}")
     loss_diffs = [abs(a - b) for a, b in zip(ours_r.losses, torch_r.losses)]
     same = all(d <= 1e-4 * abs(t) for d, t in zip(loss_diffs, torch_r.losses))
     print(f"loss sanity (steps 1-2, |ours - torch|): {', '.join(f'{d:.2e}' for d in loss_diffs)}"
@@ -218,7 +227,8 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "world_size": dist.get_world_size(), "ratios": ratios,
                        "loss_match": same,
-                       "results": {n: {**asdict(r), "median_step_s": r.median_step_s}
+                       "results": {n: {**asdict(r), "median_step_s": r.median_step_s,
+                                       "median_cpu_s": r.median_cpu_s}
                                    for n, r in results.items()}}, f, indent=2)
 
 
