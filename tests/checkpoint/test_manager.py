@@ -9,7 +9,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-from hyper_parallel.core.distributed_checkpoint import CheckpointManager, ModelState, OptimizerState, is_checkpoint
+from hyper_parallel.core.distributed_checkpoint import (
+    CheckpointManager,
+    ModelState,
+    OptimizerState,
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    is_checkpoint,
+)
 from tests.checkpoint.test_state_dict import full_params, make_llama, shard_params, train_step
 from tests.multirank import run_on_ranks
 
@@ -165,15 +173,35 @@ def _train_two_steps_fsdp_and_save(folder):
     return manager.latest_step()
 
 
-def test_train_2_steps_on_2_ranks_resume_on_1_process_equals_4_uninterrupted_steps(tmp_path):
+def _load_into_fsdp(folder):
+    """Load the latest checkpoint into an hp.fully_shard model on this world; full values back."""
+    import hyper_parallel as hp
+
+    model = make_llama(seed=98)
+    for layer in model.layers:
+        hp.fully_shard(layer, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    hp.fully_shard(model, shard_placement_fn=lambda p: Shard(p.dim() - 1))
+    optim = _adamw(model)
+    step = CheckpointManager(folder).load_latest({"model": ModelState(model), "optim": OptimizerState(model, optim)})
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return step, get_model_state_dict(model, options=full), get_optimizer_state_dict(model, optim, options=full)
+
+
+def test_train_2_steps_on_2_ranks_resume_elsewhere_equals_uninterrupted_training(tmp_path):
+    """2 -> 1 process: 2 more steps equal 4 uninterrupted ones bit for bit; 2 -> 4 ranks
+    (hp.fully_shard on Shard(1)): the loaded parameters and optimizer state are exact."""
     assert run_on_ranks(2, _train_two_steps_fsdp_and_save, str(tmp_path), timeout=120) == [2, 2]
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the same kernels as the ranks
     try:
         reference = make_llama(seed=21)
-        optim = _adamw(reference)
-        for step in (1, 2, 3, 4):
-            _lm_step(reference, optim, step)
+        ref_optim = _adamw(reference)
+        for step in (1, 2):
+            _lm_step(reference, ref_optim, step)
+        after_two = {k: v.clone() for k, v in reference.state_dict().items()}
+        exp_avg = {name: ref_optim.state[p]["exp_avg"].clone() for name, p in reference.named_parameters()}
+        for step in (3, 4):
+            _lm_step(reference, ref_optim, step)
 
         model = make_llama(seed=99)
         optim = _adamw(model)
@@ -185,3 +213,8 @@ def test_train_2_steps_on_2_ranks_resume_on_1_process_equals_4_uninterrupted_ste
         torch.set_num_threads(threads)
     expected = reference.state_dict()
     assert all(torch.equal(v, expected[k]) for k, v in model.state_dict().items())
+
+    step, params, optim_sd = run_on_ranks(4, _load_into_fsdp, str(tmp_path), timeout=120)[0]
+    assert step == 2 and params.keys() == after_two.keys()
+    assert all(torch.equal(v, after_two[k]) for k, v in params.items())
+    assert all(torch.equal(optim_sd["state"][k]["exp_avg"], v) for k, v in exp_avg.items())
