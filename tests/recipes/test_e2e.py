@@ -119,8 +119,10 @@ def test_killed_rank_restarts_and_resumes(reference, tmp_path):
     ref_out, _ = reference
     proc = start(torchrun_cmd(2, [*TINY, f"output_dir={tmp_path}", "checkpoint.interval=3"],
                               extra=["--standalone", "--max-restarts=1", "--monitor-interval=0.1"]))
-    wait_for_step(str(tmp_path), 5, proc)
-    os.kill(worker_pids(proc.pid)[1], signal.SIGKILL)
+    wait_for_step(str(tmp_path), 4, proc)  # step 3's checkpoint (a synchronous save) is committed
+    workers = worker_pids(proc.pid)
+    assert 1 in workers, f"rank 1 not found among torchrun's children {workers}"
+    os.kill(workers[1], signal.SIGKILL)
     output = finish(proc, timeout=150)
     assert proc.returncode == 0, output
     steps = [r["step"] for r in read_metrics(str(tmp_path))]
