@@ -73,9 +73,10 @@ class _Bucket:
     def bind_shards(self, device: torch.device, pin: bool) -> None:
         """(Re)allocate the flat shard buffer on ``device`` if needed; point every parameter's
         local shard into it, keeping current values."""
-        if self.shard_flat is None or self.shard_flat.device != device:
-            self.shard_flat = torch.zeros(self.total, dtype=self.dtype, device=device,
-                                          pin_memory=pin and device.type == "cpu")
+        pin = pin and device.type == "cpu"
+        current = self.shard_flat
+        if current is None or current.device != device or (pin and not current.is_pinned()):
+            self.shard_flat = torch.zeros(self.total, dtype=self.dtype, device=device, pin_memory=pin)
         for param, piece in zip(self.params, self.shard_flat.split(self.sizes)):
             param.bind_shard(piece)
 
