@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import Any, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -99,14 +99,11 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
         dims = resolve_parallel(cfg, world_size)
     except ConfigError as err:
         problems.append(str(err))
-    t = cfg.training
+    t, o, c = cfg.training, cfg.optim, cfg.checkpoint
     for key in ("steps", "global_batch_size", "seq_len", "grad_accum_steps"):
-        if not isinstance(t[key], int) or t[key] < 1:
-            problems.append(f"training.{key}={t[key]!r} must be a positive integer")
-    if not isinstance(t.seed, int) or t.seed < 0:
-        problems.append(f"training.seed={t.seed!r} must be a non-negative integer")
-    if t.max_grad_norm < 0:
-        problems.append(f"training.max_grad_norm={t.max_grad_norm} must be >= 0 (0 disables clipping)")
+        _check_int(problems, f"training.{key}", t[key], minimum=1)
+    _check_int(problems, "training.seed", t.seed, minimum=0)
+    _check_number(problems, "training.max_grad_norm", t.max_grad_norm, low=0.0, note=" (0 disables clipping)")
     if t.device not in ("auto", "cpu"):
         problems.append(f"training.device={t.device!r} must be 'auto' or 'cpu'")
     if dims is not None and not problems:
@@ -117,28 +114,40 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
                 f"{dims.dp_size} data-parallel ranks x training.grad_accum_steps={t.grad_accum_steps}"
                 f" (needs a multiple of {ranks_x_accum})"
             )
-    if isinstance(t.seq_len, int) and t.seq_len > cfg.model.max_seq_len:
+    if _is_int(t.seq_len) and t.seq_len > cfg.model.max_seq_len:
         problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     if cfg.parallel.mixed_precision not in _PRECISIONS:
         problems.append(f"parallel.mixed_precision={cfg.parallel.mixed_precision!r} must be one of {_PRECISIONS}")
-    o = cfg.optim
     if o.name != "adamw":
         problems.append(f"optim.name={o.name!r}: only 'adamw' is available")
-    if not o.lr > 0:
-        problems.append(f"optim.lr={o.lr} must be > 0")
-    if o.warmup_steps < 0 or not 0 <= o.min_lr_ratio <= 1:
-        problems.append(f"optim.warmup_steps={o.warmup_steps} must be >= 0 and optim.min_lr_ratio="
-                        f"{o.min_lr_ratio} in [0, 1]")
-    c = cfg.checkpoint
-    if not isinstance(c.interval, int) or c.interval < 1:
-        problems.append(f"checkpoint.interval={c.interval!r} must be a positive integer")
-    if not isinstance(c.keep_last_n, int) or c.keep_last_n < 1:
-        problems.append(f"checkpoint.keep_last_n={c.keep_last_n!r} must be a positive integer")
+    _check_number(problems, "optim.lr", o.lr, low=0.0, low_inclusive=False)
+    _check_int(problems, "optim.warmup_steps", o.warmup_steps, minimum=0)
+    _check_number(problems, "optim.min_lr_ratio", o.min_lr_ratio, low=0.0, high=1.0)
+    _check_int(problems, "checkpoint.interval", c.interval, minimum=1)
+    _check_int(problems, "checkpoint.keep_last_n", c.keep_last_n, minimum=1)
+    _check_int(problems, "logging.log_every", cfg.logging.log_every, minimum=1)
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.append("logging.tensorboard=true needs the 'tensorboard' package "
                         "(pip install tensorboard), or set logging.tensorboard=false")
-    if cfg.logging.log_every < 1:
-        problems.append(f"logging.log_every={cfg.logging.log_every} must be >= 1")
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     return dims
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_int(problems: List[str], name: str, value: Any, *, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:
+        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+        problems.append(f"{name}={value!r} must be {what}")
+
+
+def _check_number(problems: List[str], name: str, value: Any, *, low: float,
+                  high: Optional[float] = None, low_inclusive: bool = True, note: str = "") -> None:
+    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    in_range = is_number and (value >= low if low_inclusive else value > low) and (high is None or value <= high)
+    if not in_range:
+        bound = (">= " if low_inclusive else "> ") + str(low) if high is None else f"in [{low}, {high}]"
+        problems.append(f"{name}={value!r} must be a number {bound}{note}")

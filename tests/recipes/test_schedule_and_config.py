@@ -60,3 +60,15 @@ def test_unknown_keys_and_options_are_named(overrides, message):
     with pytest.raises(ConfigError, match=None) as err:
         compose_config(overrides)
     assert message in str(err.value)
+
+
+def test_every_problem_is_listed_in_one_message():
+    cfg = compose_config(["training.max_grad_norm=abc", "optim.lr=0", "optim.min_lr_ratio=2",
+                          "logging.log_every=0", "parallel.dp_shard=3"])
+    with pytest.raises(ConfigError) as err:
+        validate_config(cfg, 2)
+    message = str(err.value)
+    for expected in ("training.max_grad_norm='abc' must be a number >= 0.0", "optim.lr=0 must be a number > 0.0",
+                     "optim.min_lr_ratio=2 must be a number in [0.0, 1.0]", "logging.log_every=0 must be a positive",
+                     "parallel.dp_shard=3 does not factor the world size 2"):
+        assert expected in message
