@@ -36,7 +36,8 @@ def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
     ``state_dict()`` (which reshards; parameters may be left unsharded after backward)."""
     out = {}
     for name, param in model.state_dict().items():
-        out[name.replace(".block.", ".")] = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+        value = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+        out[name.replace(".block.", ".")] = value
     return out
 
 

@@ -241,7 +241,8 @@ def _other_modules():
             model.eval(), reference.eval()
             evaluated = _mse(model, batches[0]) - _mse(reference, batches[0])
         results[name] = max(
-            max((p.full_tensor() - r).abs().max().item() for p, r in zip(model.parameters(), reference.parameters())),
+            max((p.full_tensor() - r).abs().max().item()
+                for p, r in zip(model.parameters(), reference.parameters())),
             abs(evaluated.item()))
         for param in model.parameters():  # eval forward left everything sharded
             assert isinstance(param, DTensor)

@@ -56,7 +56,8 @@ def _hsdp_and_uneven():
         model.set_requires_all_reduce(micro == n_micro - 1)
     collectives.reset_collective_counts()
     results["hsdp_partial_all_reduce"] = parity(
-        lambda m: _wrap(m, mesh=mesh), dp_rank, 4, steps=1, batch_size=8, micro_batches=2, before_micro=no_all_reduce_first)
+        lambda m: _wrap(m, mesh=mesh), dp_rank, 4, steps=1, batch_size=8, micro_batches=2,
+        before_micro=no_all_reduce_first)
     counts = collectives.collective_counts()
     assert counts["reduce_scatter"] == 6 and counts["all_reduce"] == 3, counts  # 3 groups
 
@@ -161,7 +162,8 @@ def _fsdp_tp():
         assert wo.placements == (Replicate(), Shard(0), Shard(1)), wo.placements
         return model
 
-    hsdp_diff = parity(wrap_hsdp, mesh3d["shard"].get_local_rank(), 2, model_fn=lambda: tiny_llama(n_kv_heads=2))
+    hsdp_diff = parity(wrap_hsdp, mesh3d["shard"].get_local_rank(), 2,
+                       model_fn=lambda: tiny_llama(n_kv_heads=2))
     return diff, load_diff, hsdp_diff
 
 

@@ -207,7 +207,8 @@ def fully_shard(
     if isinstance(module, FSDPModule):
         raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
-        raise ValueError(f"reshard_after_forward must be a bool, an int or None, got {reshard_after_forward!r}")
+        raise ValueError("reshard_after_forward must be a bool, an int or None, "
+                         f"got {reshard_after_forward!r}")
     dp = resolve_mesh(mesh)
     reshard_after_forward, post_forward_group = _post_forward_resharding(reshard_after_forward, dp)
     offload = isinstance(offload_policy, CPUOffloadPolicy)

@@ -73,7 +73,8 @@ class HSDPParam:
 
     def _local_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
         """Unpadded local shard (original dim order) viewing a flat padded shard."""
-        return padded_flat.view(self.chunk, *self.rest_shape).narrow(0, 0, self.valid).movedim(0, self.shard_dim)
+        padded = padded_flat.view(self.chunk, *self.rest_shape)
+        return padded.narrow(0, 0, self.valid).movedim(0, self.shard_dim)
 
     def bind_shard(self, padded_flat: torch.Tensor) -> None:
         """Make the sharded DTensor's local tensor a view of ``padded_flat`` (its slot in the
@@ -138,7 +139,7 @@ class HSDPParam:
                              f"parameter's shape {self.global_shape}")
         local = full
         if self.tp_mesh is not None:
-            local = distribute_tensor(full, self.tp_mesh, self.tp_placements, src_data_rank=None)._local_tensor
+            local = distribute_tensor(full, self.tp_mesh, self.tp_placements, src_data_rank=None).to_local()
         local = local.narrow(self.shard_dim, self.shard_offset, self.valid)
         local = local.to(device=self.sharded_param._local_tensor.device, dtype=self.dtype)
         return DTensor(local, self.spec, requires_grad=False)

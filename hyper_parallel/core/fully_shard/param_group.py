@@ -229,7 +229,8 @@ class HSDPParamGroup:
                     "call module.to_empty(device=...) and initialise them first")
             bucket.bind_shards(torch.device("cpu") if self.offload else local.device, self.pin_memory)
             bucket.bind_unsharded(self.device)
-        self._unsharded_slots = [(m._parameters, n, p.unsharded_param) for p in self.params for m, n in p.slots]
+        self._unsharded_slots = [(m._parameters, n, p.unsharded_param)
+                                 for p in self.params for m, n in p.slots]
         for param in self.params:
             if param.requires_grad:
                 param.unsharded_param.register_post_accumulate_grad_hook(self._on_grad)
