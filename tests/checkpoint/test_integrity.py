@@ -15,7 +15,7 @@ import time
 import pytest
 
 from hyper_parallel import checkpoint as hdcp
-from tests.checkpoint.helpers import blank_state, full_state, load_and_check, save_layout
+from tests.checkpoint.helpers import assert_state_equal, blank_state, full_state, load_and_check, save_layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -186,9 +186,12 @@ def test_overwrite_replaces_atomically(ckpt):
     assert leftovers == []
 
 
-def test_thread_count_writes_several_files(tmp_path):
+def test_thread_count_writes_and_reads_several_files(tmp_path):
     path = str(tmp_path / "ckpt")
     hdcp.save(full_state(), storage_writer=hdcp.FileSystemWriter(path, thread_count=3), no_dist=True)
     assert len(glob.glob(os.path.join(path, "__0_*.safetensors"))) == 3
     hdcp.verify_checkpoint(path)
     assert load_and_check(path, [None], no_dist=True, verify=True)
+    target = blank_state()
+    hdcp.load(target, storage_reader=hdcp.FileSystemReader(path, thread_count=3), no_dist=True)
+    assert_state_equal(target, full_state())

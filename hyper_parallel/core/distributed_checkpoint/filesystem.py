@@ -496,12 +496,15 @@ class FileSystemReader(StorageReader):
         checkpoint_dir: the checkpoint directory (or pass ``checkpoint_id`` to ``load``).
         verify: check every chunk read (read whole) against its crc32 in the metadata.
         allow_pickle: accept pickled values (only for checkpoints you trust).
+        thread_count: files read in parallel by this rank.
     """
 
     def __init__(self, checkpoint_dir: Optional[str] = None, *, verify: bool = False,
-                 allow_pickle: bool = False) -> None:
+                 allow_pickle: bool = False, thread_count: int = 1) -> None:
+        if thread_count < 1:
+            raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
-        self.verify, self.allow_pickle = verify, allow_pickle
+        self.verify, self.allow_pickle, self.thread_count = verify, allow_pickle, thread_count
         self.metadata: Optional[Metadata] = None
 
     def initialize_reader(self, checkpoint_id: Optional[str]) -> None:
@@ -526,9 +529,7 @@ class FileSystemReader(StorageReader):
             if isinstance(md, TensorStorageMetadata) for c in md.chunks
         }
 
-    def _open(self, name: str, fds: Dict[str, int]) -> int:
-        if name in fds:
-            return fds[name]
+    def _open(self, name: str) -> int:
         check_relative_path(name)
         path = os.path.join(self.path, name)
         try:
@@ -541,7 +542,6 @@ class FileSystemReader(StorageReader):
             os.close(fd)
             raise CheckpointError(f"checkpoint file {path} has {actual} bytes, metadata says {expected.size} "
                                   "(truncated or replaced)")
-        fds[name] = fd
         return fd
 
     def _storage(self, index: MetadataIndex) -> StorageInfo:
@@ -558,27 +558,37 @@ class FileSystemReader(StorageReader):
             )
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        fds: Dict[str, int] = {}
+        by_file: Dict[str, List[ReadItem]] = {}
+        for item in plan.items:
+            by_file.setdefault(self._storage(item.storage_index).relative_path, []).append(item)
+        jobs = [(name, items, planner) for name, items in sorted(by_file.items())]
+        if self.thread_count > 1 and len(jobs) > 1:
+            with ThreadPoolExecutor(min(self.thread_count, len(jobs))) as pool:
+                list(pool.map(lambda job: self._read_file(*job), jobs))
+        else:
+            for job in jobs:
+                self._read_file(*job)
+
+    def _read_file(self, name: str, items: List[ReadItem], planner: LoadPlanner) -> None:
+        fd = self._open(name)
         try:
-            for item in sorted(plan.items, key=lambda it: (self._storage(it.storage_index).relative_path,
-                                                           self._storage(it.storage_index).offset)):
+            for item in sorted(items, key=lambda it: self._storage(it.storage_index).offset):
                 info = self._storage(item.storage_index)
-                fd = self._open(info.relative_path, fds)
                 if item.type == LoadItemType.BYTE_IO:
-                    data = bytearray(info.length)
-                    _read_exact(fd, data, info.offset, info.relative_path)
-                    self._check(data, info, item.storage_index.fqn)
-                    try:
-                        value = decode_value(bytes(data), info.encoding, item.storage_index.fqn,
-                                             allow_pickle=self.allow_pickle)
-                    except ValueError as exc:
-                        raise CheckpointError(str(exc)) from None
-                    planner.apply_bytes(item, value)
+                    planner.apply_bytes(item, self._read_value(fd, info, item.storage_index.fqn))
                 else:
                     self._read_tensor(fd, info, item, planner)
         finally:
-            for fd in fds.values():
-                os.close(fd)
+            os.close(fd)
+
+    def _read_value(self, fd: int, info: StorageInfo, key: str) -> Any:
+        data = bytearray(info.length)
+        _read_exact(fd, data, info.offset, os.path.join(self.path, info.relative_path))
+        self._check(data, info, key)
+        try:
+            return decode_value(bytes(data), info.encoding, key, allow_pickle=self.allow_pickle)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
 
     def _read_tensor(self, fd: int, info: StorageInfo, item: ReadItem, planner: LoadPlanner) -> None:
         key = item.storage_index.fqn
