@@ -162,8 +162,9 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
 
     Call on every rank with the same structure. Each rank writes its own chunks; replicated
     DTensor chunks are written once (spread over their holders, or on the lowest rank with
-    ``save_to_minimum_rank``; all copies with ``remove_redundancy=False``); plain tensors and
-    values are written by rank 0 and must be equal on every rank. The checkpoint is committed
+    ``save_to_minimum_rank``; all copies with ``remove_redundancy=False``); a plain tensor or
+    value is written once, by the lowest rank holding its key, and must be equal on every
+    rank that holds it (per-rank data: rank-specific keys). The checkpoint is committed
     atomically (also when ``checkpoint_id`` already exists). Waits for a pending async save.
 
     Args:
