@@ -198,7 +198,6 @@ class StandardSavePlanner(SavePlanner):
         state_dict: Dict[str, Any],
         *,
         rank: int = 0,
-        is_coordinator: bool = True,
         remove_redundancy: bool = True,
         save_to_minimum_rank: bool = False,
         allow_pickle: bool = False,
@@ -208,7 +207,7 @@ class StandardSavePlanner(SavePlanner):
         self.state_dict = state_dict
         self.global_view = use_collectives
         self.flat, _ = flatten_state_dict(state_dict)
-        self.rank, self.is_coordinator = rank, is_coordinator
+        self.rank = rank
         self.remove_redundancy, self.save_to_minimum_rank = remove_redundancy, save_to_minimum_rank
         self.allow_pickle = allow_pickle
 
