@@ -105,8 +105,11 @@ def _unshard_reshard_and_prefetch():
     handle.wait()
     weight = layer0.attention.wq.weight
     assert not isinstance(weight, DTensor) and torch.equal(weight, reference_wq)
+    unsharded_storage = layer0._state.group.buckets[0].unsharded_flat.untyped_storage()
+    assert unsharded_storage.nbytes() > 0
     layer0.reshard()
     assert isinstance(layer0.attention.wq.weight, DTensor)
+    assert unsharded_storage.nbytes() == 0  # the unsharded memory is really freed
     assert torch.equal(layer0.attention.wq.weight.full_tensor(), reference_wq)
 
     seen, after_backward = [], []
