@@ -57,7 +57,9 @@ def test_hsdp_save_writes_one_copy_spread_over_replicas(tmp_path):
     state_bytes = state_nbytes(full_state())
     header_slack = 4096 * len(by_rank)
     assert state_bytes <= sum(by_rank.values()) <= state_bytes + header_slack
-    assert sorted(by_rank) == [0, 1, 2, 3]  # every replica wrote a share
+    # mesh [[0, 1], [2, 3]]: replicas {0, 2} and {1, 3} split their chunks about evenly
+    for a, b in ((0, 2), (1, 3)):
+        assert max(by_rank[a], by_rank[b]) < 1.5 * min(by_rank[a], by_rank[b]), by_rank
     assert load_and_check(path, [None], no_dist=True)
     assert all(run_on_ranks(2, load_and_check, path, ["fsdp"], timeout=T))
 
