@@ -35,5 +35,5 @@ COPY scripts ./scripts
 
 # scripts/train.sh uses torchrun from PATH here (no .venv in the image); env NPROC, NNODES,
 # RDZV_ENDPOINT, MAX_RESTARTS configure it; arguments are Hydra overrides.
-ENTRYPOINT ["scripts/train.sh"]
+ENTRYPOINT ["/app/scripts/train.sh"]
 CMD []
