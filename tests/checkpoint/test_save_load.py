@@ -330,3 +330,21 @@ def _empty_and_scalar_tensors(path):
 
 def test_empty_scalar_and_bool_tensors(tmp_path):
     assert run_on_ranks(2, _empty_and_scalar_tensors, str(tmp_path / "ckpt"), timeout=T) == [(0, 4)] * 2
+
+
+def _replicas_with_different_keys(path):
+    target = distribute_state(blank_state(), "hsdp")
+    if dist.get_rank() == 2:
+        del target["model"]["norm.weight"]
+    try:
+        hdcp.load(target, checkpoint_id=path)
+    except hdcp.CheckpointError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_replicas_asking_for_different_keys_fail_instead_of_hanging(tmp_path):
+    path = str(tmp_path / "ckpt")
+    save_layout(path, None, no_dist=True)
+    messages = run_on_ranks(4, _replicas_with_different_keys, path, timeout=T)
+    assert all("would broadcast different replicated shards" in m for m in messages), messages

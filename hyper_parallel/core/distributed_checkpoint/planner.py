@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.distributed_checkpoint.flatten import flatten_state_dict, set_by_path
@@ -356,6 +357,7 @@ class StandardLoadPlanner(LoadPlanner):
         self.unexpected_keys: List[str] = []
         self.mismatched_keys: List[str] = []
         self._broadcasts: List[Tuple[torch.Tensor, int, Any]] = []
+        self._broadcast_keys: List[Tuple[str, int, Tuple[int, ...]]] = []
 
     def configure_planner(self, state_dict: Dict[str, Any], metadata: Metadata, *,
                           rank: int = 0, use_collectives: bool = True, **kwargs: Any) -> None:
@@ -369,7 +371,7 @@ class StandardLoadPlanner(LoadPlanner):
         kind.append(key)
 
     def build_local_plan(self) -> LoadPlan:
-        self.missing_keys, self.mismatched_keys, self._broadcasts = [], [], []
+        self.missing_keys, self.mismatched_keys, self._broadcasts, self._broadcast_keys = [], [], [], []
         self.unexpected_keys = sorted(set(self.metadata.state_dict_metadata) - set(self.flat))
         items: List[ReadItem] = []
         for key in sorted(self.flat):
@@ -394,11 +396,11 @@ class StandardLoadPlanner(LoadPlanner):
                 )
             else:
                 items.extend(self._tensor_reads(key, value, md))
-        return LoadPlan(items)
+        return LoadPlan(items, planner_data=list(self._broadcast_keys))
 
     def _tensor_reads(self, key: str, value: torch.Tensor, md: TensorStorageMetadata) -> List[ReadItem]:
         dest = local_chunk(value)
-        if self._receives_by_broadcast(value):
+        if self._receives_by_broadcast(key, value):
             return []
         reads, covered = [], 0
         for stored in md.chunks:
@@ -416,7 +418,7 @@ class StandardLoadPlanner(LoadPlanner):
             )
         return reads
 
-    def _receives_by_broadcast(self, value: torch.Tensor) -> bool:
+    def _receives_by_broadcast(self, key: str, value: torch.Tensor) -> bool:
         """Replicated shards are read by the first replica along the first Replicate mesh dim
         and broadcast to the others; returns True on the receiving replicas."""
         if not (self.use_collectives and isinstance(value, DTensor)) or value.device_mesh.get_coordinate() is None:
@@ -429,10 +431,28 @@ class StandardLoadPlanner(LoadPlanner):
         coord = mesh.get_coordinate()
         src_index = tuple(0 if d == dim else c for d, c in enumerate(coord))
         src = int(mesh.mesh[src_index])
-        self._broadcasts.append((local_data(value).detach(), src, mesh.get_group(dim)))
+        group = mesh.get_group(dim)
+        self._broadcasts.append((local_data(value).detach(), src, group))
+        self._broadcast_keys.append((key, src, tuple(dist.get_process_group_ranks(group))))
         return src != self.rank
 
     def build_global_plan(self, all_plans: List[LoadPlan]) -> List[LoadPlan]:
+        """Check that every rank will join the same replica broadcasts in the same order (a
+        mismatch, from state dicts that differ between replicas, would otherwise hang)."""
+        def by_group(plan: LoadPlan) -> Dict[Tuple[int, ...], Tuple[int, List[str]]]:
+            sequences: Dict[Tuple[int, ...], Tuple[int, List[str]]] = {}
+            for key, src, group in plan.planner_data or ():
+                sequences.setdefault(group, (src, []))[1].append(key)
+            return sequences
+
+        sequences = [by_group(plan) for plan in all_plans]
+        for rank, mine in enumerate(sequences):
+            for group, (src, keys) in mine.items():
+                if sequences[src].get(group, (src, []))[1] != keys:
+                    raise CheckpointError(
+                        f"rank {rank} and rank {src} would broadcast different replicated shards in "
+                        f"group {list(group)} (their state dicts hold different DTensor keys)"
+                    )
         return all_plans
 
     def finalize_plan(self, plan: LoadPlan) -> LoadPlan:
