@@ -24,7 +24,7 @@ from omegaconf import OmegaConf
 
 from hyper_parallel.checkpoint import CheckpointError, export_hf
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
-from hyper_parallel.trainer.parallelize import llama_config
+from hyper_parallel.trainer.config import llama_config
 
 
 def _default_recipe_config(checkpoint: str) -> Optional[str]:

@@ -9,8 +9,12 @@ from typing import Any, List, Optional, Sequence
 
 from omegaconf import DictConfig, OmegaConf
 
+from hyper_parallel.models.llama import LlamaConfig
+
 CONFIG_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
 _PRECISIONS = ("fp32", "bf16")
+# Keys of the ``model`` group that are recipe options, not LlamaConfig fields.
+_MODEL_RECIPE_KEYS = ("name", "activation_checkpointing", "init_from")
 
 
 class ConfigError(ValueError):
@@ -27,6 +31,15 @@ class ParallelDims:
     @property
     def dp_size(self) -> int:
         return self.replicate * self.shard
+
+
+def llama_config(model_cfg: DictConfig) -> LlamaConfig:
+    """The ``LlamaConfig`` described by the ``model`` config group.
+
+    Raises:
+        ValueError: inconsistent sizes (e.g. ``dim`` not divisible by ``n_heads``).
+    """
+    return LlamaConfig(**{k: v for k, v in model_cfg.items() if k not in _MODEL_RECIPE_KEYS})
 
 
 def compose_config(overrides: Sequence[str], config_dir: str = CONFIG_DIR,
@@ -114,6 +127,10 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
                 f"{dims.dp_size} data-parallel ranks x training.grad_accum_steps={t.grad_accum_steps}"
                 f" (needs a multiple of {ranks_x_accum})"
             )
+    try:
+        llama_config(cfg.model)
+    except (ValueError, TypeError) as err:
+        problems.append(f"model: {err}")
     if _is_int(t.seq_len) and t.seq_len > cfg.model.max_seq_len:
         problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
     if cfg.parallel.mixed_precision not in _PRECISIONS:

@@ -13,10 +13,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
-from hyper_parallel.models.llama import LlamaConfig, Transformer
-from hyper_parallel.trainer.config import ConfigError, ParallelDims
-
-_MODEL_RECIPE_KEYS = ("name", "activation_checkpointing", "init_from")
+from hyper_parallel.models.llama import Transformer
+from hyper_parallel.trainer.config import ConfigError, ParallelDims, llama_config
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
@@ -24,12 +22,6 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     if dims.replicate == 1:
         return init_device_mesh(device_type, (dims.shard,), mesh_dim_names=("shard",))
     return init_device_mesh(device_type, (dims.replicate, dims.shard), mesh_dim_names=("replicate", "shard"))
-
-
-def llama_config(model_cfg: DictConfig) -> LlamaConfig:
-    """The ``LlamaConfig`` described by the ``model`` config group."""
-    fields = {k: v for k, v in model_cfg.items() if k not in _MODEL_RECIPE_KEYS}
-    return LlamaConfig(**fields)
 
 
 def apply_activation_checkpointing(model: Transformer) -> None:

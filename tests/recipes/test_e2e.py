@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import sys
 
 import numpy as np
 import pytest
@@ -18,8 +19,8 @@ from hyper_parallel.checkpoint import CheckpointManager, ModelState, is_checkpoi
 from hyper_parallel.models.llama import LlamaConfig, Transformer
 from hyper_parallel.trainer import compose_config
 from hyper_parallel.trainer.loop import build_loader
-from hyper_parallel.trainer.parallelize import llama_config
-from tests.recipes.launch import (REPO, TINY, assert_losses_match, finish, free_port, last_loss_per_step,
+from hyper_parallel.trainer.config import llama_config
+from tests.recipes.launch import (TINY, assert_losses_match, finish, free_port, last_loss_per_step,
                                   read_metrics, run, start, torchrun_cmd, wait_for_step, worker_pids)
 
 STEPS = 12
@@ -70,7 +71,7 @@ def test_resume_on_hsdp_2x2_over_two_nodes_matches(reference, tmp_path):
     overrides = [*TINY, *_copy_checkpoint(os.path.join(ref_out, "checkpoints"), 6, str(tmp_path)),
                  "parallel=hsdp", "checkpoint.interval=100"]
     env = {"NNODES": "2", "NPROC": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
-           "RDZV_ID": "e2e", "TORCHRUN": f"{os.path.dirname(os.sys.executable)}/torchrun"}
+           "RDZV_ID": "e2e", "TORCHRUN": f"{os.path.dirname(sys.executable)}/torchrun"}
     nodes = [start(["env", *(f"{k}={v}" for k, v in env.items()), "scripts/train.sh", *overrides])
              for _ in range(2)]
     outputs = [finish(node, timeout=150) for node in nodes]
@@ -87,13 +88,13 @@ def test_resume_on_one_rank_with_accumulation_matches_and_exports_to_hf(referenc
     out = tmp_path / "one"
     overrides = [*TINY, *_copy_checkpoint(os.path.join(ref_out, "checkpoints"), 6, str(out)),
                  "training.grad_accum_steps=2"]
-    _ok(run([os.sys.executable, "recipes/train.py", *overrides]))  # plain python: a 1-rank job
+    _ok(run([sys.executable, "recipes/train.py", *overrides]))  # plain python: a 1-rank job
     assert_losses_match(last_loss_per_step(ref_out), last_loss_per_step(str(out)), range(7, STEPS + 1))
 
     # The final checkpoint, exported to HF safetensors, loads into a plain model with the
     # same outputs as the checkpoint loaded through the sharded-checkpoint reader.
     hf_dir = tmp_path / "hf"
-    _ok(run([os.sys.executable, "scripts/export_hf.py", os.path.join(ref_out, "checkpoints"), str(hf_dir)]))
+    _ok(run([sys.executable, "scripts/export_hf.py", os.path.join(ref_out, "checkpoints"), str(hf_dir)]))
     config = json.loads((hf_dir / "config.json").read_text())
     config.pop("architectures")
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
@@ -111,7 +112,7 @@ def test_resume_on_one_rank_with_accumulation_matches_and_exports_to_hf(referenc
     fresh.init_weights(0)
     assert not torch.allclose(fresh(tokens), from_hf(tokens))
 
-    listing = _ok(run([os.sys.executable, "scripts/inspect_checkpoint.py", os.path.join(ref_out, "checkpoints")]))
+    listing = _ok(run([sys.executable, "scripts/inspect_checkpoint.py", os.path.join(ref_out, "checkpoints")]))
     assert "step: 12" in listing and "model.layers.0.attention.wq.weight" in listing and "mesh 2" in listing
 
 
@@ -147,7 +148,7 @@ def test_sigterm_saves_a_final_checkpoint(tmp_path):
 def test_text_data(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
-    _ok(run([os.sys.executable, "recipes/train.py", *TINY, "training.steps=3", f"output_dir={tmp_path}",
+    _ok(run([sys.executable, "recipes/train.py", *TINY, "training.steps=3", f"output_dir={tmp_path}",
              "data=text", f"data.paths={text}"]))
     records = read_metrics(str(tmp_path))
     assert [r["step"] for r in records] == [1, 2, 3] and "loss_floor" not in records[0]
@@ -186,7 +187,7 @@ def test_bad_configs_fail_fast_and_readably(tmp_path):
     assert "training.steps=-1 must be a positive integer" in bad.stderr
     no_traceback_from_the_recipe(bad.stderr)
     # Found after the process group started (reading the data): still one line, exit 2.
-    missing = run([os.sys.executable, "recipes/train.py", f"output_dir={tmp_path}", "data=text",
+    missing = run([sys.executable, "recipes/train.py", f"output_dir={tmp_path}", "data=text",
                    f"data.paths={tmp_path}/nope.txt"], timeout=60)
     assert missing.returncode == 2 and "no such data file" in missing.stderr, missing.stderr
     no_traceback_from_the_recipe(missing.stderr)

@@ -44,6 +44,7 @@ def test_defaults_validate_and_resolve_the_mesh():
     (["parallel.mixed_precision=fp8"], 1, "must be one of"),
     (["training.seq_len=512"], 1, "exceeds model.max_seq_len=256"),
     (["data=tokens"], 1, "required value(s) not set: data.path"),
+    (["model.n_heads=5"], 1, "model: dim=64 is not divisible by n_heads=5"),
 ])
 def test_bad_values_are_named(overrides, world, message):
     with pytest.raises(ConfigError) as err:
