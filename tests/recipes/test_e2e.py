@@ -145,13 +145,16 @@ def test_sigterm_saves_a_final_checkpoint(tmp_path):
     assert is_checkpoint(str(tmp_path / "checkpoints" / f"step-{last}"))
 
 
-def test_text_data(tmp_path):
+def test_text_data_in_bf16_with_activation_checkpointing(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
-    _ok(run([sys.executable, "recipes/train.py", *TINY, "training.steps=3", f"output_dir={tmp_path}",
-             "data=text", f"data.paths={text}"]))
+    stdout = _ok(run([sys.executable, "recipes/train.py", *TINY, "training.steps=4", f"output_dir={tmp_path}",
+                      "data=text", f"data.paths={text}", "parallel.mixed_precision=bf16",
+                      "model.activation_checkpointing=true"]))
+    assert "bf16, data text" in stdout
     records = read_metrics(str(tmp_path))
-    assert [r["step"] for r in records] == [1, 2, 3] and "loss_floor" not in records[0]
+    assert [r["step"] for r in records] == [1, 2, 3, 4] and "loss_floor" not in records[0]
+    assert records[-1]["loss"] < records[0]["loss"]
 
 
 def test_token_file_data_and_init_from_hf(tmp_path):
