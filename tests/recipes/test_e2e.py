@@ -143,6 +143,11 @@ def test_sigterm_saves_a_final_checkpoint(tmp_path):
     assert f"SIGTERM: saved a final checkpoint at step {last}" in output
     assert os.listdir(tmp_path / "checkpoints") == [f"step-{last}"]
     assert is_checkpoint(str(tmp_path / "checkpoints" / f"step-{last}"))
+    # ... and a 1-rank job continues from it.
+    resumed = _ok(run([sys.executable, "recipes/train.py", *TINY, f"output_dir={tmp_path}",
+                       f"training.steps={last + 1}", "checkpoint.interval=100"]))
+    assert f"resumed from {tmp_path}/checkpoints/step-{last}" in resumed
+    assert read_metrics(str(tmp_path))[-1]["step"] == last + 1
 
 
 def test_text_data_in_bf16_with_activation_checkpointing(tmp_path):
