@@ -161,6 +161,7 @@ def _timed_step(model, optimizer, tokens, result: ImplResult) -> None:
 
 
 def run(args: argparse.Namespace) -> Dict[str, ImplResult]:
+    """Build, measure and time both implementations on this rank; results are per implementation."""
     torch.set_num_threads(1)
     _use_mmap_for_large_blocks()
     world = dist.get_world_size()
@@ -181,11 +182,10 @@ def run(args: argparse.Namespace) -> Dict[str, ImplResult]:
     wrapped = {name: _build_impl(name, reference, mesh, tokens, results[name]) for name in IMPLS}
     del reference
 
-    rounds = -(-args.steps // args.chunk)
-    for r in range(rounds):
+    for r in range(-(-args.steps // args.chunk)):
         order = IMPLS if r % 2 == 0 else IMPLS[::-1]  # alternate who goes first
         for name in order:
-            for _ in range(args.chunk):
+            for _ in range(min(args.chunk, args.steps - len(results[name].step_times_s))):
                 _timed_step(*wrapped[name], tokens, results[name])
 
     if args.profile:
