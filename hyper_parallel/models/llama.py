@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 
 @dataclass
@@ -43,6 +45,31 @@ class LlamaConfig:
     @property
     def head_dim(self) -> int:
         return self.dim // self.n_heads
+
+
+def _local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """This rank's part of ``full`` (a CPU tensor) in the layout of ``like``, without collectives."""
+    if all(type(p) in (Shard, Replicate) for p in like.placements):
+        shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
+        for dim, (size, start) in enumerate(zip(shape, offset)):
+            full = full.narrow(dim, start, size)
+        return full
+    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
+
+
+def init_tensor_(param: torch.Tensor, fill: Callable[[torch.Tensor, torch.Generator], object],
+                 generator: torch.Generator) -> None:
+    """Fill ``param`` with ``fill(tensor, generator)`` drawn for its whole (global) shape on CPU.
+
+    The values depend only on the generator's state and the global shape, never on how the
+    parameter is sharded, so every mesh and world size gets the same model.
+    """
+    full = torch.empty(param.shape, dtype=param.dtype)
+    fill(full, generator)
+    if isinstance(param, DTensor):
+        param.to_local().copy_(_local_part(full, param))
+    else:
+        param.copy_(full)
 
 
 class RMSNorm(nn.Module):
@@ -144,27 +171,34 @@ class Transformer(nn.Module):
     def init_weights(self, seed: Optional[int] = None) -> None:
         """(Re)initialise every parameter and the RoPE tables, e.g. after ``to_empty``.
 
-        Works on plain and on sharded (DTensor) parameters. Re-ties the output projection to
+        Works on plain and on sharded (DTensor) parameters; the values depend only on ``seed``
+        (default 0), not on the mesh or world size. Re-ties the output projection to
         the embedding when ``tie_embeddings`` is set (``to_empty`` unties shared parameters).
         """
         if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
-        if seed is not None:
-            torch.manual_seed(seed)
+        gen = torch.Generator().manual_seed(0 if seed is None else seed)
+
+        def normal(std: float, truncated: bool = True):
+            if truncated:
+                return lambda t, g: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
+            return lambda t, g: nn.init.normal_(t, std=std, generator=g)
+
         std = 0.02
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        nn.init.normal_(self.tok_embeddings.weight, std=1.0 if not self.cfg.tie_embeddings else std)
+        emb_std = std if self.cfg.tie_embeddings else 1.0
+        init_tensor_(self.tok_embeddings.weight, normal(emb_std, truncated=False), gen)
         for layer in self.layers:
-            for lin in (layer.attention.wq, layer.attention.wk, layer.attention.wv, layer.feed_forward.w1, layer.feed_forward.w3):
-                nn.init.trunc_normal_(lin.weight, std=std, a=-3 * std, b=3 * std)
-            for lin in (layer.attention.wo, layer.feed_forward.w2):
-                nn.init.trunc_normal_(lin.weight, std=out_std, a=-3 * out_std, b=3 * out_std)
+            attn, ffn = layer.attention, layer.feed_forward
+            for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
+                init_tensor_(lin.weight, normal(std), gen)
+            for lin in (attn.wo, ffn.w2):
+                init_tensor_(lin.weight, normal(out_std), gen)
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
         self.norm.reset_parameters()
         if not self.cfg.tie_embeddings:
-            bound = self.cfg.dim ** -0.5
-            nn.init.trunc_normal_(self.output.weight, std=bound, a=-3 * bound, b=3 * bound)
+            init_tensor_(self.output.weight, normal(self.cfg.dim ** -0.5), gen)
         self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,6 @@ materialised and initialised shard by shard."""
 from __future__ import annotations
 
 import functools
-import warnings
 from typing import Optional
 
 import torch
@@ -65,11 +64,7 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
     if mesh is not None:
         shard_model(model, mesh, mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)
-    with warnings.catch_warnings():
-        # DTensor's random ops are not mesh-coordinated on CPU: each rank draws its shard from
-        # the same seeded stream. Initialisation stays deterministic for a given mesh.
-        warnings.filterwarnings("ignore", message="DTensor random operators")
-        model.init_weights(seed)
+    model.init_weights(seed)  # the same values on every mesh and world size
     if model_cfg.init_from:
         from hyper_parallel.checkpoint import CheckpointError, load_hf
 
