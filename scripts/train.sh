@@ -21,10 +21,6 @@ if [[ -z "${TORCHRUN:-}" ]]; then
   if [[ -x .venv/bin/torchrun ]]; then TORCHRUN=.venv/bin/torchrun; else TORCHRUN=torchrun; fi
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
-# A fresh rendezvous store per restart: with the shared one, restarted ranks find the previous
-# attempt's process-group keys and try to connect to ranks that no longer exist.
-export TORCH_DISABLE_SHARE_RDZV_TCP_STORE=${TORCH_DISABLE_SHARE_RDZV_TCP_STORE:-1}
-
 if [[ "$NNODES" == 1 && -z "${RDZV_ENDPOINT:-}" ]]; then
   rendezvous=(--standalone)
 else

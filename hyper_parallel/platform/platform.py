@@ -149,12 +149,33 @@ def init_distributed(timeout_s: float = 600.0) -> Platform:
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if not 0 <= rank < world:
         raise RuntimeError(f"RANK={rank} is outside WORLD_SIZE={world}")
+    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=platform.backend,
-        timeout=datetime.timedelta(seconds=timeout_s),
+        store=_per_attempt_agent_store(world, timeout),
+        rank=rank,
+        world_size=world,
+        timeout=timeout,
         device_id=platform.current_device() if platform.is_accelerator else None,
     )
     return platform
+
+
+def _per_attempt_agent_store(world: int, timeout: datetime.timedelta) -> Optional[dist.Store]:
+    """torchrun's shared rendezvous store, namespaced by restart attempt; None outside torchrun.
+
+    torchrun lets the workers reuse its rendezvous TCPStore and keeps that store across
+    ``--max-restarts`` restarts without a per-attempt prefix, so a restarted group would read
+    the previous attempt's keys (gloo then tries to connect to dead peers).
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return None
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    agent_store = dist.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+        is_master=False, timeout=timeout,
+    )
+    return dist.PrefixStore(f"hyper_parallel/attempt{attempt}", agent_store)
 
 
 def _free_port() -> int:

@@ -24,10 +24,7 @@ TINY = [
 
 def env() -> Dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HYPER_PARALLEL_DEVICE": "cpu",
-            "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1",
-            # torchrun's shared rendezvous store keeps the previous attempt's process-group keys:
-            # a restarted job would connect to dead ranks (see docs/recipes.md, fault tolerance).
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+            "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
 
 
 def free_port() -> int:
