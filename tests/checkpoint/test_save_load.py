@@ -224,23 +224,24 @@ def test_failed_save_on_one_rank_fails_everywhere_and_cleans_up(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def _bytes_read_for_column_shard(path):
+def _bytes_read_for_column_shard(path, cols):
     from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    target = {"w": distribute_tensor(torch.zeros(8, 4096), mesh, (Shard(1),))}
+    target = {"w": distribute_tensor(torch.zeros(8, cols), mesh, (Shard(1),))}
     with counting_reads() as read:
         hdcp.load(target, checkpoint_id=path)
-    assert torch.equal(target["w"].full_tensor(), torch.arange(8 * 4096, dtype=torch.float32).view(8, 4096))
+    assert torch.equal(target["w"].full_tensor(), torch.arange(8 * cols, dtype=torch.float32).view(8, cols))
     return sum(read)
 
 
-def test_reads_fetch_only_the_overlapping_bytes(tmp_path):
+@pytest.mark.parametrize("cols", [4096, 64])
+def test_reads_fetch_only_the_overlapping_bytes(tmp_path, cols):
     path = str(tmp_path / "ckpt")
-    hdcp.save({"w": torch.arange(8 * 4096, dtype=torch.float32).view(8, 4096)}, checkpoint_id=path, no_dist=True)
-    # Each of 4 ranks needs an 8 x 1024 column block: 8 runs of 4 KiB, nothing in between.
-    assert run_on_ranks(4, _bytes_read_for_column_shard, path, timeout=T) == [8 * 1024 * 4] * 4
+    hdcp.save({"w": torch.arange(8 * cols, dtype=torch.float32).view(8, cols)}, checkpoint_id=path, no_dist=True)
+    # Each of 4 ranks needs an 8 x cols/4 column block: 8 runs (of 4 KiB / 64 B), nothing in between.
+    assert run_on_ranks(4, _bytes_read_for_column_shard, path, cols, timeout=T) == [8 * cols] * 4
 
 
 def _hsdp_load_bytes(path):
@@ -348,3 +349,32 @@ def test_replicas_asking_for_different_keys_fail_instead_of_hanging(tmp_path):
     save_layout(path, None, no_dist=True)
     messages = run_on_ranks(4, _replicas_with_different_keys, path, timeout=T)
     assert all("would broadcast different replicated shards" in m for m in messages), messages
+
+
+def _model_and_optimizer(seed):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optim = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    optim.step()
+    return model, optim
+
+
+@pytest.mark.parametrize("save_fn", ["save", "async_save"])
+def test_stateful_values_are_saved_and_restored(tmp_path, save_fn):
+    path = str(tmp_path / "ckpt")
+    model, optim = _model_and_optimizer(0)
+    state = {"model": hdcp.ModelState(model), "optim": hdcp.OptimizerState(model, optim), "step": 7}
+    result = getattr(hdcp, save_fn)(state, checkpoint_id=path, no_dist=True)
+    if save_fn == "async_save":
+        result.result(timeout=60)
+    target_model, target_optim = _model_and_optimizer(1)
+    target = {"model": hdcp.ModelState(target_model), "optim": hdcp.OptimizerState(target_model, target_optim),
+              "step": 0}
+    hdcp.load(target, checkpoint_id=path, no_dist=True)
+    assert target["step"] == 7 and isinstance(target["model"], hdcp.ModelState)
+    for a, b in zip(model.parameters(), target_model.parameters()):
+        assert torch.equal(a, b)
+    for a, b in zip(model.parameters(), target_model.parameters()):
+        for name in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optim.state[a][name], target_optim.state[b][name]), name

@@ -39,6 +39,20 @@ def _dist_ready(no_dist: bool) -> bool:
     return not no_dist and dist.is_available() and dist.is_initialized()
 
 
+def _is_stateful(value: Any) -> bool:
+    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+
+
+def _resolve_stateful(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``state_dict`` with its top-level Stateful values (``state_dict()``/``load_state_dict()``,
+    e.g. ModelState, OptimizerState, modules) replaced by their ``state_dict()``, and those
+    Stateful objects by key."""
+    stateful = {key: value for key, value in state_dict.items() if _is_stateful(value)}
+    if not stateful:
+        return state_dict, {}
+    return {key: value.state_dict() if key in stateful else value for key, value in state_dict.items()}, stateful
+
+
 # ------------------------------------------------------------------------ save plan caching
 
 @dataclass
@@ -159,6 +173,8 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
          no_dist: bool = False, use_collectives: bool = True, remove_redundancy: bool = True,
          save_to_minimum_rank: bool = False) -> Metadata:
     """Save a (nested) state dict of DTensors, tensors and plain values as one checkpoint.
+    Top-level Stateful values (objects with ``state_dict()``/``load_state_dict()``, e.g.
+    ``ModelState``/``OptimizerState``) are saved as their ``state_dict()``.
 
     Call on every rank with the same structure. Each rank writes its own chunks; replicated
     DTensor chunks are written once (spread over their holders, or on the lowest rank with
@@ -181,6 +197,7 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
         TypeError / ValueError: a value cannot be stored (names the key).
     """
     wait_for_pending_save()
+    state_dict, _ = _resolve_stateful(state_dict)
     ctx = _plan_save(state_dict, checkpoint_id, storage_writer, planner, no_dist, use_collectives,
                      remove_redundancy, save_to_minimum_rank)
     if ctx.rank_local:
@@ -246,6 +263,7 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = Non
     commit_methods = ("publish_result", "publish_failure", "collect_results", "wait_committed")
     if use_collectives and not all(hasattr(writer, m) for m in commit_methods):
         raise TypeError(f"{type(writer).__name__} cannot commit asynchronously: it lacks {commit_methods}")
+    state_dict, _ = _resolve_stateful(state_dict)
     ctx = _plan_save(state_dict, checkpoint_id, writer, planner, no_dist, use_collectives,
                      remove_redundancy, save_to_minimum_rank)
     staged = _staging.stage(ctx.plan, ctx.planner)
@@ -280,7 +298,8 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     """Load a checkpoint into ``state_dict`` in place, resharding into its layout.
 
     Tensors (DTensor shards or plain) are filled in place from whatever chunks overlap them;
-    non-tensor values are replaced. Each rank reads only the byte ranges it needs; a
+    non-tensor values are replaced. A top-level Stateful value has its ``state_dict()`` filled
+    and then gets ``load_state_dict()`` of it. Each rank reads only the byte ranges it needs; a
     replicated shard is read once per replica group and broadcast (``use_collectives``).
 
     Args:
@@ -295,6 +314,8 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
             ``StandardLoadPlanner(strict=False)`` to record these instead).
     """
     wait_for_pending_save()
+    caller_state_dict = state_dict
+    state_dict, stateful = _resolve_stateful(state_dict)
     reader = storage_reader if storage_reader is not None else FileSystemReader()
     reader.initialize_reader(None if checkpoint_id is None else os.fspath(checkpoint_id))
     planner = planner if planner is not None else StandardLoadPlanner()
@@ -317,3 +338,9 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     dw.gather_then_broadcast("load", lambda: reader.execute_read(plan, planner), lambda _: None)
     if dw.use_dist:
         _broadcast_replicas(planner)
+    if stateful:
+        for key, value in state_dict.items():
+            if key in stateful:
+                stateful[key].load_state_dict(value)
+            else:
+                caller_state_dict[key] = value  # plain values were replaced in the resolved copy

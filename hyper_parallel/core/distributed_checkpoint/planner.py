@@ -193,6 +193,7 @@ class StandardSavePlanner(SavePlanner):
         self.state_dict: Dict[str, Any] = {}
         self.flat: Dict[str, Any] = {}
         self._encoded: Dict[str, bytes] = {}
+        self._plain_tensor_checksums: Dict[str, int] = {}
 
     def configure_planner(
         self,
@@ -242,6 +243,7 @@ class StandardSavePlanner(SavePlanner):
                 self._encoded[key] = data
                 items.append(WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO,
                                        bytes_io_data=BytesIOWriteData(len(data), encoding)))
+        self._plain_tensor_checksums = {k: checksums[k] for k in checksums if k not in self._encoded}
         return SavePlan(items, layouts=layouts, value_checksums=checksums)
 
     def _dtensor_item(self, key: str, value: DTensor, replica_load) -> Optional[WriteItem]:
@@ -321,6 +323,11 @@ class StandardSavePlanner(SavePlanner):
         if item.type == WriteItemType.BYTE_IO:
             return self._encoded[item.index.fqn]
         return local_data(self.flat[item.index.fqn]).detach().contiguous()
+
+    def known_checksum(self, item: WriteItem) -> Optional[int]:
+        """crc32 of ``get_data(item)``'s bytes if planning already computed it (plain tensors,
+        for the cross-rank agreement check), so writers need not checksum them again."""
+        return self._plain_tensor_checksums.get(item.index.fqn) if item.type == WriteItemType.TENSOR else None
 
 
 def check_values_agree(checksums: Sequence[Dict[str, int]]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Tuple
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -15,11 +15,14 @@ class StagedData:
     """Stands in for the planner while the background thread writes: ``get_data`` serves
     the snapshot."""
 
-    def __init__(self, data: Dict[MetadataIndex, Any]) -> None:
-        self._data = data
+    def __init__(self, data: Dict[MetadataIndex, Any], checksums: Dict[MetadataIndex, int]) -> None:
+        self._data, self._checksums = data, checksums
 
     def get_data(self, item) -> Any:
         return self._data[item.index]
+
+    def known_checksum(self, item) -> Optional[int]:
+        return self._checksums.get(item.index)
 
 
 class StagingBuffers:
@@ -58,4 +61,7 @@ class StagingBuffers:
         for it in plan.items:
             if it.type == WriteItemType.BYTE_IO:
                 data[it.index] = planner.get_data(it)  # bytes serialised at plan time: a snapshot
-        return StagedData(data)
+        # Planning checksummed these bytes moments ago (same thread, before the copy).
+        known = getattr(planner, "known_checksum", None)
+        checksums = {} if known is None else {it.index: known(it) for it in tensors}
+        return StagedData(data, {index: crc for index, crc in checksums.items() if crc is not None})
