@@ -123,8 +123,7 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
     model = build_model(cfg.model, mesh=mesh, device=device, seed=t.seed,
                         mixed_precision=cfg.parallel.mixed_precision,
                         reshard_after_forward=cfg.parallel.reshard_after_forward)
-    # Sharded init draws a different amount of randomness per rank (uneven shards): re-seed so
-    # every rank holds the same generator state, which is what the checkpoint stores.
+    # Every rank starts training from the same global generator state (the checkpoint stores it).
     torch.manual_seed(t.seed + 1)
     optimizer = build_optimizer(model, cfg.optim)
     schedule = WarmupCosineSchedule(optimizer, peak_lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps,
