@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import glob
-import itertools
 import json
 import os
 import shutil
@@ -508,7 +507,7 @@ class FileSystemReader(StorageReader):
     """
 
     def __init__(self, checkpoint_dir: Optional[str] = None, *, verify: bool = False,
-                 allow_pickle: bool = False, thread_count: int = 4) -> None:
+                 allow_pickle: bool = False, thread_count: int = 1) -> None:
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
@@ -633,9 +632,11 @@ class FileSystemReader(StorageReader):
             # the gaps would cost their bytes on every rank that needs the chunk.
             buffer = dest if dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == md.dtype \
                 else torch.empty(item.lengths, dtype=md.dtype)
-            flat, run_bytes = _flat_bytes(buffer), box.run * itemsize
+            view, run_bytes, pread = memoryview(_flat_bytes(buffer)), box.run * itemsize, os.preadv
             for i, start in enumerate(box.run_starts()):
-                _read_exact(fd, flat[i * run_bytes:(i + 1) * run_bytes], info.offset + start * itemsize, path)
+                part, at = view[i * run_bytes:(i + 1) * run_bytes], info.offset + start * itemsize
+                if pread(fd, [part], at) != run_bytes:
+                    _read_exact(fd, part, at, path)  # a short read: finish it, or name the truncation
             planner.apply_tensor(item, buffer)
 
 
@@ -656,10 +657,12 @@ class _BoxGeometry:
         self.run_dim = partial[-1] if partial else 0
         self.run = numel(lengths[self.run_dim:])
 
-    def run_starts(self):
-        outer = [range(n) for n in self.lengths[:self.run_dim]]
-        for index in itertools.product(*outer):
-            yield self.first + sum(i * s for i, s in zip(index, self.strides))
+    def run_starts(self) -> List[int]:
+        """Element offset of every run, in the box's row-major order."""
+        starts = torch.tensor([self.first], dtype=torch.int64)
+        for n, stride in zip(self.lengths[:self.run_dim], self.strides[:self.run_dim]):
+            starts = (starts[:, None] + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
+        return starts.tolist()
 
 
 def verify_checkpoint(checkpoint_dir: str) -> Metadata:
