@@ -84,19 +84,22 @@ def _write_file_atomically(path: str, data: bytes, sync: bool = True) -> None:
     os.replace(tmp, path)
 
 
-def _load_start_writeback() -> Callable[[int, int, int], None]:
-    """Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``: start writing a byte range to disk
-    now, without waiting. Elsewhere a no-op (the final fsync does all the work)."""
-    libc = ctypes.CDLL(None, use_errno=True)
-    sync_file_range = getattr(libc, "sync_file_range", None)
-    if sync_file_range is None:
-        return lambda fd, offset, nbytes: None
-    sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    write = 2  # SYNC_FILE_RANGE_WRITE
-    return lambda fd, offset, nbytes: sync_file_range(fd, offset, nbytes, write)
+def _load_sync_file_range():
+    sync_file_range = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    if sync_file_range is not None:
+        sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return sync_file_range
 
 
-_start_writeback = _load_start_writeback()
+_sync_file_range = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing a just-written byte range of ``fd`` to disk without waiting (Linux
+    ``sync_file_range``; elsewhere a no-op and the final fsync does all the work)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
 
 
 def _flat_bytes(tensor: torch.Tensor):
@@ -188,7 +191,7 @@ def _write_safetensors(path: str, items: List[WriteItem], planner: SavePlanner, 
                 # Disk writes overlap the copying of the next chunks instead of all waiting
                 # for the final fsync.
                 f.flush()
-                _start_writeback(f.fileno(), offset, nbytes)
+                start_writeback(f.fileno(), offset, nbytes)
             if pending is not None:
                 crc = pending.result()
             file_crc = crc32_combine(file_crc, crc, nbytes)
