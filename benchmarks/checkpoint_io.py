@@ -2,8 +2,9 @@
 
 Runs on 2 gloo ranks (spawned here) with a sharded state of about ``--gb`` GB: parameters plus
 AdamW ``exp_avg``/``exp_avg_sq`` as ``Shard(0)`` DTensors. Per repetition, in alternating order:
-torch DCP save/load (``FileSystemWriter(sync_files=True)``) and ours (fsync on), each load from a
-cold page cache when ``/proc/sys/vm/drop_caches`` is writable (reported). Then a resharding
+torch DCP save/load (``FileSystemWriter(sync_files=True)``) and ours (fsync on), each save and
+load from a synced, cold page cache when ``/proc/sys/vm/drop_caches`` is writable (reported), so
+no run inherits the previous one's cached or dirty pages. Then a resharding
 load (saved ``Shard(0)`` -> loaded ``Shard(1)``) with the bytes each rank read (``/proc/self/io``),
 ``async_save``'s blocking time vs a sync save, and the disk's own fsynced write / cold read
 bandwidth on the same file system (the ceiling; measured before and after, best counts).
@@ -131,6 +132,8 @@ def _disk_ceiling(directory: str, nbytes_per_rank: int) -> tuple[float, float]:
     block = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8).numpy()
 
     def write(early_writeback: bool) -> None:
+        if os.path.exists(path):
+            os.remove(path)  # a fresh file each time, like a checkpoint (no truncate-and-rewrite)
         with open(path, "wb") as f:
             left, offset = nbytes_per_rank, 0
             while left > 0:
@@ -153,7 +156,7 @@ def _disk_ceiling(directory: str, nbytes_per_rank: int) -> tuple[float, float]:
             os.close(fd)
 
     total = nbytes_per_rank * WORLD
-    write_s = min(_timed(lambda: write(early))[0] for early in (False, True))
+    write_s = min(_timed(lambda: write(early), cold=True)[0] for early in (False, True))
     read_s, _ = _timed(read, cold=True)
     os.remove(path)
     return total / write_s / 1e9, total / read_s / 1e9
@@ -209,7 +212,7 @@ def _run(rank: int, port: int, args) -> None:
         for name in order:
             save_fn, load_fn, path = impls[name]
             fresh(path)
-            seconds, _ = _timed(lambda: save_fn(state))
+            seconds, _ = _timed(lambda: save_fn(state), cold=cold)
             times[name]["save"].append(seconds)
             target = _zeros_like(state)
             seconds, io = _timed(lambda: load_fn(target), cold=cold)
@@ -281,7 +284,7 @@ def _report(args, total, cold, times, read_bytes, reshard, async_results, write_
     print(f"machine: {host_platform.node()} {host_platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {WORLD} gloo ranks, 1 thread each")
     print(f"state: {gb:.3f} GB of fp32 DTensors (params + exp_avg + exp_avg_sq), Shard(0) over {WORLD} ranks")
-    print(f"loads are {'COLD (page cache dropped before each load)' if cold else 'WARM (drop_caches not permitted)'}")
+    print(f"saves and loads start {'COLD (synced, page cache dropped before each)' if cold else 'WARM (drop_caches not permitted)'}")
     print(f"disk ceiling (same file system, both ranks, fsync, best of before/after and of two write methods): "
           f"write {write_gbs:.2f} GB/s, "
           f"cold read {read_gbs:.2f} GB/s\n")
