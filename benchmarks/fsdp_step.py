@@ -61,12 +61,17 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6, help="timed steps per implementation")
     parser.add_argument("--chunk", type=int, default=2, help="consecutive steps per turn when alternating")
     parser.add_argument("--model", default="llama_50m")
+    parser.add_argument("--layers", type=int, help="override the model's number of blocks (groups)")
     parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--json", help="also write the results to this file (rank 0)")
     parser.add_argument("--profile", action="store_true",
                         help="print rank 0's torch.profiler op table for one extra step of each")
     return parser.parse_args(argv)
+
+
+def _layer_override(args: argparse.Namespace) -> dict:
+    return {} if args.layers is None else {"n_layers": args.layers}
 
 
 def _wrap(model: torch.nn.Module, shard_fn: Callable, mesh) -> torch.nn.Module:
@@ -172,7 +177,7 @@ def run(args: argparse.Namespace) -> Dict[str, ImplResult]:
     else:
         mesh = hp.init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    reference = build_llama(args.model, max_seq_len=args.seq)
+    reference = build_llama(args.model, max_seq_len=args.seq, **_layer_override(args))
     vocab = reference.cfg.vocab_size
     tokens = torch.randint(0, vocab, (args.batch, args.seq + 1),
                            generator=torch.Generator().manual_seed(1000 + dist.get_rank()))
@@ -202,7 +207,8 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
     torch_r, ours_r = results["torch"], results["ours"]
     mb = 2**20
     layout = "HSDP 2x2" if args.hsdp else f"FSDP {dist.get_world_size()}"
-    print(f"\n{args.model}, {layout} gloo ranks, batch {args.batch}/rank x seq {args.seq}, "
+    blocks = f" ({args.layers} blocks)" if args.layers is not None else ""
+    print(f"\n{args.model}{blocks}, {layout} gloo ranks, batch {args.batch}/rank x seq {args.seq}, "
           f"{len(torch_r.step_times_s)} timed steps each (alternating, chunks of {args.chunk})")
     print(f"{'':16}{'median step s':>14}{'min..max s':>16}{'median CPU s':>14}{'peak step MB':>14}"
           f"{'resident MB':>13}{'loss@1':>12}{'loss@2':>12}")
