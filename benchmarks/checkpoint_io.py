@@ -124,12 +124,15 @@ def _tensor_bytes(state) -> int:
     return 0
 
 
+_PROBE_BLOCK = 8 << 20
+
+
 def _disk_ceiling(directory: str, nbytes_per_rank: int) -> tuple[float, float]:
     """Both ranks write (fsync) then cold-read ``nbytes_per_rank`` each; aggregate GB/s. The
-    write is timed twice: write-then-fsync, and with writeback started after every 64 MiB
-    block (as our writer does); the faster counts."""
+    write is timed twice: write-then-fsync, and with writeback started after every block (as
+    our writer does); the faster counts. 8 MiB blocks: the size of one chunk of the state."""
     path = os.path.join(directory, f"disk_probe_{dist.get_rank()}.bin")
-    block = torch.randint(0, 255, (64 << 20,), dtype=torch.uint8).numpy()
+    block = torch.randint(0, 255, (_PROBE_BLOCK,), dtype=torch.uint8).numpy()
 
     def write(early_writeback: bool) -> None:
         if os.path.exists(path):
@@ -146,7 +149,7 @@ def _disk_ceiling(directory: str, nbytes_per_rank: int) -> tuple[float, float]:
             os.fsync(f.fileno())
 
     def read() -> None:
-        buffer = bytearray(64 << 20)
+        buffer = bytearray(b"\1" * _PROBE_BLOCK)  # pages already touched, like a live tensor
         fd = os.open(path, os.O_RDONLY)
         try:
             offset = 0
