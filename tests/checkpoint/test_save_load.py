@@ -378,3 +378,23 @@ def test_stateful_values_are_saved_and_restored(tmp_path, save_fn):
     for a, b in zip(model.parameters(), target_model.parameters()):
         for name in ("exp_avg", "exp_avg_sq", "step"):
             assert torch.equal(optim.state[a][name], target_optim.state[b][name]), name
+
+
+class DoublingPlanner(hdcp.StandardSavePlanner):
+    """Serves other bytes than the state holds: the planning-time checksum must not be reused."""
+
+    def get_data(self, item):
+        data = super().get_data(item)
+        return data * 2 if isinstance(data, torch.Tensor) else data
+
+
+@pytest.mark.parametrize("planner_type", [hdcp.StandardSavePlanner, DoublingPlanner])
+def test_plain_tensor_checksums_match_the_written_bytes(tmp_path, planner_type):
+    path = str(tmp_path / "ckpt")
+    state = {"w": torch.arange(12, dtype=torch.float32).view(3, 4), "step": 3}
+    hdcp.save(state, checkpoint_id=path, no_dist=True, planner=planner_type())
+    hdcp.verify_checkpoint(path)
+    target = {"w": torch.zeros(3, 4), "step": 0}
+    hdcp.load(target, checkpoint_id=path, no_dist=True, verify=True)
+    factor = 2 if planner_type is DoublingPlanner else 1
+    assert torch.equal(target["w"], state["w"] * factor) and target["step"] == 3

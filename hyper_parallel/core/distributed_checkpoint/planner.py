@@ -327,6 +327,8 @@ class StandardSavePlanner(SavePlanner):
     def known_checksum(self, item: WriteItem) -> Optional[int]:
         """crc32 of ``get_data(item)``'s bytes if planning already computed it (plain tensors,
         for the cross-rank agreement check), so writers need not checksum them again."""
+        if type(self).get_data is not StandardSavePlanner.get_data:
+            return None  # a subclass may serve other bytes than the ones checksummed
         return self._plain_tensor_checksums.get(item.index.fqn) if item.type == WriteItemType.TENSOR else None
 
 
