@@ -85,7 +85,10 @@ def _write_file_atomically(path: str, data: bytes, sync: bool = True) -> None:
 
 
 def _load_sync_file_range():
-    sync_file_range = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    try:
+        sync_file_range = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    except (OSError, TypeError):  # no C library handle for this process (e.g. Windows)
+        return None
     if sync_file_range is not None:
         sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
     return sync_file_range
