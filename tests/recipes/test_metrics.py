@@ -1,8 +1,8 @@
 """Rank-0 metrics: JSON lines, console progress, and nothing from other ranks."""
 
-import importlib.util
 import io
 import json
+import sys
 
 import pytest
 
@@ -36,7 +36,22 @@ def test_other_ranks_write_nothing(tmp_path):
     assert console.getvalue() == "" and not (tmp_path / "out").exists()
 
 
-@pytest.mark.skipif(importlib.util.find_spec("tensorboard") is not None, reason="tensorboard is installed")
-def test_tensorboard_without_the_package_is_a_clear_error(tmp_path):
+def test_tensorboard_without_the_package_is_a_clear_error(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "torch.utils.tensorboard", None)  # makes the import fail
     with pytest.raises(RuntimeError, match="needs the 'tensorboard' package"):
         MetricsLogger(str(tmp_path), total_steps=1, is_main=True, tensorboard=True)
+
+
+def test_tensorboard_scalars_are_written(tmp_path):
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    log = MetricsLogger(str(tmp_path), total_steps=3, is_main=True, tensorboard=True, stream=io.StringIO())
+    for step in range(1, 4):
+        log.log_step(_record(step))
+    log.close()
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    losses = [(e.step, e.value) for e in events.Scalars("loss")]
+    assert losses == [(step, pytest.approx(2.0 / step)) for step in range(1, 4)]
+    assert {"lr", "tokens_per_s", "grad_norm"} <= set(events.Tags()["scalars"])
