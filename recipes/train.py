@@ -46,7 +46,8 @@ def main(argv: list[str]) -> int:
     try:
         run_training(cfg, dims, platform)
     except ConfigError as err:
-        # Found during setup, identically on every rank; skip process-group teardown.
+        # Bad data or config found after start-up (possibly on this rank only): one readable
+        # line and exit; torchrun stops the other ranks. No process-group teardown (it could wait).
         os._exit(_fail(str(err)))
     dist.destroy_process_group()
     return 0

@@ -180,7 +180,11 @@ def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Run
 
 def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     """Steps ``step+1 .. training.steps`` with metrics and checkpoints; stops early (after a
-    final checkpoint) when any rank got SIGTERM."""
+    final checkpoint) when any rank got SIGTERM.
+
+    Raises:
+        ConfigError: the data yields an invalid batch (e.g. a token id >= vocab_size).
+    """
     t, platform = job.cfg.training, job.platform
     summary = RunSummary(start_step=step, end_step=step, loss_floor=job.loss_floor)
     tokens_per_step = t.global_batch_size * t.seq_len
@@ -188,7 +192,10 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     while step < t.steps:
         step_start = time.perf_counter()
         platform.reset_peak_memory()
-        batch = job.loader.next_batch().to(job.device)
+        try:
+            batch = job.loader.next_batch().to(job.device)
+        except ValueError as err:  # e.g. a token id outside the vocabulary, deep in a data file
+            raise ConfigError(f"data={job.cfg.data.kind}, step {step + 1}: {err}") from None
         lr = job.schedule.step()
         result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
                             max_grad_norm=t.max_grad_norm)

@@ -199,3 +199,13 @@ def test_bad_configs_fail_fast_and_readably(tmp_path):
                    f"data.paths={tmp_path}/nope.txt"], timeout=60)
     assert missing.returncode == 2 and "no such data file" in missing.stderr, missing.stderr
     no_traceback_from_the_recipe(missing.stderr)
+    # Found mid-run: a token id beyond the vocabulary late in a token file.
+    tokens = np.zeros(4000, dtype=np.uint16)
+    tokens[-100:] = 300  # llama_debug's vocab_size is 256
+    tokens.tofile(tmp_path / "tokens.bin")
+    out_of_vocab = run([sys.executable, "recipes/train.py", f"output_dir={tmp_path}/oov", *TINY,
+                        "data=tokens", f"data.path={tmp_path / 'tokens.bin'}", "data.dtype=uint16",
+                        "training.steps=50"], timeout=90)
+    assert out_of_vocab.returncode == 2, out_of_vocab.stderr
+    assert "token id 300 is outside the model's vocab_size=256" in out_of_vocab.stderr, out_of_vocab.stderr
+    no_traceback_from_the_recipe(out_of_vocab.stderr)
