@@ -21,7 +21,6 @@ import datetime
 import os
 import platform as host_platform
 import shutil
-import socket
 import statistics
 import time
 from typing import Callable, Dict, List
@@ -35,6 +34,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import hyper_parallel.checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.filesystem import start_writeback
+from hyper_parallel.platform import free_port
 
 WORLD = 2
 ROWS, COLS = 4096, 1024  # one parameter: 16 MiB in fp32
@@ -323,19 +323,13 @@ def _report(args, total, cold, times, read_bytes, reshard, async_results, write_
     print("\n(goal for ours: < 10%)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="total state size in GB")
     parser.add_argument("--reps", type=int, default=3, help="save+load repetitions per implementation")
     parser.add_argument("--dir", default="/tmp/hp_ckpt_bench", help="scratch directory (deleted afterwards)")
     args = parser.parse_args()
-    mp.spawn(_run, args=(_free_port(), args), nprocs=WORLD, join=True)
+    mp.spawn(_run, args=(free_port(), args), nprocs=WORLD, join=True)
 
 
 if __name__ == "__main__":

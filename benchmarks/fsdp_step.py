@@ -17,7 +17,6 @@ import ctypes
 import gc
 import json
 import os
-import socket
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -32,6 +31,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import hyper_parallel as hp
 from hyper_parallel.models import build_llama
+from hyper_parallel.platform import free_port
 
 IMPLS = ("torch", "ours")
 _SHARD_FNS = {"torch": lambda: torch_fully_shard, "ours": lambda: hp.fully_shard}
@@ -260,11 +260,8 @@ def main(argv=None) -> None:
     if "WORLD_SIZE" in os.environ:  # torchrun
         _main_in_group(args)
         return
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     world = 4 if args.hsdp else 2
-    mp.spawn(_spawned, args=(world, port, args), nprocs=world, join=True)
+    mp.spawn(_spawned, args=(world, free_port(), args), nprocs=world, join=True)
 
 
 if __name__ == "__main__":

@@ -11,23 +11,18 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
-import socket
 import time
 import traceback
 from multiprocessing.connection import wait
 from typing import Any, Callable, List
+
+from hyper_parallel.platform import free_port
 
 _SPAWN = mp.get_context("spawn")
 
 
 class RankError(AssertionError):
     """A rank raised; the message holds its traceback."""
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world_size: int, port: int, conn) -> None:
@@ -72,7 +67,7 @@ class RankPool:
         self._conns: List[Any] = []
 
     def _start(self, timeout: float = 120.0) -> None:
-        port = _free_port()
+        port = free_port()
         for rank in range(self.world_size):
             parent, child = _SPAWN.Pipe()
             proc = _SPAWN.Process(

@@ -6,9 +6,10 @@ Everything in hyper_parallel asks this layer which device it runs on instead of 
 
 from hyper_parallel.platform.platform import (
     Platform,
+    free_port,
     get_platform,
     init_distributed,
     reset_platform,
 )
 
-__all__ = ["Platform", "get_platform", "init_distributed", "reset_platform"]
+__all__ = ["Platform", "free_port", "get_platform", "init_distributed", "reset_platform"]

@@ -7,6 +7,7 @@ import importlib
 import importlib.util
 import os
 import resource
+import socket
 from dataclasses import dataclass
 from typing import Optional
 
@@ -144,7 +145,7 @@ def init_distributed(timeout_s: float = 600.0) -> Platform:
     platform.set_device()
     if "WORLD_SIZE" not in os.environ:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if not 0 <= rank < world:
@@ -178,9 +179,8 @@ def _per_attempt_agent_store(world: int, timeout: datetime.timedelta) -> Optiona
     return dist.PrefixStore(f"hyper_parallel/attempt{attempt}", agent_store)
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port() -> int:
+    """A TCP port on loopback that is free right now (for rendezvous on one machine)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

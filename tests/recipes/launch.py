@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -25,12 +24,6 @@ TINY = [
 def env() -> Dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1", "HYPER_PARALLEL_DEVICE": "cpu",
             "PYTHONPATH": REPO, "PYTHONUNBUFFERED": "1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def torchrun_cmd(nproc: int, overrides: Sequence[str], *, extra: Sequence[str] = ()) -> List[str]:

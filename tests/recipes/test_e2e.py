@@ -17,10 +17,11 @@ from safetensors.torch import load_file, save_file
 
 from hyper_parallel.checkpoint import CheckpointManager, ModelState, is_checkpoint
 from hyper_parallel.models.llama import LlamaConfig, Transformer
+from hyper_parallel.platform import free_port
 from hyper_parallel.trainer import compose_config
 from hyper_parallel.trainer.loop import build_loader
 from hyper_parallel.trainer.config import llama_config
-from tests.recipes.launch import (TINY, assert_losses_match, finish, free_port, last_loss_per_step,
+from tests.recipes.launch import (TINY, assert_losses_match, finish, last_loss_per_step,
                                   read_metrics, run, start, torchrun_cmd, wait_for_step, worker_pids)
 
 STEPS = 12
