@@ -130,8 +130,15 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
     dims, relations = _relation_problems(cfg, world_size, bad=set(problems))
     listing = list(problems.values()) + relations
     if listing:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(listing))
+        raise ConfigError(problems_message("invalid configuration", listing))
     return dims
+
+
+def problems_message(header: str, problems: Sequence[str]) -> str:
+    """One problem on one line; several as ``header:`` and one ``- problem`` line each."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{header}:\n  - " + "\n  - ".join(problems)
 
 
 def _relation_problems(cfg: DictConfig, world_size: int, bad: Set[str]) -> tuple[Optional[ParallelDims], List[str]]:

@@ -20,7 +20,7 @@ from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step
 from hyper_parallel.data import MarkovSource
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform
-from hyper_parallel.trainer.config import ConfigError, ParallelDims, llama_config
+from hyper_parallel.trainer.config import ConfigError, ParallelDims, llama_config, problems_message
 
 _GIB = 1024**3
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments.
@@ -37,7 +37,7 @@ def check_environment(cfg: DictConfig, dims: ParallelDims, *, ranks_per_node: in
     """
     problems = folder_problems(cfg) + resume_problems(cfg) + memory_problems(cfg, dims, ranks_per_node)
     if problems:
-        raise ConfigError("cannot start:\n  - " + "\n  - ".join(problems))
+        raise ConfigError(problems_message("cannot start", problems))
 
 
 def folder_problems(cfg: DictConfig) -> List[str]:
@@ -143,16 +143,15 @@ def memory_problems(cfg: DictConfig, dims: ParallelDims, ranks_per_node: int) ->
              f"{_gib(est.gathered)}, logits {_gib(est.logits)}, RoPE tables {_gib(est.rope)}"
              + (f", synthetic chain {_gib(est.data)}" if est.data else ""))
     need_host = ranks_per_node * (est.data + (0 if on_accelerator else est.device_bytes))
+    fix = ("; make the model, the micro-batch (training.global_batch_size / ranks / "
+           "training.grad_accum_steps) or model.max_seq_len smaller, or shard over more ranks")
     problems = []
     if on_accelerator and est.device_bytes > device:
         problems.append(f"the job needs at least {_gib(est.device_bytes)} per accelerator ({parts}) "
-                        f"but one has {_gib(device)}")
+                        f"but one has {_gib(device)}{fix}")
     if host is not None and need_host > host:
         problems.append(f"the job needs at least {_gib(need_host)} of host memory for {ranks_per_node} "
-                        f"rank(s) on this machine ({parts}) but {_gib(host)} is available")
-    if problems:
-        problems.append("make the model, micro-batch (training.global_batch_size, "
-                        "training.grad_accum_steps) or max_seq_len smaller, or shard over more ranks")
+                        f"rank(s) on this machine ({parts}) but {_gib(host)} is available{fix}")
     return problems
 
 
