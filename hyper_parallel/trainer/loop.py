@@ -62,9 +62,11 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
         logits = model(micro[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
+        # The loss in at least fp32 (bf16 logits are upcast; a float64 model stays float64).
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten())
         (loss / grad_accum_steps).backward()
-        loss_sum += loss.detach()
+        loss_sum = loss_sum + loss.detach()
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = hp.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()

@@ -3,6 +3,7 @@ same point (no hang), the ranks that found the problem report it, the others sta
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.checkpoint import CheckpointManager, ModelState, load
+from hyper_parallel.data import TokenWindows
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import compose_config, run_training, validate_config
@@ -39,6 +41,29 @@ def test_a_bad_token_on_one_rank_is_reported_by_that_rank_only(tmp_path):
     assert reports[1].startswith("(rank 1 of 2) data=tokens: ") and "token id 300 is outside" in reports[1]
     assert "token 3,900 of 4,000" in reports[1]
     assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")  # found before the first step
+
+
+def _train_without_upfront_validation(overrides):
+    """As _train, with the pre-training scan off: the batch check inside the loop must catch it."""
+    original = TokenWindows.validate
+    TokenWindows.validate = lambda self, part, parts: None
+    try:
+        return _train(overrides)
+    finally:
+        TokenWindows.validate = original
+
+
+def test_a_bad_batch_mid_run_stops_every_rank_after_the_last_good_step(tmp_path):
+    tokens = np.zeros(4000, dtype=np.uint16)
+    tokens[3750] = 300  # in sample 117 (tokens 3744..3776): global batch 14, rank 1's half, step 15
+    tokens.tofile(tmp_path / "tokens.bin")
+    reports = run_on_ranks(2, _train_without_upfront_validation,
+                           [f"output_dir={tmp_path}/out", "data=tokens", "data.shuffle=false",
+                            f"data.path={tmp_path}/tokens.bin", "training.steps=20"], timeout=120)
+    assert reports[0] is None
+    assert reports[1].startswith("(rank 1 of 2) data=tokens, step 15: ") and "token id 300" in reports[1], reports
+    steps = [json.loads(line)["step"] for line in open(tmp_path / "out" / "metrics.jsonl")]
+    assert steps == list(range(1, 15))
 
 
 def test_the_first_token_out_of_range_is_found_before_training(tmp_path):
