@@ -141,7 +141,8 @@ def problems_message(header: str, problems: Sequence[str]) -> str:
     return f"{header}:\n  - " + "\n  - ".join(problems)
 
 
-def _relation_problems(cfg: DictConfig, world_size: int, bad: Set[str]) -> tuple[Optional[ParallelDims], List[str]]:
+def _relation_problems(cfg: DictConfig, world_size: int,
+                       bad: Set[str]) -> tuple[Optional[ParallelDims], List[str]]:
     """Checks between keys, each made only when the keys it reads passed the schema."""
     def valid(*keys: str) -> bool:
         return not bad.intersection(keys)

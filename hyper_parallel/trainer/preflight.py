@@ -21,8 +21,8 @@ from hyper_parallel.data import MarkovSource
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.config import ConfigError, ParallelDims, llama_config, problems_message
+from hyper_parallel.trainer.metrics import format_bytes
 
-_GIB = 1024**3
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments.
 _STATE_BYTES_PER_PARAM = 16
 
@@ -139,21 +139,19 @@ def memory_problems(cfg: DictConfig, dims: ParallelDims, ranks_per_node: int) ->
     est = estimate_memory(cfg, dims)
     host, device = available_memory()
     on_accelerator = device is not None and cfg.training.device == "auto"
-    parts = (f"{est.parameters:,} parameters: model state {_gib(est.model_state)}, gathered root "
-             f"{_gib(est.gathered)}, logits {_gib(est.logits)}, RoPE tables {_gib(est.rope)}"
-             + (f", synthetic chain {_gib(est.data)}" if est.data else ""))
+    fb = format_bytes
+    parts = (f"{est.parameters:,} parameters: model state {fb(est.model_state)}, gathered root "
+             f"{fb(est.gathered)}, logits {fb(est.logits)}, RoPE tables {fb(est.rope)}"
+             + (f", synthetic chain {fb(est.data)}" if est.data else ""))
     need_host = ranks_per_node * (est.data + (0 if on_accelerator else est.device_bytes))
     fix = ("; make the model, the micro-batch (training.global_batch_size / ranks / "
            "training.grad_accum_steps) or model.max_seq_len smaller, or shard over more ranks")
     problems = []
     if on_accelerator and est.device_bytes > device:
-        problems.append(f"the job needs at least {_gib(est.device_bytes)} per accelerator ({parts}) "
-                        f"but one has {_gib(device)}{fix}")
+        problems.append(f"the job needs at least {fb(est.device_bytes)} per accelerator ({parts}) "
+                        f"but one has {fb(device)}{fix}")
     if host is not None and need_host > host:
-        problems.append(f"the job needs at least {_gib(need_host)} of host memory for {ranks_per_node} "
-                        f"rank(s) on this machine ({parts}) but {_gib(host)} is available{fix}")
+        problems.append(f"the job needs at least {fb(need_host)} of host memory for {ranks_per_node} "
+                        f"rank(s) on this machine ({parts}) but {fb(host)} is available{fix}")
     return problems
 
-
-def _gib(n: int) -> str:
-    return f"{n / _GIB:,.1f} GiB" if n >= _GIB / 10 else f"{n / 1024**2:,.1f} MiB"
