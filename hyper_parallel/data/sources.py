@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 _TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+_SCAN_CHUNK = 1 << 24  # token ids read at once when validating a token array
 
 
 class TokenSource(Protocol):
@@ -25,6 +26,13 @@ class TokenSource(Protocol):
     num_samples: Optional[int]
 
     def samples(self, indices: Sequence[int]) -> torch.Tensor: ...
+
+    def validate(self, part: int, parts: int) -> None:
+        """Check part ``part`` of ``parts`` of the data (each rank checks one) before training.
+
+        Raises:
+            ValueError: the data cannot feed the model (e.g. a token id >= vocab_size).
+        """
 
 
 class MarkovSource:
@@ -65,22 +73,30 @@ class MarkovSource:
             tokens[:, t] = self.successors[current, np.minimum(choice, self.successors.shape[1] - 1)]
         return torch.from_numpy(tokens)
 
+    @staticmethod
+    def memory_bytes(vocab_size: int, branching: int) -> int:
+        """Bytes of the chain's tables (successors, probabilities, their running sums)."""
+        return 3 * 8 * vocab_size * branching
+
+    def validate(self, part: int, parts: int) -> None:
+        """Nothing to check: every token of the chain is below ``vocab_size`` by construction."""
+
     def loss_floor(self) -> float:
         """Exact expected cross-entropy (nats/token) of the Bayes-optimal next-token predictor.
 
         Target ``t+1`` depends only on token ``t``; its best loss is the entropy of that token's
         transition row, averaged over the marginal of token ``t`` (uniform at ``t=0``, then
-        pushed through the chain).
+        pushed through the sparse chain: O(vocab_size x branching) memory and time per step).
         """
         with np.errstate(divide="ignore", invalid="ignore"):
             row_entropy = -np.nansum(np.where(self.probs > 0, self.probs * np.log(self.probs), 0.0), axis=1)
-        transition = np.zeros((self.vocab_size, self.vocab_size))
-        np.add.at(transition, (np.arange(self.vocab_size)[:, None], self.successors), self.probs)
+        successors = self.successors.ravel()
         marginal = np.full(self.vocab_size, 1.0 / self.vocab_size)
         total = 0.0
         for _ in range(self.seq_len):
             total += float(marginal @ row_entropy)
-            marginal = marginal @ transition
+            marginal = np.bincount(successors, weights=(marginal[:, None] * self.probs).ravel(),
+                                   minlength=self.vocab_size)
         return total / self.seq_len
 
 
@@ -94,6 +110,22 @@ class TokenWindows:
             raise ValueError(
                 f"{name}: {len(tokens)} tokens are fewer than one sample of seq_len + 1 = {seq_len + 1}"
             )
+
+    def validate(self, part: int, parts: int) -> None:
+        """Every token id in part ``part`` of ``parts`` of the array is below ``vocab_size``.
+
+        Raises:
+            ValueError: naming the first id out of range and its position.
+        """
+        n = len(self.tokens)
+        end = n * (part + 1) // parts
+        for start in range(n * part // parts, end, _SCAN_CHUNK):
+            chunk = np.asarray(self.tokens[start:min(start + _SCAN_CHUNK, end)])
+            bad = np.flatnonzero(chunk >= self.vocab_size)
+            if bad.size:
+                i = start + int(bad[0])
+                raise ValueError(f"{self.name}: token id {int(chunk[bad[0]])} is outside the model's "
+                                 f"vocab_size={self.vocab_size} (token {i:,} of {n:,})")
 
     def samples(self, indices: Sequence[int]) -> torch.Tensor:
         rows = [np.asarray(self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1], dtype=np.int64)
@@ -180,9 +212,10 @@ def build_source(kind: str, *, seq_len: int, vocab_size: int, seed: int, **optio
         _reject_unknown(kind, options)
         return TokenWindows(tokens, seq_len, vocab_size, name="text")
     if kind == "tokens":
-        tokens = read_token_file(options.pop("path"), options.pop("dtype", "uint16"))
+        path = options.pop("path")
+        tokens = read_token_file(path, options.pop("dtype", "uint16"))
         _reject_unknown(kind, options)
-        return TokenWindows(tokens, seq_len, vocab_size, name="tokens")
+        return TokenWindows(tokens, seq_len, vocab_size, name=str(path))
     raise ValueError(f"unknown data kind {kind!r}; expected synthetic, text or tokens")
 
 
