@@ -106,6 +106,8 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
     if missing:
         raise ConfigError("required value(s) not set: " + ", ".join(missing)
                           + " (pass them as overrides, e.g. " + missing[0] + "=...)")
+    from hyper_parallel.trainer.config_extras import extra_problems
+
     problems: List[str] = []
     dims = None
     try:
@@ -146,6 +148,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
     if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
         problems.append("logging.tensorboard=true needs the 'tensorboard' package "
                         "(pip install tensorboard), or set logging.tensorboard=false")
+    problems += extra_problems(cfg)  # data splits, eval, profiling, operations (config_extras.py)
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     return dims

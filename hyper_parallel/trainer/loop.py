@@ -13,23 +13,23 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hyper_parallel.data import DistributedBatchLoader, build_source
+from hyper_parallel.data import DistributedBatchLoader
 from hyper_parallel.platform import Platform
-from hyper_parallel.trainer.config import ConfigError, ParallelDims
+from hyper_parallel.trainer import operations
+from hyper_parallel.trainer.config import ConfigError, ParallelDims, llama_config
+from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.metrics import MetricsLogger
+from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 from hyper_parallel.trainer.state import RNGState, StopRequest, all_reduce_sum, training_state
 
 
 def build_loader(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int) -> DistributedBatchLoader:
-    """The data loader of this rank, from the ``data`` and ``training`` config."""
-    options = OmegaConf.to_container(cfg.data, resolve=True)
-    kind, shuffle = options.pop("kind"), options.pop("shuffle", False)
-    source = build_source(kind, seq_len=cfg.training.seq_len, vocab_size=vocab_size,
-                          seed=cfg.training.seed, **options)
-    return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank,
-                                  dp_size=dp_size, seed=cfg.training.seed, shuffle=shuffle)
+    """The data loader of this rank (the training split), from the ``data`` and ``training`` config."""
+    source = build_sources(cfg, vocab_size, with_val=False).train
+    return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                  seed=cfg.training.seed, shuffle=bool(cfg.data.get("shuffle", False)))
 
 
 def build_optimizer(model: nn.Module, optim_cfg: DictConfig) -> torch.optim.Optimizer:
@@ -86,6 +86,9 @@ class TrainingJob:
     state: Dict[str, Any]
     log: MetricsLogger
     loss_floor: Optional[float]
+    throughput: Throughput
+    evaluator: Optional[Evaluator] = None
+    profiler: Optional[ProfilerWindow] = None
 
 
 @dataclass
@@ -97,6 +100,7 @@ class RunSummary:
     losses: List[float] = field(default_factory=list)
     loss_floor: Optional[float] = None
     stopped_by_signal: bool = False
+    stop_reason: Optional[str] = None  # SIGTERM, time limit or stop_after_steps
     wall_time_s: float = 0.0
     tokens_per_s: float = 0.0
 
@@ -116,9 +120,17 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
     device = platform.current_device() if t.device == "auto" else torch.device("cpu")
     torch.manual_seed(t.seed)
     try:
-        loader = build_loader(cfg, cfg.model.vocab_size, dp_rank=rank, dp_size=dims.dp_size)
+        sources = build_sources(cfg, cfg.model.vocab_size, with_val=cfg.eval.every > 0)
+        loader = DistributedBatchLoader(sources.train, t.global_batch_size, dp_rank=rank, dp_size=dims.dp_size,
+                                        seed=t.seed, shuffle=bool(cfg.data.get("shuffle", False)))
+        evaluator = None if sources.val is None else Evaluator(
+            sources.val, global_batch_size=t.global_batch_size, dp_rank=rank, dp_size=dims.dp_size,
+            every=cfg.eval.every, steps=cfg.eval.steps, device=device)
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise ConfigError(f"data={cfg.data.kind}: {err}") from None
+    p = cfg.profiling
+    profiler = ProfilerWindow(p.folder, rank=rank, start=p.start_step, steps=p.steps, platform=platform,
+                              memory_snapshot=p.memory_snapshot) if p.enable else None
     mesh = build_mesh(dims, device.type)
     model = build_model(cfg.model, mesh=mesh, device=device, seed=t.seed,
                         mixed_precision=cfg.parallel.mixed_precision,
@@ -139,6 +151,10 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
         optimizer=optimizer, schedule=schedule, loader=loader, manager=manager,
         state=training_state(model, optimizer, schedule, loader, RNGState(platform.device_module)),
         log=log, loss_floor=getattr(loader.source, "loss_floor", lambda: None)(),
+        throughput=Throughput(llama_config(cfg.model), seq_len=t.seq_len,
+                              tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.dp_size,
+                              peak=peak_tflops(platform, t.peak_tflops)),
+        evaluator=evaluator, profiler=profiler,
     )
 
 
@@ -158,9 +174,12 @@ def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Run
         ConfigError: see :func:`build_job`.
     """
     job = build_job(cfg, dims, platform)
-    step = (job.manager.load_latest(job.state) if cfg.checkpoint.resume else None) or 0
+    plan = operations.plan_load(cfg.checkpoint, list(job.state))
+    if plan is not None:
+        operations.load(plan, job.state)
+    step = plan.start_step if plan is not None else 0
     job.log.print(describe(job))
-    job.log.print(f"resumed from {cfg.checkpoint.folder}/step-{step}" if step else "starting from scratch")
+    job.log.print(plan.description if plan is not None else "starting from scratch")
     if step >= cfg.training.steps:
         job.log.print(f"the latest checkpoint is at step {step} >= training.steps={cfg.training.steps}: "
                       "nothing to train")
@@ -173,14 +192,17 @@ def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Run
         summary = train_loop(job, step, stop)
     finally:
         stop.uninstall()
+        if job.profiler is not None:
+            job.profiler.close()
     job.log.print(format_summary(summary, cfg))
     job.log.close()
     return summary
 
 
 def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
-    """Steps ``step+1 .. training.steps`` with metrics and checkpoints; stops early (after a
-    final checkpoint) when any rank got SIGTERM.
+    """Steps ``step+1 .. training.steps`` with metrics, evaluation and checkpoints; stops early
+    (after a final checkpoint) when any rank got SIGTERM or ran out of time, or after
+    ``training.stop_after_steps``.
 
     Raises:
         ConfigError: the data yields an invalid batch (e.g. a token id >= vocab_size).
@@ -189,7 +211,11 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     summary = RunSummary(start_step=step, end_step=step, loss_floor=job.loss_floor)
     tokens_per_step = t.global_batch_size * t.seq_len
     started = time.perf_counter()
+    limits = operations.StopRule(start_step=step, stop_after_steps=t.stop_after_steps,
+                                 time_limit_minutes=t.time_limit_minutes)
     while step < t.steps:
+        if job.profiler is not None:
+            job.profiler.before_step(step + 1)
         step_start = time.perf_counter()
         platform.reset_peak_memory()
         try:
@@ -200,25 +226,34 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
                             max_grad_norm=t.max_grad_norm)
         step += 1
-        # One collective per step: the global mean loss, and whether any rank got SIGTERM.
-        flag = torch.tensor(stop.as_tensor_value, device=job.device)
-        loss_sum, stop_votes = all_reduce_sum(torch.stack([result["loss"], flag])).tolist()
+        # One collective per step: the global mean loss, and whether any rank got SIGTERM or
+        # ran out of time.
+        out_of_time = limits.out_of_time(time.perf_counter() - step_start)
+        flags = torch.tensor([stop.as_tensor_value, float(out_of_time)], device=job.device)
+        loss_sum, stop_votes, time_votes = all_reduce_sum(torch.cat([result["loss"][None], flags])).tolist()
         loss = loss_sum / job.dims.dp_size
         step_time = time.perf_counter() - step_start
         record: Dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": float(result["grad_norm"]),
             "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-            "memory_bytes": platform.peak_memory_bytes(),
+            **job.throughput.record(step_time), **memory_record(platform),
         }
         if job.loss_floor is not None:
             record["loss_floor"] = job.loss_floor
+        if job.evaluator is not None and job.evaluator.due(step, t.steps):
+            record.update(job.evaluator.evaluate(job.model))
+        if job.profiler is not None and (trace := job.profiler.after_step(step)):
+            job.log.print(f"profiler: rank 0 trace {trace}")
         job.log.log_step(record, memory_bytes=record["memory_bytes"])
         summary.losses.append(loss)
-        stopping = stop_votes > 0
-        job.manager.save(step, job.state, force=step == t.steps or stopping)
-        if stopping:
-            summary.stopped_by_signal = True
-            job.log.print(f"SIGTERM: saved a final checkpoint at step {step}, stopping")
+        reason = ("SIGTERM" if stop_votes > 0 else "time limit" if time_votes > 0
+                  else "stop_after_steps" if limits.steps_done(step) else None)
+        last = step == t.steps
+        job.manager.save(step, operations.final_state(job.cfg.checkpoint, job.state) if last else job.state,
+                         force=last or reason is not None)
+        if reason is not None and not last:
+            summary.stopped_by_signal, summary.stop_reason = reason == "SIGTERM", reason
+            job.log.print(f"{reason}: saved a final checkpoint at step {step}, stopping")
             break
     job.manager.wait()
     summary.end_step = step
