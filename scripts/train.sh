@@ -10,6 +10,7 @@
 #                      restarted job resumes from the latest checkpoint by itself
 #   RECIPE [recipes/train.py]
 #   TORCHRUN [torchrun from .venv if present, else from PATH]
+#   DRY_RUN            set: print the torchrun command line instead of running it
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -28,5 +29,9 @@ else
               --rdzv_id="${RDZV_ID:-hyper_parallel}")
 fi
 
+if [[ -n "${DRY_RUN:-}" ]]; then  # print the command line (one line, shell-quoted) instead
+  printf '%q ' "$TORCHRUN" --nnodes="$NNODES" --nproc_per_node="$NPROC" "${rendezvous[@]}" \
+    --max-restarts="$MAX_RESTARTS" "$RECIPE" "$@"; echo; exit 0
+fi
 exec "$TORCHRUN" --nnodes="$NNODES" --nproc_per_node="$NPROC" "${rendezvous[@]}" \
   --max-restarts="$MAX_RESTARTS" "$RECIPE" "$@"
