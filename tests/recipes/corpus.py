@@ -48,3 +48,11 @@ def write_corpus(docs: List[str], folder: str) -> List[str]:
     pq.write_table(pa.table({"text": docs[third:], "n": list(range(len(docs) - third))}),
                    os.path.join(folder, "c.parquet"), row_group_size=5)
     return docs
+
+
+def make_corpus(root: str) -> tuple[List[str], str, str]:
+    """``(documents, tokenizer.json path, corpus folder)`` under ``root``."""
+    docs = documents()
+    tokenizer = train_tokenizer(docs, os.path.join(root, "tokenizer.json"))
+    write_corpus(docs, os.path.join(root, "text"))
+    return docs, tokenizer, os.path.join(root, "text")

@@ -19,7 +19,7 @@ from hyper_parallel.models.llama import LlamaConfig, Transformer, apply_rope, ro
 from hyper_parallel.trainer import ConfigError, compose_config, validate_config
 from hyper_parallel.trainer.observability import flops_per_token, matmul_params
 from hyper_parallel.trainer.operations import StopRule
-from tests.recipes.corpus import MODEL_VOCAB, VOCAB, documents, train_tokenizer, write_corpus
+from tests.recipes.corpus import MODEL_VOCAB, VOCAB, make_corpus
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -34,9 +34,7 @@ def _script(name):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
-    docs = documents()
-    tokenizer = train_tokenizer(docs, str(root / "tokenizer.json"))
-    write_corpus(docs, str(root / "text"))
+    docs, tokenizer, _ = make_corpus(str(root))
     return root, docs, tokenizer
 
 

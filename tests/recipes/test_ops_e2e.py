@@ -23,7 +23,7 @@ from hyper_parallel.trainer import compose_config
 from hyper_parallel.trainer.config import llama_config
 from hyper_parallel.trainer.loop import build_loader
 from hyper_parallel.trainer.schedule import warmup_cosine_lr
-from tests.recipes.corpus import MODEL_VOCAB, documents, train_tokenizer, write_corpus
+from tests.recipes.corpus import MODEL_VOCAB, make_corpus
 from tests.recipes.launch import (REPO, TINY, assert_losses_match, env, last_loss_per_step, read_metrics, run,
                                   start, finish, torchrun_cmd)
 
@@ -38,9 +38,7 @@ def _ok(result):
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
-    docs = documents()
-    tokenizer = train_tokenizer(docs, str(root / "tokenizer.json"))
-    write_corpus(docs, str(root / "text"))
+    _, tokenizer, _ = make_corpus(str(root))
     tokens = str(root / "tokens.bin")
     prepare_tokens([str(root / "text")], tokens, tokenizer=tokenizer, workers=2, docs_per_chunk=5)
     common = [*TINY, f"model.vocab_size={MODEL_VOCAB}", "data.val_fraction=0.15", "eval.every=4",
