@@ -87,6 +87,7 @@ class TrainingJob:
     log: MetricsLogger
     loss_floor: Optional[float]
     throughput: Throughput
+    started_at: float  # time.monotonic() when setup began (training.time_limit_minutes counts from it)
     evaluator: Optional[Evaluator] = None
     profiler: Optional[ProfilerWindow] = None
 
@@ -116,6 +117,7 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
     """
     from hyper_parallel.checkpoint import CheckpointManager
 
+    started_at = time.monotonic()
     t, rank = cfg.training, platform.rank
     device = platform.current_device() if t.device == "auto" else torch.device("cpu")
     torch.manual_seed(t.seed)
@@ -154,7 +156,7 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
         throughput=Throughput(llama_config(cfg.model), seq_len=t.seq_len,
                               tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.dp_size,
                               peak=peak_tflops(platform, t.peak_tflops)),
-        evaluator=evaluator, profiler=profiler,
+        started_at=started_at, evaluator=evaluator, profiler=profiler,
     )
 
 
@@ -212,7 +214,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     tokens_per_step = t.global_batch_size * t.seq_len
     started = time.perf_counter()
     limits = operations.StopRule(start_step=step, stop_after_steps=t.stop_after_steps,
-                                 time_limit_minutes=t.time_limit_minutes)
+                                 time_limit_minutes=t.time_limit_minutes, started_at=job.started_at)
     while step < t.steps:
         if job.profiler is not None:
             job.profiler.before_step(step + 1)
@@ -251,7 +253,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         last = step == t.steps
         job.manager.save(step, operations.final_state(job.cfg.checkpoint, job.state) if last else job.state,
                          force=last or reason is not None)
-        if reason is not None and not last:
+        if reason is not None:
             summary.stopped_by_signal, summary.stop_reason = reason == "SIGTERM", reason
             job.log.print(f"{reason}: saved a final checkpoint at step {step}, stopping")
             break

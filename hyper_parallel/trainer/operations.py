@@ -121,12 +121,15 @@ def final_state(c: DictConfig, state: Dict[str, Any]) -> Dict[str, Any]:
 
 class StopRule:
     """Early stop after ``stop_after_steps`` steps of this job, or when the next step would end
-    past ``time_limit_minutes`` of this job (measured from its start, the step time estimated
-    by the slowest step so far). The LR schedule keeps its horizon at ``training.steps``."""
+    past ``time_limit_minutes`` after ``started_at`` (``time.monotonic()``, default now; the step
+    time estimated by the slowest step so far). The LR schedule keeps its horizon at
+    ``training.steps``."""
 
-    def __init__(self, *, start_step: int, stop_after_steps: Optional[int], time_limit_minutes: Optional[float]):
+    def __init__(self, *, start_step: int, stop_after_steps: Optional[int], time_limit_minutes: Optional[float],
+                 started_at: Optional[float] = None):
         self.start_step, self.stop_after_steps = start_step, stop_after_steps
-        self.deadline = None if time_limit_minutes is None else time.monotonic() + 60.0 * time_limit_minutes
+        started_at = time.monotonic() if started_at is None else started_at
+        self.deadline = None if time_limit_minutes is None else started_at + 60.0 * time_limit_minutes
         self._slowest = 0.0
 
     def out_of_time(self, step_time_s: float) -> bool:
