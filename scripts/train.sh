@@ -10,6 +10,7 @@
 #                      restarted job resumes from the latest checkpoint by itself
 #   RECIPE [recipes/train.py]
 #   TORCHRUN [torchrun from .venv if present, else from PATH]
+#   DRY_RUN            set: print the torchrun command line instead of running it
 #   PYTHON [python from .venv if present, else python3]
 # The config is checked first (`$RECIPE --check`), so a bad config or a job that cannot fit in
 # memory fails with one line before torchrun starts any rank. A SIGTERM sent to this script
@@ -38,6 +39,10 @@ else
               --rdzv_id="${RDZV_ID:-hyper_parallel}")
 fi
 
+if [[ -n "${DRY_RUN:-}" ]]; then  # print the command line (one line, shell-quoted) instead
+  printf '%q ' "$TORCHRUN" --nnodes="$NNODES" --nproc_per_node="$NPROC" "${rendezvous[@]}" \
+    --max-restarts="$MAX_RESTARTS" "$RECIPE" "$@"; echo; exit 0
+fi
 # In the background so that this shell can take SIGTERM meanwhile. (Background commands start
 # with SIGINT ignored; torchrun installs its own handler before it starts the ranks.)
 "$TORCHRUN" --nnodes="$NNODES" --nproc_per_node="$NPROC" "${rendezvous[@]}" \

@@ -1,4 +1,4 @@
-"""Token sources: synthetic Markov chain, local text files (bytes), flat binary token files.
+"""Token sources: synthetic Markov chain, local text corpora (tokenized on load), flat token files.
 
 Every source answers ``samples(indices) -> LongTensor (len(indices), seq_len + 1)``: the
 tokens of each global sample, the same whatever process or batch asks for it.
@@ -6,12 +6,15 @@ tokens of each global sample, the same whatever process or batch asks for it.
 
 from __future__ import annotations
 
-import glob
 import os
 from typing import Optional, Protocol, Sequence
 
 import numpy as np
 import torch
+
+from hyper_parallel.data.prepare import read_sidecar
+from hyper_parallel.data.text import expand_paths, iter_documents
+from hyper_parallel.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
 
 _TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
 _SCAN_CHUNK = 1 << 24  # token ids read at once when validating a token array
@@ -138,53 +141,78 @@ class TokenWindows:
         return batch
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (vocabulary of 256); documents are joined by ``separator``."""
+def read_text_tokens(paths: str | Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
+    """Tokenize local documents (see :func:`iter_documents`) into one array, joined by the
+    tokenizer's separator (EOS).
 
-    vocab_size = 256
-
-    def __init__(self, separator: bytes = b"\n\n"):
-        self.separator = separator
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
-
-
-def _expand_paths(paths: str | Sequence[str]) -> list[str]:
-    patterns = [paths] if isinstance(paths, str) else list(paths)
-    found: list[str] = []
-    for pattern in patterns:
-        pattern = os.path.expanduser(str(pattern))
-        found.extend(sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern)
-                     else [pattern])
-    missing = [p for p in found if not os.path.isfile(p)]
-    if not found or missing:
-        raise FileNotFoundError(f"no such data file(s): {missing or patterns}")
-    return found
+    Raises:
+        ValueError: the corpus holds no text.
+    """
+    parts: list[np.ndarray] = []
+    for text in iter_documents(paths):
+        if parts:
+            parts.append(tokenizer.separator)
+        parts.append(tokenizer.encode(text))
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if not len(tokens):
+        raise ValueError(f"the corpus {paths} holds no text (0 tokens)")
+    return tokens
 
 
-def read_text_tokens(paths: str | Sequence[str], tokenizer: ByteTokenizer) -> np.ndarray:
-    """Read local text files (paths or glob patterns, in sorted order) into one byte-token array."""
-    separator = np.frombuffer(tokenizer.separator, dtype=np.uint8)
-    parts = []
-    for path in _expand_paths(paths):
-        with open(path, "rb") as f:
-            parts.extend([np.frombuffer(f.read(), dtype=np.uint8), separator])
-    return np.concatenate(parts[:-1])
+def split_windows(source: TokenWindows, val_fraction: float) -> tuple[TokenWindows, TokenWindows]:
+    """The last ``val_fraction`` of the samples (at least one) held out as a validation source.
+
+    Raises:
+        ValueError: fewer than two samples, or ``val_fraction`` not in (0, 1).
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
+    n = source.num_samples
+    n_val = max(1, round(n * val_fraction))
+    if n_val >= n:
+        raise ValueError(f"{source.name}: {n} samples cannot be split into train and validation "
+                         f"with val_fraction={val_fraction}")
+    cut = (n - n_val) * source.seq_len
+    return (TokenWindows(source.tokens[: cut + 1], source.seq_len, source.vocab_size, name=source.name),
+            TokenWindows(source.tokens[cut:], source.seq_len, source.vocab_size, name=f"{source.name} (validation)"))
 
 
 def read_token_file(path: str, dtype: str) -> np.ndarray:
     """Memory-map a flat binary file of ``uint16``/``uint32`` token ids (native byte order)."""
     if dtype not in _TOKEN_DTYPES:
         raise ValueError(f"token dtype {dtype!r} is not one of {sorted(_TOKEN_DTYPES)}")
-    (path,) = _expand_paths(path)
+    (path,) = expand_paths(path)
     itemsize = np.dtype(_TOKEN_DTYPES[dtype]).itemsize
     if os.path.getsize(path) % itemsize:
         raise ValueError(f"{path}: size {os.path.getsize(path)} is not a multiple of {dtype} ({itemsize} bytes)")
     return np.memmap(path, dtype=_TOKEN_DTYPES[dtype], mode="r")
+
+
+def check_sidecar(path: str, dtype: str, vocab_size: int, tokenizer: Optional[str] = None) -> None:
+    """Check a token file against its ``.json`` sidecar (written by ``scripts/prepare_data.py``).
+
+    Raises:
+        ValueError: the stored dtype, token count, vocabulary or tokenizer does not match.
+    """
+    meta = read_sidecar(path)
+    if meta is None:
+        return
+    where = f"{path} (per its sidecar)"
+    if meta["dtype"] != dtype:
+        raise ValueError(f"{where} holds {meta['dtype']} ids, but data.dtype={dtype}")
+    size = os.path.getsize(path)
+    if size != meta["num_tokens"] * np.dtype(_TOKEN_DTYPES[dtype]).itemsize:
+        raise ValueError(f"{where} should hold {meta['num_tokens']} tokens but has {size} bytes "
+                         "(truncated or overwritten?)")
+    if meta["vocab_size"] > vocab_size:
+        raise ValueError(f"{where} was tokenized with {meta['vocab_size']} tokens, more than "
+                         f"model.vocab_size={vocab_size}")
+    if tokenizer not in (None, "bytes"):
+        tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
+        if os.path.isdir(tokenizer):
+            tokenizer = os.path.join(tokenizer, "tokenizer.json")
+    if tokenizer is not None and tokenizer != meta["tokenizer"]:
+        raise ValueError(f"{where} was tokenized with {meta['tokenizer']}, not data.tokenizer={tokenizer}")
 
 
 def build_source(kind: str, *, seq_len: int, vocab_size: int, seed: int, **options) -> TokenSource:
@@ -192,7 +220,8 @@ def build_source(kind: str, *, seq_len: int, vocab_size: int, seed: int, **optio
 
     Args:
         kind: ``synthetic`` (options: ``branching``, ``concentration``, ``chain_seed``), ``text``
-            (``paths``) or ``tokens`` (``path``, ``dtype``).
+            (``paths``, ``tokenizer``, ``eos_token``) or ``tokens`` (``path``, ``dtype``,
+            ``tokenizer``: checked against the file's sidecar when given).
         seq_len: tokens per sample fed to the model (each sample holds ``seq_len + 1``).
         vocab_size: the model's vocabulary; token ids must be below it.
         seed: seeds the synthetic samples (and the chain, unless ``chain_seed`` is given).
@@ -205,15 +234,15 @@ def build_source(kind: str, *, seq_len: int, vocab_size: int, seed: int, **optio
         chain_seed = options.pop("chain_seed", seed)
         return MarkovSource(vocab_size, seq_len, seed=chain_seed, sample_seed=seed, **options)
     if kind == "text":
-        tokenizer = ByteTokenizer()
-        if vocab_size < tokenizer.vocab_size:
-            raise ValueError(f"data=text needs a model vocab_size >= 256 (byte tokens), got {vocab_size}")
+        tokenizer = load_tokenizer(options.pop("tokenizer", "bytes"), options.pop("eos_token", None))
+        check_vocab(tokenizer, vocab_size)
         tokens = read_text_tokens(options.pop("paths"), tokenizer)
         _reject_unknown(kind, options)
         return TokenWindows(tokens, seq_len, vocab_size, name="text")
     if kind == "tokens":
-        path = options.pop("path")
-        tokens = read_token_file(path, options.pop("dtype", "uint16"))
+        path, dtype = options.pop("path"), options.pop("dtype", "uint16")
+        check_sidecar(path, dtype, vocab_size, options.pop("tokenizer", None))
+        tokens = read_token_file(path, dtype)
         _reject_unknown(kind, options)
         return TokenWindows(tokens, seq_len, vocab_size, name=str(path))
     raise ValueError(f"unknown data kind {kind!r}; expected synthetic, text or tokens")

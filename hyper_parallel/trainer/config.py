@@ -175,6 +175,8 @@ def _relation_problems(cfg: DictConfig, world_size: int,
     if (cfg.data.kind == "synthetic" and valid("data.branching", "model.vocab_size")
             and cfg.data.branching > m.vocab_size):
         problems.append(f"data.branching={cfg.data.branching} exceeds model.vocab_size={m.vocab_size}")
+    if cfg.checkpoint.load_only is True and not cfg.checkpoint.load_from:
+        problems.append("checkpoint.load_only=true needs checkpoint.load_from (the checkpoint to take the model from)")
     if cfg.logging.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
         problems.append("logging.tensorboard=true needs the 'tensorboard' package "
                         "(pip install tensorboard), or set logging.tensorboard=false")

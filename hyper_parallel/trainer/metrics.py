@@ -87,10 +87,15 @@ class MetricsLogger:
                 parts.append(f"(floor {record['loss_floor']:.4f})")
             parts += [f"lr {record['lr']:.2e}", f"grad_norm {record.get('grad_norm', float('nan')):.3f}",
                       f"{record['tokens_per_s']:,.0f} tok/s"]
+            if "tflops" in record:
+                parts.append(f"{record['tflops']:.3g} TFLOP/s"
+                             + (f" (MFU {record['mfu']:.1%})" if record.get("mfu") is not None else ""))
             if memory_bytes is not None:
                 parts.append(f"mem {format_bytes(memory_bytes)}")
             parts.append(f"eta {_format_duration(eta)}")
             self.print("  ".join(parts))
+        if "val_loss" in record:
+            self.print(f"eval step {step}: val_loss {record['val_loss']:.4f}  val_ppl {record['val_ppl']:.2f}")
 
     def close(self) -> None:
         if self._jsonl is not None:

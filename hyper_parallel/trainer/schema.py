@@ -25,6 +25,10 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 from omegaconf import DictConfig, ListConfig, OmegaConf
 
 SEED_MAX = 2**32 - 1  # numpy's and the loader's seed range
+# Training-state entries that checkpoint.exclude may name (the model is always loaded).
+EXCLUDABLE = ("optim", "lr_schedule", "data", "rng")
+# dtypes a model-only last checkpoint may be written in (checkpoint.export_dtype).
+EXPORT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 
 
 class Rule(ABC):
@@ -152,16 +156,18 @@ class Nullable(Rule):
 
 
 class ListOf(Rule):
-    """A list of values ``item`` accepts (of exactly ``length`` items if given; never empty)."""
+    """A list of values ``item`` accepts (of exactly ``length`` items if given; empty only if
+    ``allow_empty``)."""
 
-    def __init__(self, item: Rule, length: Optional[int] = None, *, or_single: bool = False, **kw: Any):
+    def __init__(self, item: Rule, length: Optional[int] = None, *, or_single: bool = False,
+                 allow_empty: bool = False, **kw: Any):
         super().__init__(**kw)
-        self.item, self.length, self.or_single = item, length, or_single
+        self.item, self.length, self.or_single, self.allow_empty = item, length, or_single, allow_empty
 
     def accepts(self, value: Any) -> bool:
         if self.or_single and self.item.accepts(value):
             return True
-        if not isinstance(value, (list, tuple, ListConfig)) or not len(value):
+        if not isinstance(value, (list, tuple, ListConfig)) or not (len(value) or self.allow_empty):
             return False
         return (self.length is None or len(value) == self.length) and all(self.item.accepts(v) for v in value)
 
@@ -184,6 +190,16 @@ SCHEMA: Dict[str, Rule] = {
     "training.device": Choice("auto", "cpu"),
     "training.compile": Bool(required=False),
     "training.compile_backend": Str(required=False),
+    "training.stop_after_steps": Nullable(Int(min=1)),
+    "training.time_limit_minutes": Nullable(Float(min=0, min_open=True)),
+    "training.peak_tflops": Nullable(Float(min=0, min_open=True)),
+    "eval.every": Int(min=0),
+    "eval.steps": Int(min=1),
+    "profiling.enable": Bool(),
+    "profiling.start_step": Int(min=1),
+    "profiling.steps": Int(min=1),
+    "profiling.folder": Path(),
+    "profiling.memory_snapshot": Bool(),
     "logging.log_every": Int(min=1),
     "logging.tensorboard": Bool(),
     "model.name": Str(),
@@ -216,6 +232,12 @@ SCHEMA: Dict[str, Rule] = {
     "checkpoint.async_save": Bool(),
     "checkpoint.resume": Bool(),
     "checkpoint.save_on_sigterm": Bool(),
+    "checkpoint.load_step": Nullable(Int(min=0)),
+    "checkpoint.load_from": Nullable(Path()),
+    "checkpoint.load_only": Bool(),
+    "checkpoint.exclude": ListOf(Choice(*EXCLUDABLE), allow_empty=True),
+    "checkpoint.last_save_model_only": Bool(),
+    "checkpoint.export_dtype": Choice(*EXPORT_DTYPE_NAMES),
 }
 
 # data.<key> for each data.kind (the group option's keys; ``kind`` itself is in SCHEMA).
@@ -227,12 +249,19 @@ DATA_SCHEMA: Dict[str, Dict[str, Rule]] = {
     },
     "text": {
         "paths": ListOf(Path(), or_single=True),
+        "tokenizer": Path(),  # "bytes" or a tokenizer.json
+        "eos_token": Nullable(Str()),
         "shuffle": Bool(),
+        "val_fraction": Float(min=0, max=1, max_open=True),
+        "val_path": Nullable(Path()),
     },
     "tokens": {
         "path": Path(),
         "dtype": Choice("uint16", "uint32"),
+        "tokenizer": Nullable(Path()),
         "shuffle": Bool(),
+        "val_fraction": Float(min=0, max=1, max_open=True),
+        "val_path": Nullable(Path()),
     },
 }
 

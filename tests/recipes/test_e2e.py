@@ -95,7 +95,7 @@ def test_resume_on_one_rank_with_accumulation_matches_and_exports_to_hf(referenc
     # The final checkpoint, exported to HF safetensors, loads into a plain model with the
     # same outputs as the checkpoint loaded through the sharded-checkpoint reader.
     hf_dir = tmp_path / "hf"
-    _ok(run([sys.executable, "scripts/export_hf.py", os.path.join(ref_out, "checkpoints"), str(hf_dir)]))
+    _ok(run([sys.executable, "scripts/export_hf.py", os.path.join(ref_out, "checkpoints"), str(hf_dir), "--format", "native"]))
     config = json.loads((hf_dir / "config.json").read_text())
     config.pop("architectures")
     index = json.loads((hf_dir / "model.safetensors.index.json").read_text())
