@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.checkpoint import CheckpointError
-from hyper_parallel.data import DistributedBatchLoader
+from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
@@ -26,6 +26,15 @@ from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, mem
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 from hyper_parallel.trainer.state import RNGState, StopRequest, all_reduce_sum, training_state
+
+
+def build_loader(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int,
+                 source: Optional[TokenSource] = None) -> DistributedBatchLoader:
+    """The data loader of this rank over ``source`` (default: the training split of ``data``)."""
+    if source is None:
+        source = build_sources(cfg, vocab_size, with_val=False).train
+    return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                  seed=cfg.training.seed, shuffle=bool(cfg.data.get("shuffle", False)))
 
 
 def build_optimizer(model: nn.Module, optim_cfg: DictConfig) -> torch.optim.Optimizer:
@@ -111,8 +120,7 @@ def _load_data(cfg: DictConfig, dims: ParallelDims, rank: int,
     t = cfg.training
     try:
         sources = build_sources(cfg, cfg.model.vocab_size, with_val=cfg.eval.every > 0)
-        loader = DistributedBatchLoader(sources.train, t.global_batch_size, dp_rank=rank, dp_size=dims.dp_size,
-                                        seed=t.seed, shuffle=bool(cfg.data.get("shuffle", False)))
+        loader = build_loader(cfg, cfg.model.vocab_size, rank, dims.dp_size, source=sources.train)
         loader.source.validate(rank, dims.dp_size)
         evaluator = None if sources.val is None else Evaluator(
             sources.val, global_batch_size=t.global_batch_size, dp_rank=rank, dp_size=dims.dp_size,
