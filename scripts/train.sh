@@ -49,7 +49,7 @@ agent=$!
 # for SIGINT, the signal goes to torchrun.
 forward() {
   local workers=""
-  if [[ "$1" == TERM ]]; then workers=$(cat "/proc/$agent/task/$agent/children" 2>/dev/null || true); fi
+  if [[ "$1" == TERM ]]; then workers=$(cat /proc/"$agent"/task/*/children 2>/dev/null || true); fi
   # shellcheck disable=SC2086
   if [[ -n "$workers" ]]; then kill -TERM $workers 2>/dev/null || true; else kill "-$1" "$agent" 2>/dev/null || true; fi
 }

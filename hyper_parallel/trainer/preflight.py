@@ -35,7 +35,8 @@ def check_environment(cfg: DictConfig, dims: ParallelDims, *, ranks_per_node: in
     Raises:
         ConfigError: listing every problem found.
     """
-    problems = folder_problems(cfg) + resume_problems(cfg) + memory_problems(cfg, dims, ranks_per_node)
+    problems = (folder_problems(cfg) + init_from_problems(cfg) + resume_problems(cfg)
+                + memory_problems(cfg, dims, ranks_per_node))
     if problems:
         raise ConfigError(problems_message("cannot start", problems))
 
@@ -53,6 +54,12 @@ def folder_problems(cfg: DictConfig) -> List[str]:
             why = f"{blocker} is a file, not a folder" if blocker else (err.strerror or str(err))
             problems.append(f"{key}={path} cannot be used: {why}; choose another {key}")
     return problems
+
+
+def init_from_problems(cfg: DictConfig) -> List[str]:
+    """``model.init_from``, when set, is a folder (an HF-style safetensors directory)."""
+    path = cfg.model.init_from
+    return [] if path is None or os.path.isdir(path) else [f"model.init_from={path} is not a folder"]
 
 
 def _first_file_on_path(path: str) -> Optional[str]:
