@@ -137,7 +137,7 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_0(tmp_path):
     proc = start(["env", "NPROC=2", f"TORCHRUN={os.path.dirname(sys.executable)}/torchrun",
                   f"PYTHON={sys.executable}", "scripts/train.sh", *TINY, f"output_dir={tmp_path}",
                   "checkpoint.interval=100", "training.steps=400"])
-    wait_for_step(str(tmp_path), 3, proc)
+    wait_for_step(str(tmp_path), 3, proc, timeout=240)  # the config check, then torchrun, on a busy CPU
     proc.send_signal(signal.SIGTERM)  # scripts/train.sh passes it to every rank
     output = finish(proc, timeout=60)
     assert proc.returncode == 0, output
