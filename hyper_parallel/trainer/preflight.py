@@ -126,7 +126,7 @@ def estimate_memory(cfg: DictConfig, dims: ParallelDims) -> MemoryEstimate:
 
 
 def available_memory() -> tuple[Optional[int], Optional[int]]:
-    """(bytes of host memory available now, bytes of one accelerator or None on CPU)."""
+    """(bytes of host memory available now, bytes of this rank's accelerator or None on CPU)."""
     host = None
     try:
         with open("/proc/meminfo") as f:
@@ -135,9 +135,10 @@ def available_memory() -> tuple[Optional[int], Optional[int]]:
     except (OSError, KeyError, ValueError):
         pass
     platform = get_platform()
-    device = (platform.device_module.get_device_properties(0).total_memory
-              if platform.is_accelerator else None)
-    return host, device
+    if not platform.is_accelerator:
+        return host, None
+    accelerators = platform.device_module  # this rank's own device: no context on another rank's
+    return host, accelerators.get_device_properties(platform.local_rank % accelerators.device_count()).total_memory
 
 
 def memory_problems(cfg: DictConfig, dims: ParallelDims, ranks_per_node: int) -> List[str]:
