@@ -14,9 +14,9 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.data import DistributedBatchLoader, build_source
 from hyper_parallel.platform import Platform
-from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
 from hyper_parallel.trainer.config import MODEL_RECIPE_KEYS, ConfigError, ParallelDims, model_overrides
 from hyper_parallel.trainer.metrics import MetricsLogger
@@ -181,9 +181,8 @@ def resume_mismatch(cfg: DictConfig, step: Optional[int], err: Exception) -> str
         changed = [f"model.{k}: saved {saved[k]!r}, now {v!r}" for k, v in cfg.model.items()
                    if k in saved and k not in MODEL_RECIPE_KEYS and saved[k] != v]
     detail = "; ".join(changed) if changed else str(err).strip().splitlines()[0]
-    return (f"cannot resume from {cfg.checkpoint.folder}/step-{step}: it was written by a different run "
-            f"({detail}). Use a new output_dir (or checkpoint.folder) for this run, or the settings the "
-            "checkpoint was written with")
+    return (f"cannot resume from {cfg.checkpoint.folder}/step-{step} ({detail}). For a new run use a new "
+            "output_dir (or checkpoint.folder); to continue that run use the settings it was written with")
 
 
 def describe(job: TrainingJob) -> str:
