@@ -30,7 +30,8 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-WORLD_SIZE=$((NPROC * NNODES)) LOCAL_WORLD_SIZE=$NPROC "$PYTHON" "$RECIPE" --check "$@" >/dev/null
+# (An elastic NNODES=MIN:MAX is checked at MAX nodes.)
+RANK=0 WORLD_SIZE=$((NPROC * ${NNODES##*:})) LOCAL_WORLD_SIZE=$NPROC "$PYTHON" "$RECIPE" --check "$@" >/dev/null
 if [[ "$NNODES" == 1 && -z "${RDZV_ENDPOINT:-}" ]]; then
   rendezvous=(--standalone)
 else
