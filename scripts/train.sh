@@ -31,7 +31,8 @@ if [[ -z "${PYTHON:-}" ]]; then
 fi
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
-WORLD_SIZE=$((NPROC * NNODES)) LOCAL_WORLD_SIZE=$NPROC "$PYTHON" "$RECIPE" --check "$@" >/dev/null
+# (An elastic NNODES=MIN:MAX is checked at MAX nodes.)
+RANK=0 WORLD_SIZE=$((NPROC * ${NNODES##*:})) LOCAL_WORLD_SIZE=$NPROC "$PYTHON" "$RECIPE" --check "$@" >/dev/null
 if [[ "$NNODES" == 1 && -z "${RDZV_ENDPOINT:-}" ]]; then
   rendezvous=(--standalone)
 else
@@ -54,7 +55,7 @@ agent=$!
 # for SIGINT, the signal goes to torchrun.
 forward() {
   local workers=""
-  if [[ "$1" == TERM ]]; then workers=$(cat "/proc/$agent/task/$agent/children" 2>/dev/null || true); fi
+  if [[ "$1" == TERM ]]; then workers=$(cat /proc/"$agent"/task/*/children 2>/dev/null || true); fi
   # shellcheck disable=SC2086
   if [[ -n "$workers" ]]; then kill -TERM $workers 2>/dev/null || true; else kill "-$1" "$agent" 2>/dev/null || true; fi
 }

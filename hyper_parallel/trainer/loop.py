@@ -206,9 +206,8 @@ def resume_mismatch(cfg: DictConfig, path: str, err: Exception) -> str:
         changed = [f"model.{k}: saved {saved[k]!r}, now {v!r}" for k, v in cfg.model.items()
                    if k in saved and k not in MODEL_RECIPE_KEYS and saved[k] != v]
     detail = "; ".join(changed) if changed else str(err).strip().splitlines()[0]
-    return (f"cannot resume from {path}: it was written by a different run "
-            f"({detail}). Use a new output_dir (or checkpoint.folder) for this run, or the settings the "
-            "checkpoint was written with")
+    return (f"cannot resume from {path} ({detail}). For a new run use a new "
+            "output_dir (or checkpoint.folder); to continue that run use the settings it was written with")
 
 
 def describe(job: TrainingJob) -> str:

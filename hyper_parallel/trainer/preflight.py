@@ -35,7 +35,8 @@ def check_environment(cfg: DictConfig, dims: ParallelDims, *, ranks_per_node: in
     Raises:
         ConfigError: listing every problem found.
     """
-    problems = folder_problems(cfg) + resume_problems(cfg) + memory_problems(cfg, dims, ranks_per_node)
+    problems = (folder_problems(cfg) + init_from_problems(cfg) + resume_problems(cfg)
+                + memory_problems(cfg, dims, ranks_per_node))
     if problems:
         raise ConfigError(problems_message("cannot start", problems))
 
@@ -53,6 +54,12 @@ def folder_problems(cfg: DictConfig) -> List[str]:
             why = f"{blocker} is a file, not a folder" if blocker else (err.strerror or str(err))
             problems.append(f"{key}={path} cannot be used: {why}; choose another {key}")
     return problems
+
+
+def init_from_problems(cfg: DictConfig) -> List[str]:
+    """``model.init_from``, when set, is a folder (an HF-style safetensors directory)."""
+    path = cfg.model.init_from
+    return [] if path is None or os.path.isdir(path) else [f"model.init_from={path} is not a folder"]
 
 
 def _first_file_on_path(path: str) -> Optional[str]:
@@ -119,7 +126,7 @@ def estimate_memory(cfg: DictConfig, dims: ParallelDims) -> MemoryEstimate:
 
 
 def available_memory() -> tuple[Optional[int], Optional[int]]:
-    """(bytes of host memory available now, bytes of one accelerator or None on CPU)."""
+    """(bytes of host memory available now, bytes of this rank's accelerator or None on CPU)."""
     host = None
     try:
         with open("/proc/meminfo") as f:
@@ -128,9 +135,10 @@ def available_memory() -> tuple[Optional[int], Optional[int]]:
     except (OSError, KeyError, ValueError):
         pass
     platform = get_platform()
-    device = (platform.device_module.get_device_properties(0).total_memory
-              if platform.is_accelerator else None)
-    return host, device
+    if not platform.is_accelerator:
+        return host, None
+    accelerators = platform.device_module  # this rank's own device: no context on another rank's
+    return host, accelerators.get_device_properties(platform.local_rank % accelerators.device_count()).total_memory
 
 
 def memory_problems(cfg: DictConfig, dims: ParallelDims, ranks_per_node: int) -> List[str]:

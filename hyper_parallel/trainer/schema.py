@@ -12,7 +12,8 @@ Adding a key is one line here, next to its YAML default in ``configs/``, e.g.::
     "seq_file": Path(),                          # in DATA_SCHEMA["mykind"]
 
 A key that may be absent from the config files (its reader has a default) takes
-``required=False``.
+``required=False``. A new data kind is one ``DATA_SCHEMA`` entry (its keys; ``data.kind``
+accepts every entry) next to its ``configs/data/<kind>.yaml``.
 """
 
 from __future__ import annotations
@@ -179,6 +180,31 @@ class ListOf(Rule):
 
 # ----------------------------------------------------------------------------- the schema
 
+# data.<key> for each data.kind (the group option's keys; ``kind`` itself is in SCHEMA).
+DATA_SCHEMA: Dict[str, Dict[str, Rule]] = {
+    "synthetic": {
+        "chain_seed": Int(min=0, max=SEED_MAX),
+        "branching": Int(min=1),
+        "concentration": Float(min=0, min_open=True),
+    },
+    "text": {
+        "paths": ListOf(Path(), or_single=True),
+        "tokenizer": Path(),  # "bytes" or a tokenizer.json
+        "eos_token": Nullable(Str()),
+        "shuffle": Bool(),
+        "val_fraction": Float(min=0, max=1, max_open=True),
+        "val_path": Nullable(Path()),
+    },
+    "tokens": {
+        "path": Path(),
+        "dtype": Choice("uint16", "uint32"),
+        "tokenizer": Nullable(Path()),
+        "shuffle": Bool(),
+        "val_fraction": Float(min=0, max=1, max_open=True),
+        "val_path": Nullable(Path()),
+    },
+}
+
 SCHEMA: Dict[str, Rule] = {
     "output_dir": Path(),
     "training.steps": Int(min=1),
@@ -214,7 +240,7 @@ SCHEMA: Dict[str, Rule] = {
     "model.tie_embeddings": Bool(),
     "model.activation_checkpointing": Bool(),
     "model.init_from": Nullable(Path()),
-    "data.kind": Choice("synthetic", "text", "tokens"),
+    "data.kind": Choice(*DATA_SCHEMA),
     "parallel.dp_replicate": Int(min=1),
     "parallel.dp_shard": Int(min=-1),
     "parallel.mixed_precision": Choice("fp32", "bf16"),
@@ -239,32 +265,6 @@ SCHEMA: Dict[str, Rule] = {
     "checkpoint.last_save_model_only": Bool(),
     "checkpoint.export_dtype": Choice(*EXPORT_DTYPE_NAMES),
 }
-
-# data.<key> for each data.kind (the group option's keys; ``kind`` itself is in SCHEMA).
-DATA_SCHEMA: Dict[str, Dict[str, Rule]] = {
-    "synthetic": {
-        "chain_seed": Int(min=0, max=SEED_MAX),
-        "branching": Int(min=1),
-        "concentration": Float(min=0, min_open=True),
-    },
-    "text": {
-        "paths": ListOf(Path(), or_single=True),
-        "tokenizer": Path(),  # "bytes" or a tokenizer.json
-        "eos_token": Nullable(Str()),
-        "shuffle": Bool(),
-        "val_fraction": Float(min=0, max=1, max_open=True),
-        "val_path": Nullable(Path()),
-    },
-    "tokens": {
-        "path": Path(),
-        "dtype": Choice("uint16", "uint32"),
-        "tokenizer": Nullable(Path()),
-        "shuffle": Bool(),
-        "val_fraction": Float(min=0, max=1, max_open=True),
-        "val_path": Nullable(Path()),
-    },
-}
-
 
 def _leaves(node: Any, prefix: str = "") -> Iterator[Tuple[str, Any]]:
     """(dotted key, value) of every leaf of a plain nested dict; lists are leaves."""

@@ -136,6 +136,11 @@ def test_read_only_output_folder(check, tmp_path):
         locked.chmod(0o700)
 
 
+def test_init_from_must_be_a_folder(check, tmp_path):
+    code, _, err = check(f"model.init_from={tmp_path}/nope")
+    _one_line_error(code, err, f"model.init_from={tmp_path}/nope is not a folder")
+
+
 def test_resume_false_refuses_a_folder_holding_checkpoints(check, tmp_path):
     folder = tmp_path / "out" / "checkpoints"
     save({"x": 1}, checkpoint_id=str(folder / "step-3"), no_dist=True)

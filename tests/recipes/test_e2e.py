@@ -137,7 +137,7 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_0(tmp_path):
     proc = start(["env", "NPROC=2", f"TORCHRUN={os.path.dirname(sys.executable)}/torchrun",
                   f"PYTHON={sys.executable}", "scripts/train.sh", *TINY, f"output_dir={tmp_path}",
                   "checkpoint.interval=100", "training.steps=400"])
-    wait_for_step(str(tmp_path), 3, proc)
+    wait_for_step(str(tmp_path), 3, proc, timeout=240)  # the config check, then torchrun, on a busy CPU
     proc.send_signal(signal.SIGTERM)  # scripts/train.sh passes it to every rank
     output = finish(proc, timeout=60)
     assert proc.returncode == 0, output
@@ -178,9 +178,10 @@ def test_token_file_data_and_init_from_hf(tmp_path):
     hf_dir = tmp_path / "hf"
     hf_dir.mkdir()
     save_file({k: v.contiguous() for k, v in plain.state_dict().items()}, hf_dir / "model.safetensors")
-    _ok(run(torchrun_cmd(2, [*TINY, "training.steps=2", f"output_dir={tmp_path / 'out'}", "data=tokens",
-                             f"data.path={tokens}", "data.dtype=uint16", f"model.init_from={hf_dir}"],
-                         extra=["--standalone"])))
+    stdout = _ok(run(torchrun_cmd(2, [*TINY, "training.steps=2", f"output_dir={tmp_path / 'out'}", "data=tokens",
+                                      f"data.path={tokens}", "data.dtype=uint16", f"model.init_from={hf_dir}"],
+                                  extra=["--standalone"])))
+    assert f"starting at step 0 from the weights in {hf_dir} (model.init_from)" in stdout
     batch = build_loader(cfg, 256, dp_rank=0, dp_size=1).next_batch()
     with torch.no_grad():
         expected = F.cross_entropy(plain(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).item()

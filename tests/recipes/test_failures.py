@@ -97,9 +97,9 @@ def test_resuming_with_another_model_or_batch_names_the_difference(tmp_path):
     assert run_on_ranks(2, _train, [out, "training.steps=2"], timeout=120) == ["ok", "ok"]
     reports = run_on_ranks(2, _train, [out, "training.steps=4", "model.dim=64"], timeout=120)
     assert reports[1] is None
-    assert reports[0] == (f"cannot resume from {tmp_path}/checkpoints/step-2: it was written by a different run "
-                          "(model.dim: saved 32, now 64). Use a new output_dir (or checkpoint.folder) for this "
-                          "run, or the settings the checkpoint was written with")
+    assert reports[0] == (f"cannot resume from {tmp_path}/checkpoints/step-2 (model.dim: saved 32, now 64). "
+                          "For a new run use a new output_dir (or checkpoint.folder); to continue that run use "
+                          "the settings it was written with")
     reports = run_on_ranks(2, _train, [out, "training.steps=4", "training.global_batch_size=4"], timeout=120)
     assert reports[1] is None and "global_batch_size: saved 8, now 4" in reports[0], reports
 
