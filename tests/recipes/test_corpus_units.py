@@ -3,7 +3,6 @@ operations config and the plot script (no process group)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import struct
@@ -20,16 +19,7 @@ from hyper_parallel.trainer import ConfigError, compose_config, validate_config
 from hyper_parallel.trainer.observability import flops_per_token, matmul_params
 from hyper_parallel.trainer.operations import StopRule
 from tests.recipes.corpus import MODEL_VOCAB, VOCAB, make_corpus
-
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-def _script(name):
-    spec = importlib.util.spec_from_file_location(name, os.path.join(REPO, "scripts", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
+from tests.recipes.script_main import script_main
 
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory):
@@ -79,7 +69,7 @@ def test_prepare_data_matches_in_memory_tokenization_and_sidecar_is_checked(corp
 
 def test_prepare_data_script_and_its_bad_inputs(corpus, tmp_path, capsys):
     root, _, path = corpus
-    main = _script("prepare_data").main
+    main = script_main("prepare_data")
     assert main([str(root / "text"), "--output", str(tmp_path / "b.bin"), "--quiet", "--workers", "1"]) == 0
     assert json.load(open(tmp_path / "b.bin.json"))["tokenizer"] == "bytes"
     (tmp_path / "empty").mkdir()
@@ -100,6 +90,16 @@ def test_prepare_data_script_and_its_bad_inputs(corpus, tmp_path, capsys):
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and message in err and "\n" not in err, err
     assert not os.path.exists(tmp_path / "x.bin")
+
+
+def test_tokenizer_larger_than_the_model_and_an_empty_corpus_are_refused(corpus, tmp_path):
+    root, _, path = corpus
+    with pytest.raises(ValueError, match="has 300 tokens, more than model.vocab_size=256; raise model.vocab_size"):
+        build_source("text", seq_len=8, vocab_size=256, seed=0, paths=str(root / "text"), tokenizer=path)
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(ValueError, match="holds no text"):
+        build_source("text", seq_len=8, vocab_size=MODEL_VOCAB, seed=0, paths=str(tmp_path / "empty.jsonl"),
+                     tokenizer=path)
 
 
 def test_val_fraction_holds_out_the_last_samples():
@@ -183,7 +183,7 @@ def test_plot_script_draws_train_and_validation_runs(tmp_path):
                     record["val_loss"] = 5 - step * 0.25
                 f.write(json.dumps(record) + "\n")
     out = tmp_path / "plot.png"
-    assert _script("plot_metrics").main([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out),
+    assert script_main("plot_metrics")([str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(out),
                                          "--width", "6", "--height", "4", "--dpi", "50"]) == 0
     header = out.read_bytes()[:24]
     assert header[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", header[16:24]) == (300, 200)
