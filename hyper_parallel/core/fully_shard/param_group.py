@@ -12,10 +12,11 @@ HSDP, one all-reduce over the replicate dim.
 from __future__ import annotations
 
 import enum
-from typing import Callable, Dict, List, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from hyper_parallel._torch_compat import chunk_cat, preserve_version_counter
 from hyper_parallel.core.fully_shard import collectives
@@ -159,12 +160,25 @@ class _Bucket:
             param.accumulate_sharded_grad(piece)
 
 
-class _PendingReduce:
+class _InFlightGather(NamedTuple):
+    """A bucket's all-gather, issued on the all-gather stream."""
+
+    bucket: _Bucket
+    work: Optional[dist.Work]  # None: synchronous, or no collective (one rank)
+    # Rank-major result, allocated on the all-gather stream and read by the copy-out on the
+    # compute stream (which then marks it as used there: see Streams.record_stream).
+    gathered: torch.Tensor
+    destinations: List[torch.Tensor]  # copy-out targets
+    event: Optional[Any]  # all-gather stream's work (the copy-in cast) done; the copy-out waits
+
+
+class _PendingReduce(NamedTuple):
     """A bucket's reduce-scatter (then, for HSDP, all-reduce) in flight."""
 
-    def __init__(self, bucket: _Bucket, work: Optional[dist.Work], grad_input: torch.Tensor,
-                 output: torch.Tensor):
-        self.bucket, self.work, self.grad_input, self.output = bucket, work, grad_input, output
+    bucket: _Bucket
+    work: Optional[dist.Work]  # None: no collective (one rank)
+    grad_input: torch.Tensor  # held: the collective reads it until ``work`` completes
+    output: torch.Tensor  # allocated on the compute stream, which sets it as the gradients
 
 
 class UnshardHandle:
@@ -199,7 +213,8 @@ class HSDPParamGroup:
         self.requires_all_reduce = True
         self.state = ShardState.SHARDED
         self.device = get_platform().current_device()
-        self._gathers: List[tuple] = []  # (bucket, work, gathered, copy-out destinations)
+        self._gathers: List[_InFlightGather] = []
+        self._streams = get_platform().streams()
         self._pending: List[_PendingReduce] = []  # reduce-scatters in flight
         self._all_reducing: List[_PendingReduce] = []  # HSDP all-reduces in flight
         self._initialized = False
@@ -296,28 +311,40 @@ class HSDPParamGroup:
             self.reshard()
         if self.state == ShardState.SHARDED and self._post_forward_pieces is not None:
             size, group = self.post_forward_group
-            self._gathers = [(b, *b.all_gather_pieces(piece, group, size, async_op))
-                             for b, piece in zip(self.buckets, self._post_forward_pieces)]
-            self._post_forward_pieces = None
-            self.state = ShardState.UNSHARDING
+            pieces, self._post_forward_pieces = self._post_forward_pieces, None
+            self._issue_gathers(lambda b, piece: b.all_gather_pieces(piece, group, size, async_op), pieces)
         elif self.state == ShardState.SHARDED:
             self._adopt_replacements()
             self._sync_requires_grad()
-            self._gathers = [(b, *b.all_gather(self.dp.shard_group, self.device, async_op))
-                             for b in self.buckets]
-            self.state = ShardState.UNSHARDING
+            self._issue_gathers(lambda b, _: b.all_gather(self.dp.shard_group, self.device, async_op),
+                                [None] * len(self.buckets))
         if async_op:
             return UnshardHandle(self)
         self.wait_for_unshard()
         return None
 
+    def _issue_gathers(self, gather: Callable[[_Bucket, Any], tuple], inputs: List[Any]) -> None:
+        """Run ``gather(bucket, input)`` for every bucket on the all-gather stream, after what
+        the compute stream has queued (the optimizer wrote the shards there)."""
+        streams = self._streams
+        streams.wait_for_current(streams.all_gather)
+        with record_function("hp::all_gather"), streams.use(streams.all_gather):
+            issued = [(b, *gather(b, x)) for b, x in zip(self.buckets, inputs)]
+            event = streams.record_event()
+        self._gathers = [_InFlightGather(*item, event) for item in issued]
+        self.state = ShardState.UNSHARDING
+
     def wait_for_unshard(self) -> None:
         if self.state != ShardState.UNSHARDING:
             return
-        for bucket, work, gathered, destinations in self._gathers:
-            if work is not None:
-                work.wait()
-            bucket.copy_out(gathered, destinations)
+        streams = self._streams
+        with record_function("hp::all_gather_copy_out"):
+            for item in self._gathers:
+                if item.work is not None:
+                    item.work.wait()
+                streams.wait_event(item.event)
+                item.bucket.copy_out(item.gathered, item.destinations)
+                streams.record_stream(item.gathered)
         self._gathers = []
         for slots, name, value in self._unsharded_slots:
             slots[name] = value
@@ -369,7 +396,10 @@ class HSDPParamGroup:
                 self._pending.append(_PendingReduce(bucket, None, grad_input, grad_input))
                 continue
             output = torch.empty(bucket.grad_total, dtype=bucket.reduce_dtype, device=grad_input.device)
-            work = collectives.reduce_scatter(output, grad_input, self.dp.shard_group, async_op=True)
+            streams = self._streams
+            streams.wait_for_current(streams.reduce_scatter)  # the copy-in ran on the compute stream
+            with record_function("hp::reduce_scatter"), streams.use(streams.reduce_scatter):
+                work = collectives.reduce_scatter(output, grad_input, self.dp.shard_group, async_op=True)
             self._pending.append(_PendingReduce(bucket, work, grad_input, output))
 
     def finish_scatter(self) -> bool:
@@ -391,8 +421,11 @@ class HSDPParamGroup:
             if not self.requires_all_reduce:
                 bucket.partial_grad = reduced
                 continue
-            item.work = collectives.all_reduce(reduced, self.dp.replicate_group, async_op=True)
-            self._all_reducing.append(item)
+            streams = self._streams
+            streams.wait_for_current(streams.reduce_scatter)  # the partial sum was added here
+            with record_function("hp::all_reduce"), streams.use(streams.reduce_scatter):
+                work = collectives.all_reduce(reduced, self.dp.replicate_group, async_op=True)
+            self._all_reducing.append(item._replace(work=work))
         return bool(self._all_reducing)
 
     def finish_all_reduce(self) -> None:
