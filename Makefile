@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: install train test bench clean
+.PHONY: install train test test-torch bench clean
 
 install: $(VENV)/.installed
 
@@ -22,6 +22,15 @@ train: install
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
+
+# The suite on another torch version, in its own venv .venv-torch-<version> (not in CI):
+#   make test-torch TORCH=2.14.1 [ARGS="tests/fully_shard -x"]
+# A version outside pyproject.toml's declared torch range fails to install (pip says why).
+test-torch:
+	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=<version> [ARGS=...]"; exit 2; }
+	test -x .venv-torch-$(TORCH)/bin/python || python3 -m venv .venv-torch-$(TORCH)
+	.venv-torch-$(TORCH)/bin/python -m pip install -q torch==$(TORCH) -e '.[test]'
+	.venv-torch-$(TORCH)/bin/python -m pytest -q $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

@@ -7,6 +7,11 @@ are timed alternately in the same processes, so machine load hits both alike. Se
     torchrun --standalone --nproc_per_node=2 benchmarks/fsdp_step.py [--steps N] [--json out.json]
     torchrun --standalone --nproc_per_node=4 benchmarks/fsdp_step.py --hsdp
     python benchmarks/fsdp_step.py [--hsdp]       # spawns the ranks itself (2, or 4 with --hsdp)
+    torchrun --standalone --nproc_per_node=$NGPU benchmarks/fsdp_step.py --device cuda [--compile]
+
+On an accelerator (``--device cuda``) the implementations run one after the other in the same
+processes (``--separate``), each built from the same seed on the meta device, bf16 mixed
+precision by default, with the allocator's peak statistics.
 """
 
 from __future__ import annotations
@@ -26,12 +31,14 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
+from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.profiler import ProfilerActivity, profile
 
 import hyper_parallel as hp
 from hyper_parallel.models import build_llama
-from hyper_parallel.platform import free_port
+from hyper_parallel.models.llama import CONFIGS
+from hyper_parallel.platform import free_port, get_platform
 
 IMPLS = ("torch", "ours")
 _SHARD_FNS = {"torch": lambda: torch_fully_shard, "ours": lambda: hp.fully_shard}
@@ -45,6 +52,7 @@ class ImplResult:
     peak_step_bytes: int = 0  # max over ranks, see _build_impl
     resident_bytes: int = 0  # max over ranks, held between steps
     losses: List[float] = field(default_factory=list)  # global-batch loss at steps 1 and 2
+    peak_reserved_bytes: int = 0  # --separate on an accelerator: the allocator's peak reserved
 
     @property
     def median_step_s(self) -> float:
@@ -60,24 +68,55 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--hsdp", action="store_true", help="2x2 (replicate, shard) mesh on 4 ranks")
     parser.add_argument("--steps", type=int, default=6, help="timed steps per implementation")
     parser.add_argument("--chunk", type=int, default=2, help="consecutive steps per turn when alternating")
-    parser.add_argument("--model", default="llama_50m")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cpu: gloo ranks; cuda: one rank per visible GPU (nccl)")
+    parser.add_argument("--separate", action="store_true",
+                        help="run the implementations one after the other (default on cuda), "
+                             "each built on meta and initialised from the same seed")
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile each block before sharding (the torchtitan order)")
+    parser.add_argument("--compile-backend", default="inductor")
+    parser.add_argument("--mixed-precision", choices=("fp32", "bf16"),
+                        help="bf16: bf16 params, fp32 reduce (default on cuda); fp32 (default on cpu)")
+    parser.add_argument("--model", help="default llama_50m on cpu, llama_1b on cuda")
     parser.add_argument("--layers", type=int, help="override the model's number of blocks (groups)")
-    parser.add_argument("--batch", type=int, default=2, help="sequences per rank")
-    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, help="sequences per rank (default 2 on cpu, 4 on cuda)")
+    parser.add_argument("--seq", type=int, help="default 256 on cpu, 2048 on cuda")
     parser.add_argument("--json", help="also write the results to this file (rank 0)")
     parser.add_argument("--profile", action="store_true",
                         help="print rank 0's torch.profiler op table for one extra step of each")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    defaults = dict(model="llama_1b" if cuda else "llama_50m", batch=4 if cuda else 2,
+                    seq=2048 if cuda else 256, mixed_precision="bf16" if cuda else "fp32")
+    for key, value in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    args.separate = args.separate or cuda
+    return args
 
 
 def _layer_override(args: argparse.Namespace) -> dict:
     return {} if args.layers is None else {"n_layers": args.layers}
 
 
-def _wrap(model: torch.nn.Module, shard_fn: Callable, mesh) -> torch.nn.Module:
+def _mp_policy(name: str, args: argparse.Namespace):
+    if args.mixed_precision == "fp32":
+        return None
+    cls = TorchMixedPrecision if name == "torch" else hp.MixedPrecisionPolicy
+    return cls(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+
+
+def _wrap(model: torch.nn.Module, name: str, mesh, args: argparse.Namespace) -> torch.nn.Module:
+    """(Compile and) shard every block, then the root, with ``name``'s fully_shard."""
+    shard_fn = _SHARD_FNS[name]()
+    policy = _mp_policy(name, args)
+    kw = {} if policy is None else {"mp_policy": policy}
     for block in model.layers:
-        shard_fn(block, mesh=mesh)
-    shard_fn(model, mesh=mesh)
+        if args.compile:
+            block.compile(backend=args.compile_backend)
+        shard_fn(block, mesh=mesh, **kw)
+    shard_fn(model, mesh=mesh, **kw)
     return model
 
 
@@ -131,20 +170,20 @@ def _warm_up(args, mesh, tokens) -> None:
     otherwise pay for alone.
     """
     for name in IMPLS:
-        model = _wrap(build_llama(args.model, n_layers=1, max_seq_len=args.seq), _SHARD_FNS[name](), mesh)
+        model = _wrap(build_llama(args.model, n_layers=1, max_seq_len=args.seq), name, mesh, args)
         _step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), tokens)
 
 
-def _build_impl(name: str, reference: torch.nn.Module, mesh, tokens, result: ImplResult):
+def _build_impl(name: str, reference: torch.nn.Module, mesh, tokens, result: ImplResult,
+                args: argparse.Namespace):
     """Copy + wrap + two warm-up steps, measuring RSS growth; returns (model, optimizer).
 
     Memory figures are RSS increases over the RSS before this implementation's model copy
     existed: the peak during step 2 (all state exists by then) and what stays after it.
     """
-    shard_fn = _SHARD_FNS[name]()
     gc.collect()
     before = _rss_bytes("VmRSS")
-    model = _wrap(copy.deepcopy(reference), shard_fn, mesh)
+    model = _wrap(copy.deepcopy(reference), name, mesh, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     result.losses.append(_over_ranks(_step(model, optimizer, tokens), dist.ReduceOp.AVG))
     gc.collect()
@@ -160,31 +199,38 @@ def _timed_step(model, optimizer, tokens, result: ImplResult) -> None:
     dist.barrier()
     start, cpu_start = time.perf_counter(), time.process_time()
     _step(model, optimizer, tokens)
+    get_platform().synchronize()
     cpu, wall = time.process_time() - cpu_start, time.perf_counter() - start
     result.step_times_s.append(_over_ranks(wall))
     result.cpu_times_s.append(_over_ranks(cpu))
 
 
-def run(args: argparse.Namespace) -> Dict[str, ImplResult]:
-    """Build, measure and time both implementations on this rank; results are per implementation."""
-    torch.set_num_threads(1)
-    _use_mmap_for_large_blocks()
+def _mesh(args: argparse.Namespace):
     world = dist.get_world_size()
     if args.hsdp:
         if world != 4:
             raise SystemExit(f"--hsdp needs 4 ranks (2x2 mesh), got {world}")
-        mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    else:
-        mesh = hp.init_device_mesh("cpu", (world,))
+        return hp.init_device_mesh(args.device, (2, 2), mesh_dim_names=("replicate", "shard"))
+    return hp.init_device_mesh(args.device, (world,))
+
+
+def run(args: argparse.Namespace) -> Dict[str, ImplResult]:
+    """Build, measure and time both implementations on this rank; results are per implementation."""
+    if args.device == "cpu":
+        torch.set_num_threads(1)
+        _use_mmap_for_large_blocks()
+    mesh = _mesh(args)
     torch.manual_seed(0)
-    reference = build_llama(args.model, max_seq_len=args.seq, **_layer_override(args))
-    vocab = reference.cfg.vocab_size
+    vocab = CONFIGS[args.model]["vocab_size"]
     tokens = torch.randint(0, vocab, (args.batch, args.seq + 1),
                            generator=torch.Generator().manual_seed(1000 + dist.get_rank()))
+    if args.separate:
+        return _run_separately(args, mesh, tokens.to(get_platform().current_device()))
+    reference = build_llama(args.model, max_seq_len=args.seq, **_layer_override(args))
 
     _warm_up(args, mesh, tokens)
     results = {name: ImplResult() for name in IMPLS}
-    wrapped = {name: _build_impl(name, reference, mesh, tokens, results[name]) for name in IMPLS}
+    wrapped = {name: _build_impl(name, reference, mesh, tokens, results[name], args) for name in IMPLS}
     del reference
 
     for r in range(-(-args.steps // args.chunk)):
@@ -203,13 +249,64 @@ def run(args: argparse.Namespace) -> Dict[str, ImplResult]:
     return results
 
 
+def _run_separately(args: argparse.Namespace, mesh, tokens: torch.Tensor) -> Dict[str, ImplResult]:
+    """One implementation at a time: build on meta, shard, materialise on the device, init from
+    seed 0 (the same weights for both), two untimed steps (compilation, allocator warm-up),
+    then ``--steps`` timed ones with the allocator's (on CPU: the kernel's) peak memory."""
+    platform = get_platform()
+    results = {}
+    for name in IMPLS:
+        result = results[name] = ImplResult()
+        with torch.device("meta"):
+            model = build_llama(args.model, max_seq_len=args.seq, **_layer_override(args))
+        _wrap(model, name, mesh, args)
+        model.to_empty(device=platform.current_device())
+        model.init_weights(0)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        for _ in range(2):
+            result.losses.append(_over_ranks(_step(model, optimizer, tokens), dist.ReduceOp.AVG))
+        platform.synchronize()
+        gc.collect()
+        before = _rss_bytes("VmRSS")
+        platform.reset_peak_memory()
+        if not platform.is_accelerator:
+            _reset_peak_rss()
+        for _ in range(args.steps):
+            _timed_step(model, optimizer, tokens, result)
+        if platform.is_accelerator:
+            result.peak_step_bytes = int(_over_ranks(platform.peak_memory_bytes()))
+            result.peak_reserved_bytes = int(_over_ranks(platform.device_module.max_memory_reserved()))
+            result.resident_bytes = int(_over_ranks(platform.device_module.memory_allocated()))
+        else:
+            result.peak_step_bytes = int(_over_ranks(_rss_bytes("VmHWM") - before))
+            result.resident_bytes = int(_over_ranks(_rss_bytes("VmRSS") - before))
+        del model, optimizer
+        gc.collect()
+        if platform.is_accelerator:
+            platform.device_module.empty_cache()
+    return results
+
+
+def _flops_per_token(args: argparse.Namespace) -> float:
+    """Training FLOPs per token: 6 x the parameters of every matmul (the output projection
+    counted even when tied) + 12 x layers x heads x head_dim x seq for attention."""
+    with torch.device("meta"):
+        model = build_llama(args.model, max_seq_len=args.seq, **_layer_override(args))
+    matmul = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear))
+    cfg = model.cfg
+    return 6 * matmul + 12 * cfg.n_layers * cfg.n_heads * cfg.head_dim * args.seq
+
+
 def _report(args, results: Dict[str, ImplResult]) -> None:
     torch_r, ours_r = results["torch"], results["ours"]
     mb = 2**20
-    layout = "HSDP 2x2" if args.hsdp else f"FSDP {dist.get_world_size()}"
+    world = dist.get_world_size()
+    layout = "HSDP 2x2" if args.hsdp else f"FSDP {world}"
     blocks = f" ({args.layers} blocks)" if args.layers is not None else ""
-    print(f"\n{args.model}{blocks}, {layout} gloo ranks, batch {args.batch}/rank x seq {args.seq}, "
-          f"{len(torch_r.step_times_s)} timed steps each (alternating, chunks of {args.chunk})")
+    how = "one after the other" if args.separate else f"alternating, chunks of {args.chunk}"
+    compiled = f", compiled ({args.compile_backend})" if args.compile else ", eager"
+    print(f"\n{args.model}{blocks}, {layout} {get_platform().backend} ranks, batch {args.batch}/rank x "
+          f"seq {args.seq}, {args.mixed_precision}{compiled}, {len(torch_r.step_times_s)} timed steps each ({how})")
     print(f"{'':16}{'median step s':>14}{'min..max s':>16}{'median CPU s':>14}{'peak step MB':>14}"
           f"{'resident MB':>13}{'loss@1':>12}{'loss@2':>12}")
     for name, r in results.items():
@@ -217,14 +314,25 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
         print(f"{name:16}{r.median_step_s:>14.3f}{spread:>16}{r.median_cpu_s:>14.3f}"
               f"{r.peak_step_bytes / mb:>14.1f}{r.resident_bytes / mb:>13.1f}"
               f"{r.losses[0]:>12.6f}{r.losses[1]:>12.6f}")
+    tokens_per_step = args.batch * args.seq * world
+    flops = _flops_per_token(args)
+    for name, r in results.items():
+        tokens_s = tokens_per_step / r.median_step_s
+        reserved = f", peak reserved {r.peak_reserved_bytes / 2**30:.2f} GiB" if r.peak_reserved_bytes else ""
+        print(f"{name:16}{tokens_s:,.0f} tokens/s, {flops * tokens_s / world / 1e12:.2f} TFLOP/s per rank, "
+              f"peak {r.peak_step_bytes / 2**30:.2f} GiB{reserved}")
     ratios = {
         "step_time": ours_r.median_step_s / torch_r.median_step_s,
         "cpu_time": ours_r.median_cpu_s / torch_r.median_cpu_s,
         "peak_step_memory": ours_r.peak_step_bytes / torch_r.peak_step_bytes,
         "resident_memory": ours_r.resident_bytes / torch_r.resident_bytes,
     }
+    if torch_r.peak_reserved_bytes:
+        ratios["peak_reserved_memory"] = ours_r.peak_reserved_bytes / torch_r.peak_reserved_bytes
     print(f"{'ours/torch':16}{ratios['step_time']:>14.3f}{'':16}{ratios['cpu_time']:>14.3f}"
           f"{ratios['peak_step_memory']:>14.3f}{ratios['resident_memory']:>13.3f}")
+    if "peak_reserved_memory" in ratios:
+        print(f"ours/torch peak reserved {ratios['peak_reserved_memory']:.3f}")
     loss_diffs = [abs(a - b) for a, b in zip(ours_r.losses, torch_r.losses)]
     same = all(d <= 1e-4 * abs(t) for d, t in zip(loss_diffs, torch_r.losses))
     print(f"loss sanity (steps 1-2, |ours - torch|): {', '.join(f'{d:.2e}' for d in loss_diffs)}"
@@ -239,8 +347,10 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
 
 
 def _main_in_group(args: argparse.Namespace) -> None:
-    os.environ.setdefault("HYPER_PARALLEL_DEVICE", "cpu")  # the memory tracker is CPU-only
-    hp.init_distributed()
+    os.environ.setdefault("HYPER_PARALLEL_DEVICE", args.device)
+    platform = hp.init_distributed()
+    if platform.device_type != args.device:
+        raise SystemExit(f"--device {args.device} but the platform is {platform.device_type}")
     try:
         results = run(args)
         if dist.get_rank() == 0:
@@ -260,6 +370,8 @@ def main(argv=None) -> None:
     if "WORLD_SIZE" in os.environ:  # torchrun
         _main_in_group(args)
         return
+    if args.device != "cpu":
+        raise SystemExit("--device cuda: launch with torchrun --nproc_per_node=<GPUs>")
     world = 4 if args.hsdp else 2
     mp.spawn(_spawned, args=(world, free_port(), args), nprocs=world, join=True)
 

@@ -11,5 +11,7 @@ from hyper_parallel.platform.platform import (
     init_distributed,
     reset_platform,
 )
+from hyper_parallel.platform.streams import AcceleratorStreams, CpuStreams, Streams
 
-__all__ = ["Platform", "free_port", "get_platform", "init_distributed", "reset_platform"]
+__all__ = ["AcceleratorStreams", "CpuStreams", "Platform", "Streams", "free_port", "get_platform",
+           "init_distributed", "reset_platform"]

@@ -14,6 +14,8 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from hyper_parallel.platform.streams import AcceleratorStreams, CpuStreams, Streams
+
 # device type -> collective backend
 _BACKENDS = {"cpu": "gloo", "cuda": "nccl", "npu": "hccl"}
 _DEVICE_ENV = "HYPER_PARALLEL_DEVICE"
@@ -95,6 +97,14 @@ class Platform:
         if self.is_accelerator:
             self.device_module.synchronize()
 
+    def streams(self) -> Streams:
+        """The side streams fully_shard overlaps its collectives on (no-ops on CPU); created on
+        first use, once per process."""
+        global _STREAMS
+        if _STREAMS is None:
+            _STREAMS = AcceleratorStreams(self.device_module) if self.is_accelerator else CpuStreams()
+        return _STREAMS
+
     def pin_memory_available(self) -> bool:
         return self.is_accelerator
 
@@ -110,6 +120,7 @@ class Platform:
 
 
 _PLATFORM: Optional[Platform] = None
+_STREAMS: Optional[Streams] = None
 
 
 def get_platform() -> Platform:
@@ -126,8 +137,8 @@ def get_platform() -> Platform:
 
 def reset_platform() -> None:
     """Forget the cached platform (tests that change ``HYPER_PARALLEL_DEVICE``)."""
-    global _PLATFORM
-    _PLATFORM = None
+    global _PLATFORM, _STREAMS
+    _PLATFORM = _STREAMS = None
 
 
 def init_distributed(timeout_s: float = 600.0) -> Platform:

@@ -175,9 +175,18 @@ def _relation_problems(cfg: DictConfig, world_size: int,
     if (cfg.data.kind == "synthetic" and valid("data.branching", "model.vocab_size")
             and cfg.data.branching > m.vocab_size):
         problems.append(f"data.branching={cfg.data.branching} exceeds model.vocab_size={m.vocab_size}")
+    if t.compile is True and valid("training.compile_backend") and t.compile_backend not in _compile_backends():
+        problems.append(f"training.compile_backend={t.compile_backend!r} is not a torch.compile backend; "
+                        f"known: {', '.join(_compile_backends())}")
     if cfg.checkpoint.load_only is True and not cfg.checkpoint.load_from:
         problems.append("checkpoint.load_only=true needs checkpoint.load_from (the checkpoint to take the model from)")
     if cfg.logging.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
         problems.append("logging.tensorboard=true needs the 'tensorboard' package "
                         "(pip install tensorboard), or set logging.tensorboard=false")
     return dims, problems
+
+
+def _compile_backends() -> List[str]:
+    import torch  # only when training.compile is on: the rest of validation needs no torch
+
+    return torch.compiler.list_backends(exclude_tags=())

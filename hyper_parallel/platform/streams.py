@@ -1,0 +1,113 @@
+"""Streams and events for overlapping collectives with compute, behind the platform layer.
+
+fully_shard issues its all-gathers on one side stream and its reduce-scatters / all-reduces
+on another, so that on an accelerator the next group's all-gather runs while the current
+group computes (the FSDP2 design). On CPU every operation here is a no-op: gloo collectives
+and CPU kernels run in issue order, and the CPU path stays exactly as without streams.
+
+Ordering rules the callers follow (see docs/fully_shard.md, "Streams"):
+
+- before issuing on a side stream, :meth:`Streams.wait_for_current` makes the side stream
+  wait for what the compute stream has queued (the data it reads was written there);
+- the compute stream waits for a side stream's work with :meth:`Streams.wait_event` on an
+  event recorded there (or with ``Work.wait()``, which orders the current stream after the
+  collective) before it reads the result;
+- a tensor allocated on one stream and read on another is either held by the in-flight
+  record until the reading stream is ordered after the read, or marked with
+  :meth:`Streams.record_stream`, so the caching allocator does not hand its memory out early.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from abc import ABC, abstractmethod
+from typing import Any, ContextManager, Optional
+
+import torch
+
+
+class Streams(ABC):
+    """The side streams of one process and the stream/event operations on them.
+
+    Attributes:
+        all_gather: the stream all-gathers (and their copy-in casts) are issued on.
+        reduce_scatter: the stream reduce-scatters and HSDP all-reduces are issued on.
+    """
+
+    all_gather: Any
+    reduce_scatter: Any
+
+    @abstractmethod
+    def use(self, stream: Any) -> ContextManager[None]:
+        """Make ``stream`` the current stream inside the ``with`` block."""
+
+    @abstractmethod
+    def wait_for_current(self, stream: Any) -> None:
+        """Make ``stream`` wait for the work queued so far on the current stream."""
+
+    @abstractmethod
+    def record_event(self) -> Optional[Any]:
+        """An event marking the work queued so far on the current stream."""
+
+    @abstractmethod
+    def wait_event(self, event: Optional[Any]) -> None:
+        """Make the current stream wait for ``event``."""
+
+    @abstractmethod
+    def record_stream(self, tensor: torch.Tensor) -> None:
+        """Tell the allocator that the current stream uses ``tensor`` (allocated elsewhere)."""
+
+
+class CpuStreams(Streams):
+    """CPU: one implicit in-order stream; nothing to do."""
+
+    all_gather = None
+    reduce_scatter = None
+
+    def use(self, stream: Any) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def wait_for_current(self, stream: Any) -> None:
+        pass
+
+    def record_event(self) -> Optional[Any]:
+        return None
+
+    def wait_event(self, event: Optional[Any]) -> None:
+        pass
+
+    def record_stream(self, tensor: torch.Tensor) -> None:
+        pass
+
+
+class AcceleratorStreams(Streams):
+    """CUDA / NPU streams and events through the device module (``torch.cuda``, ``torch.npu``).
+
+    Args:
+        device_module: the accelerator's torch module.
+        priority: of the side streams; FSDP2 gives its communication streams high priority
+            (-1) so their kernels are scheduled ahead of queued compute.
+    """
+
+    def __init__(self, device_module: Any, priority: int = -1):
+        self._module = device_module
+        self.all_gather = device_module.Stream(priority=priority)
+        self.reduce_scatter = device_module.Stream(priority=priority)
+
+    def use(self, stream: Any) -> ContextManager[None]:
+        return self._module.stream(stream)
+
+    def wait_for_current(self, stream: Any) -> None:
+        stream.wait_stream(self._module.current_stream())
+
+    def record_event(self) -> Optional[Any]:
+        event = self._module.Event()
+        event.record(self._module.current_stream())
+        return event
+
+    def wait_event(self, event: Optional[Any]) -> None:
+        if event is not None:
+            self._module.current_stream().wait_event(event)
+
+    def record_stream(self, tensor: torch.Tensor) -> None:
+        tensor.record_stream(self._module.current_stream())
