@@ -16,8 +16,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q -e '.[test]'
 	touch $@
 
+# Through scripts/train.sh: the config is checked before torchrun starts, SIGTERM saves and exits 0.
 train: install
-	$(VENV)/bin/torchrun --standalone --nproc_per_node=$(NPROC) recipes/train.py $(ARGS)
+	NPROC=$(NPROC) TORCHRUN=$(VENV)/bin/torchrun PYTHON=$(PY) scripts/train.sh $(ARGS)
 
 test: install
 	$(PY) -m pytest -q $(ARGS)

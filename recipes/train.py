@@ -3,7 +3,11 @@
     torchrun --nproc_per_node=N recipes/train.py [hydra overrides, e.g. training.steps=50 parallel=hsdp]
 
 Resumes from the latest complete checkpoint in ``checkpoint.folder`` (on any mesh shape).
-``--cfg`` prints the composed config and exits; ``--help`` shows this text.
+``--cfg`` prints the composed config and exits. ``--check`` validates the config and the
+machine (folders, earlier checkpoints, memory) for WORLD_SIZE ranks, LOCAL_WORLD_SIZE of
+them on this machine (defaults 1), without starting training; scripts/train.sh runs it
+before torchrun. ``--help`` shows this text. Exit codes: 0 done (also after a SIGTERM stop
+with its final checkpoint), 2 a problem reported in one line.
 """
 
 from __future__ import annotations
@@ -20,35 +24,50 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from hyper_parallel.platform import init_distributed  # noqa: E402
 from hyper_parallel.trainer import ConfigError, compose_config, run_training, validate_config  # noqa: E402
+from hyper_parallel.trainer.agreement import JobFailed  # noqa: E402
+from hyper_parallel.trainer.preflight import check_environment  # noqa: E402
 
 CONFIG_DIR = os.path.join(REPO, "configs")
+FLAGS = ("--cfg", "--check")
+EXIT_PROBLEM = 2
 
 
-def _fail(message: str) -> int:
-    if int(os.environ.get("RANK", 0)) == 0:
-        print(f"error: {message}", file=sys.stderr, flush=True)
-    return 2
+def _env_int(name: str) -> int:
+    return int(os.environ.get(name, 1))
 
 
 def main(argv: list[str]) -> int:
     if "--help" in argv or "-h" in argv:
         print(__doc__)
         return 0
+    world_size = _env_int("WORLD_SIZE")
     try:
-        cfg = compose_config([a for a in argv if a != "--cfg"], config_dir=CONFIG_DIR)
-        dims = validate_config(cfg, int(os.environ.get("WORLD_SIZE", 1)))
+        cfg = compose_config([a for a in argv if a not in FLAGS], config_dir=CONFIG_DIR)
+        dims = validate_config(cfg, world_size)
+        if "--cfg" in argv:
+            print(OmegaConf.to_yaml(cfg))
+            return 0
+        check_environment(cfg, dims, ranks_per_node=_env_int("LOCAL_WORLD_SIZE"))
     except ConfigError as err:
-        return _fail(str(err))
-    if "--cfg" in argv:
-        print(OmegaConf.to_yaml(cfg))
+        # The same on every rank (a function of the config and the machine): rank 0 reports.
+        if int(os.environ.get("RANK", 0)) == 0:
+            print(f"error: {err}", file=sys.stderr, flush=True)
+        return EXIT_PROBLEM
+    if "--check" in argv:
+        print(f"config OK for {world_size} rank(s)")
         return 0
     platform = init_distributed()
     try:
         run_training(cfg, dims, platform)
-    except ConfigError as err:
-        # Bad data or config found after start-up (possibly on this rank only): one readable
-        # line and exit; torchrun stops the other ranks. No process-group teardown (it could wait).
-        os._exit(_fail(str(err)))
+    except JobFailed as failure:
+        # Every rank raised it at the same point; the ranks that found the problem say what it
+        # is. No process-group teardown (a peer may already be gone).
+        message = failure.report(platform.rank, platform.world_size)
+        if message:
+            print(f"error: {message}", file=sys.stderr, flush=True)
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(EXIT_PROBLEM)
     dist.destroy_process_group()
     return 0
 

@@ -1,13 +1,18 @@
 #!/usr/bin/env python
-"""Export a training checkpoint's model as HF-style safetensors shards (+ index.json, config.json).
+"""Export a training checkpoint's model as Hugging Face safetensors shards (+ index, config.json).
 
-    scripts/export_hf.py CHECKPOINT OUT_DIR [--config RECIPE_CONFIG] [--max-shard-bytes N]
+    scripts/export_hf.py CHECKPOINT OUT_DIR [--config RECIPE_CONFIG] [--format transformers|native]
+                         [--max-shard-bytes N]
 
-CHECKPOINT is a ``step-N`` directory or a folder of them (the newest is used). The recipe
-writes its resolved config to ``${output_dir}/config.yaml``; with ``--config`` (default: that
-file next to the checkpoint folder, if present) the model's ``LlamaConfig`` is written to
-``OUT_DIR/config.json``, so ``Transformer(LlamaConfig(**config))`` rebuilds the model.
-Runs in a plain process, no GPU or process group needed.
+CHECKPOINT is a ``step-N`` directory or a folder of them (the newest is used). The model's
+shape comes from the run's resolved config, ``${output_dir}/config.yaml`` next to the
+checkpoint folder (or ``--config``).
+
+``--format transformers`` (default): ``transformers`` Llama tensor names and rotary layout, and
+a ``config.json`` that ``transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)`` loads.
+``--format native``: our names, and ``config.json`` holding the ``LlamaConfig`` fields, so
+``Transformer(LlamaConfig(**config))`` (without ``architectures``) rebuilds the model.
+Either directory works as ``model.init_from``. Runs in a plain process, no GPU or process group.
 """
 
 from __future__ import annotations
@@ -22,8 +27,9 @@ from typing import Optional
 from _checkpoints import resolve_checkpoint
 from omegaconf import OmegaConf
 
-from hyper_parallel.checkpoint import CheckpointError, export_hf
+from hyper_parallel.checkpoint import CheckpointError, export_hf, read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
+from hyper_parallel.models.hf_llama import hf_config, to_hf
 from hyper_parallel.trainer.config import llama_config
 
 
@@ -38,19 +44,29 @@ def main(argv: list[str]) -> int:
     parser.add_argument("checkpoint")
     parser.add_argument("out_dir")
     parser.add_argument("--config", help="the recipe's config.yaml (for config.json)")
+    parser.add_argument("--format", choices=("transformers", "native"), default="transformers")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
     args = parser.parse_args(argv)
     try:
         checkpoint = resolve_checkpoint(args.checkpoint)
-        index = export_hf(checkpoint, args.out_dir, max_shard_bytes=args.max_shard_bytes)
+        config_path = args.config or _default_recipe_config(checkpoint)
+        if args.format == "transformers" and not config_path:
+            raise ValueError(f"no config.yaml next to {checkpoint}: pass the run's config with --config "
+                             "(the transformers layout needs the model's shape), or use --format native")
+        cfg = llama_config(OmegaConf.load(config_path).model) if config_path else None
+        convert = (lambda name, tensor: to_hf(name, tensor, cfg)) if args.format == "transformers" else None
+        index = export_hf(checkpoint, args.out_dir, max_shard_bytes=args.max_shard_bytes, convert=convert)
     except (CheckpointError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    config_path = args.config or _default_recipe_config(checkpoint)
-    if config_path:
-        model = dataclasses.asdict(llama_config(OmegaConf.load(config_path).model))
+    if cfg is not None:
+        if args.format == "transformers":
+            stored = read_checkpoint_metadata(checkpoint).state_dict_metadata
+            config = hf_config(cfg, stored["model.tok_embeddings.weight"].dtype)
+        else:
+            config = {"architectures": ["hyper_parallel.models.llama.Transformer"], **dataclasses.asdict(cfg)}
         with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-            json.dump({"architectures": ["hyper_parallel.models.llama.Transformer"], **model}, f, indent=2)
+            json.dump(config, f, indent=2)
     print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']:,} bytes) "
           f"from {checkpoint} to {args.out_dir}" + (" with config.json" if config_path else ""))
     return 0

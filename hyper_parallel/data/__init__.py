@@ -6,15 +6,18 @@ its slice of every global batch, and the loader's position is checkpointable.
 """
 
 from hyper_parallel.data.loader import DistributedBatchLoader
+from hyper_parallel.data.prepare import prepare_tokens, read_sidecar
 from hyper_parallel.data.sources import (
-    ByteTokenizer,
     MarkovSource,
     TokenSource,
     TokenWindows,
     build_source,
     read_text_tokens,
     read_token_file,
+    split_windows,
 )
+from hyper_parallel.data.text import iter_documents
+from hyper_parallel.data.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer, load_tokenizer
 
 __all__ = [
     "ByteTokenizer",
@@ -22,7 +25,14 @@ __all__ = [
     "MarkovSource",
     "TokenSource",
     "TokenWindows",
+    "HFTokenizer",
+    "Tokenizer",
     "build_source",
+    "iter_documents",
+    "load_tokenizer",
+    "prepare_tokens",
+    "read_sidecar",
+    "split_windows",
     "read_text_tokens",
     "read_token_file",
 ]

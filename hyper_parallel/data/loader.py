@@ -52,12 +52,21 @@ class DistributedBatchLoader:
             self._perm, self._perm_epoch = torch.randperm(n, generator=gen), epoch
         return int(self._perm[offset])
 
-    def next_batch(self) -> torch.Tensor:
-        """This rank's ``(local_batch_size, seq_len + 1)`` slice of the next global batch."""
+    def peek(self) -> torch.Tensor:
+        """This rank's ``(local_batch_size, seq_len + 1)`` slice of the next global batch,
+        without moving past it (see :meth:`advance`)."""
         first = self.batches_consumed * self.global_batch_size + self.dp_rank * self.local_batch_size
-        indices = [self._sample_index(p) for p in range(first, first + self.local_batch_size)]
+        return self.source.samples([self._sample_index(p) for p in range(first, first + self.local_batch_size)])
+
+    def advance(self) -> None:
+        """Count the next global batch as consumed (the position a checkpoint records)."""
         self.batches_consumed += 1
-        return self.source.samples(indices)
+
+    def next_batch(self) -> torch.Tensor:
+        """This rank's slice of the next global batch; moves past it."""
+        batch = self.peek()
+        self.advance()
+        return batch
 
     def __iter__(self) -> Iterator[torch.Tensor]:
         while True:

@@ -1,4 +1,4 @@
-"""Token sources: synthetic Markov chain, local text files (bytes), flat binary token files.
+"""Token sources: synthetic Markov chain, local text corpora (tokenized on load), flat token files.
 
 Every source answers ``samples(indices) -> LongTensor (len(indices), seq_len + 1)``: the
 tokens of each global sample, the same whatever process or batch asks for it.
@@ -6,14 +6,18 @@ tokens of each global sample, the same whatever process or batch asks for it.
 
 from __future__ import annotations
 
-import glob
 import os
 from typing import Optional, Protocol, Sequence
 
 import numpy as np
 import torch
 
+from hyper_parallel.data.prepare import read_sidecar
+from hyper_parallel.data.text import expand_paths, iter_documents
+from hyper_parallel.data.tokenizer import Tokenizer, check_vocab, load_tokenizer
+
 _TOKEN_DTYPES = {"uint16": np.uint16, "uint32": np.uint32}
+_SCAN_CHUNK = 1 << 24  # token ids read at once when validating a token array
 
 
 class TokenSource(Protocol):
@@ -25,6 +29,13 @@ class TokenSource(Protocol):
     num_samples: Optional[int]
 
     def samples(self, indices: Sequence[int]) -> torch.Tensor: ...
+
+    def validate(self, part: int, parts: int) -> None:
+        """Check part ``part`` of ``parts`` of the data (each rank checks one) before training.
+
+        Raises:
+            ValueError: the data cannot feed the model (e.g. a token id >= vocab_size).
+        """
 
 
 class MarkovSource:
@@ -65,22 +76,30 @@ class MarkovSource:
             tokens[:, t] = self.successors[current, np.minimum(choice, self.successors.shape[1] - 1)]
         return torch.from_numpy(tokens)
 
+    @staticmethod
+    def memory_bytes(vocab_size: int, branching: int) -> int:
+        """Bytes of the chain's tables (successors, probabilities, their running sums)."""
+        return 3 * 8 * vocab_size * branching
+
+    def validate(self, part: int, parts: int) -> None:
+        """Nothing to check: every token of the chain is below ``vocab_size`` by construction."""
+
     def loss_floor(self) -> float:
         """Exact expected cross-entropy (nats/token) of the Bayes-optimal next-token predictor.
 
         Target ``t+1`` depends only on token ``t``; its best loss is the entropy of that token's
         transition row, averaged over the marginal of token ``t`` (uniform at ``t=0``, then
-        pushed through the chain).
+        pushed through the sparse chain: O(vocab_size x branching) memory and time per step).
         """
         with np.errstate(divide="ignore", invalid="ignore"):
             row_entropy = -np.nansum(np.where(self.probs > 0, self.probs * np.log(self.probs), 0.0), axis=1)
-        transition = np.zeros((self.vocab_size, self.vocab_size))
-        np.add.at(transition, (np.arange(self.vocab_size)[:, None], self.successors), self.probs)
+        successors = self.successors.ravel()
         marginal = np.full(self.vocab_size, 1.0 / self.vocab_size)
         total = 0.0
         for _ in range(self.seq_len):
             total += float(marginal @ row_entropy)
-            marginal = marginal @ transition
+            marginal = np.bincount(successors, weights=(marginal[:, None] * self.probs).ravel(),
+                                   minlength=self.vocab_size)
         return total / self.seq_len
 
 
@@ -95,6 +114,22 @@ class TokenWindows:
                 f"{name}: {len(tokens)} tokens are fewer than one sample of seq_len + 1 = {seq_len + 1}"
             )
 
+    def validate(self, part: int, parts: int) -> None:
+        """Every token id in part ``part`` of ``parts`` of the array is below ``vocab_size``.
+
+        Raises:
+            ValueError: naming the first id out of range and its position.
+        """
+        n = len(self.tokens)
+        end = n * (part + 1) // parts
+        for start in range(n * part // parts, end, _SCAN_CHUNK):
+            chunk = np.asarray(self.tokens[start:min(start + _SCAN_CHUNK, end)])
+            bad = np.flatnonzero(chunk >= self.vocab_size)
+            if bad.size:
+                i = start + int(bad[0])
+                raise ValueError(f"{self.name}: token id {int(chunk[bad[0]])} is outside the model's "
+                                 f"vocab_size={self.vocab_size} (token {i:,} of {n:,})")
+
     def samples(self, indices: Sequence[int]) -> torch.Tensor:
         rows = [np.asarray(self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1], dtype=np.int64)
                 for i in indices]
@@ -106,53 +141,78 @@ class TokenWindows:
         return batch
 
 
-class ByteTokenizer:
-    """UTF-8 bytes as token ids (vocabulary of 256); documents are joined by ``separator``."""
+def read_text_tokens(paths: str | Sequence[str], tokenizer: Tokenizer) -> np.ndarray:
+    """Tokenize local documents (see :func:`iter_documents`) into one array, joined by the
+    tokenizer's separator (EOS).
 
-    vocab_size = 256
-
-    def __init__(self, separator: bytes = b"\n\n"):
-        self.separator = separator
-
-    def encode(self, text: str) -> np.ndarray:
-        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8)
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return bytes(int(t) for t in tokens).decode("utf-8", errors="replace")
-
-
-def _expand_paths(paths: str | Sequence[str]) -> list[str]:
-    patterns = [paths] if isinstance(paths, str) else list(paths)
-    found: list[str] = []
-    for pattern in patterns:
-        pattern = os.path.expanduser(str(pattern))
-        found.extend(sorted(glob.glob(pattern, recursive=True)) if glob.has_magic(pattern)
-                     else [pattern])
-    missing = [p for p in found if not os.path.isfile(p)]
-    if not found or missing:
-        raise FileNotFoundError(f"no such data file(s): {missing or patterns}")
-    return found
+    Raises:
+        ValueError: the corpus holds no text.
+    """
+    parts: list[np.ndarray] = []
+    for text in iter_documents(paths):
+        if parts:
+            parts.append(tokenizer.separator)
+        parts.append(tokenizer.encode(text))
+    tokens = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    if not len(tokens):
+        raise ValueError(f"the corpus {paths} holds no text (0 tokens)")
+    return tokens
 
 
-def read_text_tokens(paths: str | Sequence[str], tokenizer: ByteTokenizer) -> np.ndarray:
-    """Read local text files (paths or glob patterns, in sorted order) into one byte-token array."""
-    separator = np.frombuffer(tokenizer.separator, dtype=np.uint8)
-    parts = []
-    for path in _expand_paths(paths):
-        with open(path, "rb") as f:
-            parts.extend([np.frombuffer(f.read(), dtype=np.uint8), separator])
-    return np.concatenate(parts[:-1])
+def split_windows(source: TokenWindows, val_fraction: float) -> tuple[TokenWindows, TokenWindows]:
+    """The last ``val_fraction`` of the samples (at least one) held out as a validation source.
+
+    Raises:
+        ValueError: fewer than two samples, or ``val_fraction`` not in (0, 1).
+    """
+    if not 0 < val_fraction < 1:
+        raise ValueError(f"val_fraction={val_fraction} must be in (0, 1)")
+    n = source.num_samples
+    n_val = max(1, round(n * val_fraction))
+    if n_val >= n:
+        raise ValueError(f"{source.name}: {n} samples cannot be split into train and validation "
+                         f"with val_fraction={val_fraction}")
+    cut = (n - n_val) * source.seq_len
+    return (TokenWindows(source.tokens[: cut + 1], source.seq_len, source.vocab_size, name=source.name),
+            TokenWindows(source.tokens[cut:], source.seq_len, source.vocab_size, name=f"{source.name} (validation)"))
 
 
 def read_token_file(path: str, dtype: str) -> np.ndarray:
     """Memory-map a flat binary file of ``uint16``/``uint32`` token ids (native byte order)."""
     if dtype not in _TOKEN_DTYPES:
         raise ValueError(f"token dtype {dtype!r} is not one of {sorted(_TOKEN_DTYPES)}")
-    (path,) = _expand_paths(path)
+    (path,) = expand_paths(path)
     itemsize = np.dtype(_TOKEN_DTYPES[dtype]).itemsize
     if os.path.getsize(path) % itemsize:
         raise ValueError(f"{path}: size {os.path.getsize(path)} is not a multiple of {dtype} ({itemsize} bytes)")
     return np.memmap(path, dtype=_TOKEN_DTYPES[dtype], mode="r")
+
+
+def check_sidecar(path: str, dtype: str, vocab_size: int, tokenizer: Optional[str] = None) -> None:
+    """Check a token file against its ``.json`` sidecar (written by ``scripts/prepare_data.py``).
+
+    Raises:
+        ValueError: the stored dtype, token count, vocabulary or tokenizer does not match.
+    """
+    meta = read_sidecar(path)
+    if meta is None:
+        return
+    where = f"{path} (per its sidecar)"
+    if meta["dtype"] != dtype:
+        raise ValueError(f"{where} holds {meta['dtype']} ids, but data.dtype={dtype}")
+    size = os.path.getsize(path)
+    if size != meta["num_tokens"] * np.dtype(_TOKEN_DTYPES[dtype]).itemsize:
+        raise ValueError(f"{where} should hold {meta['num_tokens']} tokens but has {size} bytes "
+                         "(truncated or overwritten?)")
+    if meta["vocab_size"] > vocab_size:
+        raise ValueError(f"{where} was tokenized with {meta['vocab_size']} tokens, more than "
+                         f"model.vocab_size={vocab_size}")
+    if tokenizer not in (None, "bytes"):
+        tokenizer = os.path.abspath(os.path.expanduser(tokenizer))
+        if os.path.isdir(tokenizer):
+            tokenizer = os.path.join(tokenizer, "tokenizer.json")
+    if tokenizer is not None and tokenizer != meta["tokenizer"]:
+        raise ValueError(f"{where} was tokenized with {meta['tokenizer']}, not data.tokenizer={tokenizer}")
 
 
 def build_source(kind: str, *, seq_len: int, vocab_size: int, seed: int, **options) -> TokenSource:
@@ -160,7 +220,8 @@ def build_source(kind: str, *, seq_len: int, vocab_size: int, seed: int, **optio
 
     Args:
         kind: ``synthetic`` (options: ``branching``, ``concentration``, ``chain_seed``), ``text``
-            (``paths``) or ``tokens`` (``path``, ``dtype``).
+            (``paths``, ``tokenizer``, ``eos_token``) or ``tokens`` (``path``, ``dtype``,
+            ``tokenizer``: checked against the file's sidecar when given).
         seq_len: tokens per sample fed to the model (each sample holds ``seq_len + 1``).
         vocab_size: the model's vocabulary; token ids must be below it.
         seed: seeds the synthetic samples (and the chain, unless ``chain_seed`` is given).
@@ -173,16 +234,17 @@ def build_source(kind: str, *, seq_len: int, vocab_size: int, seed: int, **optio
         chain_seed = options.pop("chain_seed", seed)
         return MarkovSource(vocab_size, seq_len, seed=chain_seed, sample_seed=seed, **options)
     if kind == "text":
-        tokenizer = ByteTokenizer()
-        if vocab_size < tokenizer.vocab_size:
-            raise ValueError(f"data=text needs a model vocab_size >= 256 (byte tokens), got {vocab_size}")
+        tokenizer = load_tokenizer(options.pop("tokenizer", "bytes"), options.pop("eos_token", None))
+        check_vocab(tokenizer, vocab_size)
         tokens = read_text_tokens(options.pop("paths"), tokenizer)
         _reject_unknown(kind, options)
         return TokenWindows(tokens, seq_len, vocab_size, name="text")
     if kind == "tokens":
-        tokens = read_token_file(options.pop("path"), options.pop("dtype", "uint16"))
+        path, dtype = options.pop("path"), options.pop("dtype", "uint16")
+        check_sidecar(path, dtype, vocab_size, options.pop("tokenizer", None))
+        tokens = read_token_file(path, dtype)
         _reject_unknown(kind, options)
-        return TokenWindows(tokens, seq_len, vocab_size, name="tokens")
+        return TokenWindows(tokens, seq_len, vocab_size, name=str(path))
     raise ValueError(f"unknown data kind {kind!r}; expected synthetic, text or tokens")
 
 

@@ -4,17 +4,20 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 from omegaconf import DictConfig, OmegaConf
 
 from hyper_parallel.models.llama import LlamaConfig
+from hyper_parallel.trainer.schema import SCHEMA, all_keys, schema_problems, unknown_key_message
 
 CONFIG_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
-_PRECISIONS = ("fp32", "bf16")
+# Hydra's message for an override of a key the config lacks.
+_UNKNOWN_OVERRIDE = re.compile(r"Could not override '([^']+)'\.\s*To append to your config")
 # Keys of the ``model`` group that are recipe options, not LlamaConfig fields.
-_MODEL_RECIPE_KEYS = ("name", "activation_checkpointing", "init_from")
+MODEL_RECIPE_KEYS = ("name", "activation_checkpointing", "init_from")
 
 
 class ConfigError(ValueError):
@@ -39,7 +42,18 @@ def llama_config(model_cfg: DictConfig) -> LlamaConfig:
     Raises:
         ValueError: inconsistent sizes (e.g. ``dim`` not divisible by ``n_heads``).
     """
-    return LlamaConfig(**{k: v for k, v in model_cfg.items() if k not in _MODEL_RECIPE_KEYS})
+    return LlamaConfig(**{k: v for k, v in model_cfg.items() if k not in MODEL_RECIPE_KEYS})
+
+
+def model_overrides(model_cfg: DictConfig, config_dir: str = CONFIG_DIR) -> Dict[str, Any]:
+    """The model-shape keys that differ from the preset ``configs/model/<name>.yaml`` (empty
+    when there is no such preset)."""
+    path = os.path.join(config_dir, "model", f"{model_cfg.name}.yaml")
+    if not os.path.isfile(path):
+        return {}
+    preset = OmegaConf.load(path)
+    return {k: v for k, v in model_cfg.items()
+            if k not in MODEL_RECIPE_KEYS and k in preset and preset[k] != v}
 
 
 def compose_config(overrides: Sequence[str], config_dir: str = CONFIG_DIR,
@@ -47,7 +61,8 @@ def compose_config(overrides: Sequence[str], config_dir: str = CONFIG_DIR,
     """Compose ``configs/<config_name>.yaml`` with Hydra command-line ``overrides``.
 
     Uses Hydra's compose API, so nothing changes the working directory or writes ``.hydra``
-    folders. The result is resolved and in struct mode (unknown keys are errors).
+    folders. The result is resolved and in struct mode. Keys added with ``+`` are accepted
+    here and refused by :func:`validate_config`, like every other key the schema lacks.
 
     Raises:
         ConfigError: a malformed override, an unknown key or group option, or a value that
@@ -62,6 +77,9 @@ def compose_config(overrides: Sequence[str], config_dir: str = CONFIG_DIR,
             cfg = compose(config_name=config_name, overrides=list(overrides))
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as err:
+        unknown = _UNKNOWN_OVERRIDE.match(str(err))
+        if unknown:  # Hydra's own hint ("use +key=...") leads to a key nothing reads
+            raise ConfigError(unknown_key_message(unknown.group(1), all_keys())) from None
         cause = f"\n{str(err.__cause__).splitlines()[0]}" if err.__cause__ else ""
         raise ConfigError(_first_lines(str(err)) + cause) from None
     OmegaConf.set_struct(cfg, True)
@@ -97,29 +115,47 @@ def resolve_parallel(cfg: DictConfig, world_size: int) -> ParallelDims:
 
 
 def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
-    """Check every value the recipe relies on; return the data-parallel layout.
+    """Check every key against the schema and the keys against each other; return the
+    data-parallel layout.
 
     Raises:
-        ConfigError: listing all problems found (mesh, batch split, ranges, choices).
+        ConfigError: listing all problems found (unknown keys, types, ranges, mesh, batch
+            split, model shape).
     """
     missing = sorted(OmegaConf.missing_keys(cfg))
     if missing:
         raise ConfigError("required value(s) not set: " + ", ".join(missing)
                           + " (pass them as overrides, e.g. " + missing[0] + "=...)")
+    problems = schema_problems(cfg)
+    dims, relations = _relation_problems(cfg, world_size, bad=set(problems))
+    listing = list(problems.values()) + relations
+    if listing:
+        raise ConfigError(problems_message("invalid configuration", listing))
+    return dims
+
+
+def problems_message(header: str, problems: Sequence[str]) -> str:
+    """One problem on one line; several as ``header:`` and one ``- problem`` line each."""
+    if len(problems) == 1:
+        return problems[0]
+    return f"{header}:\n  - " + "\n  - ".join(problems)
+
+
+def _relation_problems(cfg: DictConfig, world_size: int,
+                       bad: Set[str]) -> tuple[Optional[ParallelDims], List[str]]:
+    """Checks between keys, each made only when the keys it reads passed the schema."""
+    def valid(*keys: str) -> bool:
+        return not bad.intersection(keys)
+
     problems: List[str] = []
     dims = None
-    try:
-        dims = resolve_parallel(cfg, world_size)
-    except ConfigError as err:
-        problems.append(str(err))
-    t, o, c = cfg.training, cfg.optim, cfg.checkpoint
-    for key in ("steps", "global_batch_size", "seq_len", "grad_accum_steps"):
-        _check_int(problems, f"training.{key}", t[key], minimum=1)
-    _check_int(problems, "training.seed", t.seed, minimum=0)
-    _check_number(problems, "training.max_grad_norm", t.max_grad_norm, low=0.0, note=" (0 disables clipping)")
-    if t.device not in ("auto", "cpu"):
-        problems.append(f"training.device={t.device!r} must be 'auto' or 'cpu'")
-    if dims is not None and not problems:
+    t, m = cfg.training, cfg.model
+    if valid("parallel.dp_replicate", "parallel.dp_shard"):
+        try:
+            dims = resolve_parallel(cfg, world_size)
+        except ConfigError as err:
+            problems.append(str(err))
+    if dims is not None and valid("training.global_batch_size", "training.grad_accum_steps"):
         ranks_x_accum = dims.dp_size * t.grad_accum_steps
         if t.global_batch_size % ranks_x_accum:
             problems.append(
@@ -127,44 +163,21 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
                 f"{dims.dp_size} data-parallel ranks x training.grad_accum_steps={t.grad_accum_steps}"
                 f" (needs a multiple of {ranks_x_accum})"
             )
-    try:
-        llama_config(cfg.model)
-    except (ValueError, TypeError) as err:
-        problems.append(f"model: {err}")
-    if _is_int(t.seq_len) and t.seq_len > cfg.model.max_seq_len:
-        problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={cfg.model.max_seq_len}")
-    if cfg.parallel.mixed_precision not in _PRECISIONS:
-        problems.append(f"parallel.mixed_precision={cfg.parallel.mixed_precision!r} must be one of {_PRECISIONS}")
-    if o.name != "adamw":
-        problems.append(f"optim.name={o.name!r}: only 'adamw' is available")
-    _check_number(problems, "optim.lr", o.lr, low=0.0, low_inclusive=False)
-    _check_int(problems, "optim.warmup_steps", o.warmup_steps, minimum=0)
-    _check_number(problems, "optim.min_lr_ratio", o.min_lr_ratio, low=0.0, high=1.0)
-    _check_int(problems, "checkpoint.interval", c.interval, minimum=1)
-    _check_int(problems, "checkpoint.keep_last_n", c.keep_last_n, minimum=1)
-    _check_int(problems, "logging.log_every", cfg.logging.log_every, minimum=1)
-    if cfg.logging.tensorboard and importlib.util.find_spec("tensorboard") is None:
+    if valid(*(key for key in SCHEMA if key.startswith("model."))):
+        try:
+            llama = llama_config(m)
+            if llama.head_dim % 2:
+                problems.append(f"model: dim/n_heads = {llama.head_dim} must be even (RoPE rotates pairs)")
+        except (ValueError, TypeError) as err:
+            problems.append(f"model: {err}")
+    if valid("training.seq_len", "model.max_seq_len") and t.seq_len > m.max_seq_len:
+        problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+    if (cfg.data.kind == "synthetic" and valid("data.branching", "model.vocab_size")
+            and cfg.data.branching > m.vocab_size):
+        problems.append(f"data.branching={cfg.data.branching} exceeds model.vocab_size={m.vocab_size}")
+    if cfg.checkpoint.load_only is True and not cfg.checkpoint.load_from:
+        problems.append("checkpoint.load_only=true needs checkpoint.load_from (the checkpoint to take the model from)")
+    if cfg.logging.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
         problems.append("logging.tensorboard=true needs the 'tensorboard' package "
                         "(pip install tensorboard), or set logging.tensorboard=false")
-    if problems:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
-    return dims
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _check_int(problems: List[str], name: str, value: Any, *, minimum: int) -> None:
-    if not _is_int(value) or value < minimum:
-        what = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
-        problems.append(f"{name}={value!r} must be {what}")
-
-
-def _check_number(problems: List[str], name: str, value: Any, *, low: float,
-                  high: Optional[float] = None, low_inclusive: bool = True, note: str = "") -> None:
-    is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
-    in_range = is_number and (value >= low if low_inclusive else value > low) and (high is None or value <= high)
-    if not in_range:
-        bound = (">= " if low_inclusive else "> ") + str(low) if high is None else f"in [{low}, {high}]"
-        problems.append(f"{name}={value!r} must be a number {bound}{note}")
+    return dims, problems

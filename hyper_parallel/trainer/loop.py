@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -13,23 +14,27 @@ from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from hyper_parallel.data import DistributedBatchLoader, build_source
+from hyper_parallel.checkpoint import CheckpointError
+from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
-from hyper_parallel.trainer.config import ConfigError, ParallelDims
+from hyper_parallel.trainer import operations
+from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
+from hyper_parallel.trainer.config import MODEL_RECIPE_KEYS, ConfigError, ParallelDims, llama_config, model_overrides
+from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.metrics import MetricsLogger
+from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 from hyper_parallel.trainer.state import RNGState, StopRequest, all_reduce_sum, training_state
 
 
-def build_loader(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int) -> DistributedBatchLoader:
-    """The data loader of this rank, from the ``data`` and ``training`` config."""
-    options = OmegaConf.to_container(cfg.data, resolve=True)
-    kind, shuffle = options.pop("kind"), options.pop("shuffle", False)
-    source = build_source(kind, seq_len=cfg.training.seq_len, vocab_size=vocab_size,
-                          seed=cfg.training.seed, **options)
-    return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank,
-                                  dp_size=dp_size, seed=cfg.training.seed, shuffle=shuffle)
+def build_loader(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int,
+                 source: Optional[TokenSource] = None) -> DistributedBatchLoader:
+    """The data loader of this rank over ``source`` (default: the training split of ``data``)."""
+    if source is None:
+        source = build_sources(cfg, vocab_size, with_val=False).train
+    return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                  seed=cfg.training.seed, shuffle=bool(cfg.data.get("shuffle", False)))
 
 
 def build_optimizer(model: nn.Module, optim_cfg: DictConfig) -> torch.optim.Optimizer:
@@ -59,9 +64,11 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
         logits = model(micro[:, :-1])
-        loss = F.cross_entropy(logits.float().flatten(0, 1), micro[:, 1:].flatten())
+        # The loss in at least fp32 (bf16 logits are upcast; a float64 model stays float64).
+        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+        loss = F.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten())
         (loss / grad_accum_steps).backward()
-        loss_sum += loss.detach()
+        loss_sum = loss_sum + loss.detach()
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = hp.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
@@ -86,6 +93,10 @@ class TrainingJob:
     state: Dict[str, Any]
     log: MetricsLogger
     loss_floor: Optional[float]
+    throughput: Throughput
+    started_at: float  # time.monotonic() when setup began (training.time_limit_minutes counts from it)
+    evaluator: Optional[Evaluator] = None
+    profiler: Optional[ProfilerWindow] = None
 
 
 @dataclass
@@ -97,8 +108,26 @@ class RunSummary:
     losses: List[float] = field(default_factory=list)
     loss_floor: Optional[float] = None
     stopped_by_signal: bool = False
+    stop_reason: Optional[str] = None  # SIGTERM, time limit or stop_after_steps
     wall_time_s: float = 0.0
     tokens_per_s: float = 0.0
+
+
+def _load_data(cfg: DictConfig, dims: ParallelDims, rank: int,
+               device: torch.device) -> Tuple[DistributedBatchLoader, Optional[Evaluator]]:
+    """This rank's loader (its part of the data validated: each rank checks 1/world) and the
+    evaluator of the held-out split, if evaluation is on."""
+    t = cfg.training
+    try:
+        sources = build_sources(cfg, cfg.model.vocab_size, with_val=cfg.eval.every > 0)
+        loader = build_loader(cfg, cfg.model.vocab_size, rank, dims.dp_size, source=sources.train)
+        loader.source.validate(rank, dims.dp_size)
+        evaluator = None if sources.val is None else Evaluator(
+            sources.val, global_batch_size=t.global_batch_size, dp_rank=rank, dp_size=dims.dp_size,
+            every=cfg.eval.every, steps=cfg.eval.steps, device=device)
+    except (ValueError, TypeError, FileNotFoundError) as err:
+        raise ConfigError(f"data={cfg.data.kind}: {err}") from None
+    return loader, evaluator
 
 
 def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> TrainingJob:
@@ -107,22 +136,23 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
     Requires an initialised default process group of ``dims.dp_size`` ranks.
 
     Raises:
-        ConfigError: the data or ``model.init_from`` cannot be read or do not fit the model
-            (found identically on every rank).
+        JobFailed: on every rank, when the data or ``model.init_from`` cannot be read or do
+            not fit the model on any rank.
     """
     from hyper_parallel.checkpoint import CheckpointManager
 
+    started_at = time.monotonic()
     t, rank = cfg.training, platform.rank
     device = platform.current_device() if t.device == "auto" else torch.device("cpu")
     torch.manual_seed(t.seed)
-    try:
-        loader = build_loader(cfg, cfg.model.vocab_size, dp_rank=rank, dp_size=dims.dp_size)
-    except (ValueError, TypeError, FileNotFoundError) as err:
-        raise ConfigError(f"data={cfg.data.kind}: {err}") from None
+    loader, evaluator = together(device, lambda: _load_data(cfg, dims, rank, device))
+    p = cfg.profiling
+    profiler = ProfilerWindow(p.folder, rank=rank, start=p.start_step, steps=p.steps, platform=platform,
+                              memory_snapshot=p.memory_snapshot) if p.enable else None
     mesh = build_mesh(dims, device.type)
-    model = build_model(cfg.model, mesh=mesh, device=device, seed=t.seed,
-                        mixed_precision=cfg.parallel.mixed_precision,
-                        reshard_after_forward=cfg.parallel.reshard_after_forward)
+    model = together(device, lambda: build_model(
+        cfg.model, mesh=mesh, device=device, seed=t.seed, mixed_precision=cfg.parallel.mixed_precision,
+        reshard_after_forward=cfg.parallel.reshard_after_forward))
     # Every rank starts training from the same global generator state (the checkpoint stores it).
     torch.manual_seed(t.seed + 1)
     optimizer = build_optimizer(model, cfg.optim)
@@ -132,35 +162,88 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
                                 keep_last_n=cfg.checkpoint.keep_last_n, async_save=cfg.checkpoint.async_save)
     log = MetricsLogger(cfg.output_dir, total_steps=t.steps, is_main=rank == 0,
                         log_every=cfg.logging.log_every, tensorboard=cfg.logging.tensorboard)
-    if rank == 0:
-        OmegaConf.save(cfg, os.path.join(cfg.output_dir, "config.yaml"))
     return TrainingJob(
         cfg=cfg, dims=dims, platform=platform, device=device, mesh=mesh, model=model,
         optimizer=optimizer, schedule=schedule, loader=loader, manager=manager,
         state=training_state(model, optimizer, schedule, loader, RNGState(platform.device_module)),
         log=log, loss_floor=getattr(loader.source, "loss_floor", lambda: None)(),
+        throughput=Throughput(llama_config(cfg.model), seq_len=t.seq_len,
+                              tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.dp_size,
+                              peak=peak_tflops(platform, t.peak_tflops)),
+        started_at=started_at, evaluator=evaluator, profiler=profiler,
     )
 
 
+def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
+    """Load what ``checkpoint`` says to start from (see :func:`operations.plan_load`): this
+    job's own latest checkpoint, a given step, or ``checkpoint.load_from``; None: nothing.
+
+    Raises:
+        JobFailed: on every rank, when the checkpoint does not fit this run (one line naming
+            the difference and the way out).
+    """
+    cfg = job.cfg
+
+    def load() -> Optional[operations.LoadPlan]:
+        plan = operations.plan_load(cfg.checkpoint, list(job.state))
+        if plan is None:
+            return None
+        try:
+            operations.load(plan, job.state)
+        except (CheckpointError, ValueError) as err:
+            raise ConfigError(resume_mismatch(cfg, plan.path, err)) from None
+        return plan
+
+    return together(job.device, load)
+
+
+def resume_mismatch(cfg: DictConfig, path: str, err: Exception) -> str:
+    """Why the checkpoint at ``path`` does not fit this run, and what to do about it."""
+    saved_path = os.path.join(cfg.output_dir, "config.yaml")
+    changed = []
+    if os.path.isfile(saved_path):
+        saved = OmegaConf.load(saved_path).get("model", {})
+        changed = [f"model.{k}: saved {saved[k]!r}, now {v!r}" for k, v in cfg.model.items()
+                   if k in saved and k not in MODEL_RECIPE_KEYS and saved[k] != v]
+    detail = "; ".join(changed) if changed else str(err).strip().splitlines()[0]
+    return (f"cannot resume from {path} ({detail}). For a new run use a new "
+            "output_dir (or checkpoint.folder); to continue that run use the settings it was written with")
+
+
 def describe(job: TrainingJob) -> str:
-    """One line: model size, mesh, precision, data (and its loss floor)."""
+    """One line: model (its preset and any size overrides), mesh, precision, data, loss floor."""
     cfg, mesh = job.cfg, job.mesh
     mesh_desc = "x".join(map(str, mesh.shape)) + f" ({', '.join(mesh.mesh_dim_names)})"
     floor = f", loss floor {job.loss_floor:.4f}" if job.loss_floor is not None else ""
-    return (f"model {cfg.model.name}: {sum(p.numel() for p in job.model.parameters()):,} parameters, "
+    changed = model_overrides(cfg.model)
+    name = cfg.model.name + (f" with {', '.join(f'{k}={v}' for k, v in changed.items())}" if changed else "")
+    return (f"model {name}: {sum(p.numel() for p in job.model.parameters()):,} parameters, "
             f"mesh {mesh_desc}, {cfg.parallel.mixed_precision}, data {cfg.data.kind}{floor}")
+
+
+def starting_point(cfg: DictConfig, plan: Optional[operations.LoadPlan]) -> str:
+    """Where training starts: a checkpoint, ``model.init_from``, or a fresh initialisation."""
+    if plan is not None:
+        return plan.description
+    if cfg.model.init_from:
+        return f"starting at step 0 from the weights in {cfg.model.init_from} (model.init_from)"
+    return "starting from scratch"
 
 
 def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> RunSummary:
     """Train as configured, resuming from ``checkpoint.folder`` when it holds a checkpoint.
 
     Raises:
-        ConfigError: see :func:`build_job`.
+        JobFailed: on every rank, when any rank found bad data, an unreadable
+            ``model.init_from``, a checkpoint that does not fit, or a non-finite loss.
     """
     job = build_job(cfg, dims, platform)
-    step = (job.manager.load_latest(job.state) if cfg.checkpoint.resume else None) or 0
+    plan = resume(job)
+    step = plan.start_step if plan is not None else 0
+    if platform.rank == 0:
+        OmegaConf.save(cfg, os.path.join(cfg.output_dir, "config.yaml"))
     job.log.print(describe(job))
-    job.log.print(f"resumed from {cfg.checkpoint.folder}/step-{step}" if step else "starting from scratch")
+    job.log.print(starting_point(cfg, plan))
     if step >= cfg.training.steps:
         job.log.print(f"the latest checkpoint is at step {step} >= training.steps={cfg.training.steps}: "
                       "nothing to train")
@@ -171,55 +254,96 @@ def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Run
         stop.install()
     try:
         summary = train_loop(job, step, stop)
+        job.log.print(format_summary(summary, cfg))
     finally:
         stop.uninstall()
-    job.log.print(format_summary(summary, cfg))
-    job.log.close()
+        if job.profiler is not None:
+            job.profiler.close()
+        job.log.close()
     return summary
 
 
+def _peek_batch(job: TrainingJob, step: int) -> Tuple[Optional[torch.Tensor], Optional[ConfigError]]:
+    """This rank's batch for optimizer step ``step`` (1-based), or the problem with it."""
+    try:
+        return job.loader.peek().to(job.device), None
+    except ValueError as err:  # e.g. a token id outside the vocabulary, deep in a data file
+        return None, ConfigError(f"data={job.cfg.data.kind}, step {step}: {err}")
+
+
 def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
-    """Steps ``step+1 .. training.steps`` with metrics and checkpoints; stops early (after a
-    final checkpoint) when any rank got SIGTERM.
+    """Steps ``step+1 .. training.steps`` with metrics, evaluation and checkpoints; stops early
+    (after a final checkpoint) when any rank got SIGTERM or ran out of time, or after
+    ``training.stop_after_steps``.
+
+    Each step's batch is read before the previous step's all-reduce, which carries every
+    rank's verdict on it, so a bad batch on one rank stops all ranks together.
 
     Raises:
-        ConfigError: the data yields an invalid batch (e.g. a token id >= vocab_size).
+        JobFailed: on every rank, when a batch is invalid on any rank (e.g. a token id >=
+            vocab_size), or the loss or gradient norm is not finite (nothing of that step
+            is saved).
     """
     t, platform = job.cfg.training, job.platform
     summary = RunSummary(start_step=step, end_step=step, loss_floor=job.loss_floor)
     tokens_per_step = t.global_batch_size * t.seq_len
     started = time.perf_counter()
+    limits = operations.StopRule(start_step=step, stop_after_steps=t.stop_after_steps,
+                                 time_limit_minutes=t.time_limit_minutes, started_at=job.started_at)
+    batch, error = _peek_batch(job, step + 1)
+    fail_together(error, job.device)
     while step < t.steps:
+        if job.profiler is not None:
+            job.profiler.before_step(step + 1)
         step_start = time.perf_counter()
         platform.reset_peak_memory()
-        try:
-            batch = job.loader.next_batch().to(job.device)
-        except ValueError as err:  # e.g. a token id outside the vocabulary, deep in a data file
-            raise ConfigError(f"data={job.cfg.data.kind}, step {step + 1}: {err}") from None
         lr = job.schedule.step()
         result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
                             max_grad_norm=t.max_grad_norm)
+        job.loader.advance()
         step += 1
-        # One collective per step: the global mean loss, and whether any rank got SIGTERM.
-        flag = torch.tensor(stop.as_tensor_value, device=job.device)
-        loss_sum, stop_votes = all_reduce_sum(torch.stack([result["loss"], flag])).tolist()
-        loss = loss_sum / job.dims.dp_size
+        batch, error = _peek_batch(job, step + 1) if step < t.steps else (None, None)
+        # One collective per step: the global mean loss, whether any rank got SIGTERM or ran
+        # out of time, and how many ranks cannot read their next batch.
+        out_of_time = limits.out_of_time(time.perf_counter() - step_start)
+        flags = torch.tensor([stop.as_tensor_value, float(out_of_time), float(error is not None)],
+                             device=job.device)
+        loss_sum, stop_votes, time_votes, bad_batches = all_reduce_sum(
+            torch.cat([result["loss"].reshape(1), flags])).tolist()
+        loss, grad_norm = loss_sum / job.dims.dp_size, float(result["grad_norm"])
+        if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            job.manager.wait()
+            raise JobFailed(ConfigError(
+                f"step {step}: the loss is {loss} (gradient norm {grad_norm}): training diverged, and this "
+                f"step was not saved. Lower optim.lr, check the model settings, and resume from the last "
+                f"checkpoint in {job.cfg.checkpoint.folder} (or start over in a new output_dir)"),
+                job.dims.dp_size)
         step_time = time.perf_counter() - step_start
         record: Dict[str, Any] = {
-            "step": step, "loss": loss, "lr": lr, "grad_norm": float(result["grad_norm"]),
+            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
-            "memory_bytes": platform.peak_memory_bytes(),
+            **job.throughput.record(step_time), **memory_record(platform),
         }
         if job.loss_floor is not None:
             record["loss_floor"] = job.loss_floor
+        if job.evaluator is not None and job.evaluator.due(step, t.steps):
+            record.update(job.evaluator.evaluate(job.model))
+        if job.profiler is not None and (trace := job.profiler.after_step(step)):
+            job.log.print(f"profiler: rank 0 trace {trace}")
         job.log.log_step(record, memory_bytes=record["memory_bytes"])
         summary.losses.append(loss)
-        stopping = stop_votes > 0
-        job.manager.save(step, job.state, force=step == t.steps or stopping)
-        if stopping:
-            summary.stopped_by_signal = True
-            job.log.print(f"SIGTERM: saved a final checkpoint at step {step}, stopping")
+        reason = ("SIGTERM" if stop_votes > 0 else "time limit" if time_votes > 0
+                  else "stop_after_steps" if limits.steps_done(step) else None)
+        last = step == t.steps
+        job.manager.save(step, operations.final_state(job.cfg.checkpoint, job.state) if last else job.state,
+                         force=last or reason is not None)
+        if reason is not None:
+            summary.stopped_by_signal, summary.stop_reason = reason == "SIGTERM", reason
+            job.log.print(f"{reason}: saved a final checkpoint at step {step}, stopping")
             break
+        if bad_batches:
+            job.manager.wait()
+            raise JobFailed(error, int(bad_batches))
     job.manager.wait()
     summary.end_step = step
     summary.wall_time_s = time.perf_counter() - started
@@ -236,4 +360,6 @@ def format_summary(summary: RunSummary, cfg: DictConfig) -> str:
                      + (f" (best achievable {summary.loss_floor:.4f})" if summary.loss_floor is not None else ""))
     lines.append(f"metrics: {os.path.join(cfg.output_dir, 'metrics.jsonl')}")
     lines.append(f"checkpoints: {cfg.checkpoint.folder}")
+    if cfg.logging.tensorboard:
+        lines.append(f"tensorboard: {os.path.join(cfg.output_dir, 'tensorboard')}")
     return "\n".join(lines)

@@ -15,7 +15,8 @@ def _format_duration(seconds: float) -> str:
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
 
 
-def _format_bytes(n: float) -> str:
+def format_bytes(n: float) -> str:
+    """Bytes as B, KiB, MiB, GiB or TiB (e.g. "341MiB")."""
     for unit in ("B", "KiB", "MiB", "GiB"):
         if n < 1024:
             return f"{n:.0f}{unit}"
@@ -86,10 +87,15 @@ class MetricsLogger:
                 parts.append(f"(floor {record['loss_floor']:.4f})")
             parts += [f"lr {record['lr']:.2e}", f"grad_norm {record.get('grad_norm', float('nan')):.3f}",
                       f"{record['tokens_per_s']:,.0f} tok/s"]
+            if "tflops" in record:
+                parts.append(f"{record['tflops']:.3g} TFLOP/s"
+                             + (f" (MFU {record['mfu']:.1%})" if record.get("mfu") is not None else ""))
             if memory_bytes is not None:
-                parts.append(f"mem {_format_bytes(memory_bytes)}")
+                parts.append(f"mem {format_bytes(memory_bytes)}")
             parts.append(f"eta {_format_duration(eta)}")
             self.print("  ".join(parts))
+        if "val_loss" in record:
+            self.print(f"eval step {step}: val_loss {record['val_loss']:.4f}  val_ppl {record['val_ppl']:.2f}")
 
     def close(self) -> None:
         if self._jsonl is not None:

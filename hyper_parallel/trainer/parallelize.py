@@ -4,6 +4,7 @@ materialised and initialised shard by shard."""
 from __future__ import annotations
 
 import functools
+import os
 from typing import Optional
 
 import torch
@@ -52,7 +53,8 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
 
     With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
     reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
-    initialisation, each rank reading only its own slices.
+    initialisation, each rank reading only its own slices: a ``transformers`` Llama export
+    (``config.json`` with ``model_type: llama``) or our own names.
 
     Raises:
         ConfigError: ``model.init_from`` cannot be read or does not fit the model.
@@ -67,9 +69,14 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
     model.init_weights(seed)  # the same values on every mesh and world size
     if model_cfg.init_from:
         from hyper_parallel.checkpoint import CheckpointError, load_hf
+        from hyper_parallel.models.hf_llama import is_hf_llama_dir, load_hf_llama
 
+        path = os.path.expanduser(str(model_cfg.init_from))
         try:
-            load_hf(model, str(model_cfg.init_from))
+            if is_hf_llama_dir(path):  # transformers names and rotary layout
+                load_hf_llama(model, path, llama_config(model_cfg))
+            else:
+                load_hf(model, path)
         except (CheckpointError, KeyError, ValueError, OSError) as err:
             raise ConfigError(f"model.init_from={model_cfg.init_from}: {err}") from None
     return model

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
-from typing import Any, Dict, List, Mapping, Union
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -77,13 +77,17 @@ def _plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> List[List[st
 
 
 def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike], *,
-              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Dict[str, Any]:
+              max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+              convert: Optional[Callable[[str, torch.Tensor], Optional[Tuple[str, torch.Tensor]]]] = None,
+              ) -> Dict[str, Any]:
     """Write the model of a checkpoint as full tensors in Hugging Face safetensors shards.
 
     Runs in a plain process (no process group). Exports the ``model`` entry of the checkpoint
     with the ``model.`` prefix removed (or every tensor if there is no ``model`` entry). Only one
     shard's tensors are in memory at a time. Old ``model-*-of-*.safetensors`` files in
-    ``out_dir`` that are not part of this export are removed.
+    ``out_dir`` that are not part of this export are removed. ``convert(name, tensor)`` may
+    rename and transform each tensor, or return None to leave it out (e.g. the ``transformers``
+    Llama layout, :mod:`hyper_parallel.models.hf_llama`).
 
     Returns:
         The index written to ``out_dir/model.safetensors.index.json``.
@@ -104,14 +108,18 @@ def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.Pa
     os.makedirs(out_dir, exist_ok=True)
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map: Dict[str, str] = {}
+    total_size = 0
     for file, shard in zip(files, shards):
         tensors = {names[name]: torch.empty(stored[name].size, dtype=stored[name].dtype) for name in shard}
         api.load(tensors, checkpoint_id=checkpoint_dir, no_dist=True)
-        save_file({name: tensors[names[name]] for name in shard}, os.path.join(out_dir, file),
-                  metadata={"format": "pt"})
-        weight_map.update({name: file for name in shard})
-        del tensors
-    index = {"metadata": {"total_size": sum(_nbytes(md) for md in stored.values())}, "weight_map": weight_map}
+        written = {name: tensors[names[name]] for name in shard}
+        if convert is not None:
+            written = dict(item for item in (convert(n, t) for n, t in written.items()) if item is not None)
+        save_file(written, os.path.join(out_dir, file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in written})
+        total_size += sum(t.numel() * t.element_size() for t in written.values())
+        del tensors, written
+    index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
     with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
         json.dump(index, f, indent=2)
     for stale in set(os.listdir(out_dir)) - set(files):

@@ -1,0 +1,132 @@
+"""The ``transformers`` Llama layout: tensor names, the rotary permutation and ``config.json``.
+
+Our attention rotates interleaved pairs ``(x[2i], x[2i+1])`` (Meta's layout); ``transformers``
+rotates halves ``(x[i], x[i + head_dim/2])``. Exporting permutes the rows of ``wq``/``wk`` within
+each head accordingly (the permutation of Meta's ``convert_llama_weights_to_hf.py``), so
+``LlamaForCausalLM`` computes the same function; reading such a directory inverts it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from typing import Any, Dict, Optional, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hyper_parallel.models.llama import LlamaConfig
+
+CONFIG_FILE = "config.json"
+_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+# Our name -> transformers name; {i} is the layer index.
+_LAYER_NAMES = {
+    "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wk.weight": "self_attn.k_proj.weight",
+    "attention.wv.weight": "self_attn.v_proj.weight",
+    "attention.wo.weight": "self_attn.o_proj.weight",
+    "feed_forward.w1.weight": "mlp.gate_proj.weight",
+    "feed_forward.w2.weight": "mlp.down_proj.weight",
+    "feed_forward.w3.weight": "mlp.up_proj.weight",
+    "attention_norm.weight": "input_layernorm.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+}
+_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+              "output.weight": "lm_head.weight"}
+_LAYER = re.compile(r"layers\.(\d+)\.(.+)")
+_ROTARY = {"attention.wq.weight": "n_heads", "attention.wk.weight": "n_kv_heads"}
+
+
+def hf_name(name: str) -> str:
+    """The ``transformers`` name of one of our parameter names.
+
+    Raises:
+        KeyError: not a Llama parameter name.
+    """
+    if name in _TOP_NAMES:
+        return _TOP_NAMES[name]
+    match = _LAYER.fullmatch(name)
+    if not match or match.group(2) not in _LAYER_NAMES:
+        raise KeyError(f"{name!r} is not a parameter of hyper_parallel's Llama")
+    return f"model.layers.{match.group(1)}.{_LAYER_NAMES[match.group(2)]}"
+
+
+def _heads(name: str, cfg: LlamaConfig) -> Optional[int]:
+    match = _LAYER.fullmatch(name)
+    return getattr(cfg, _ROTARY[match.group(2)]) if match and match.group(2) in _ROTARY else None
+
+
+def interleaved_to_halves(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """Rows of a q/k projection from interleaved rotary pairs to rotated halves, per head."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, rows // n_heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def halves_to_interleaved(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """The inverse of :func:`interleaved_to_halves`."""
+    rows, cols = weight.shape
+    return weight.view(n_heads, 2, rows // n_heads // 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def to_hf(name: str, tensor: torch.Tensor, cfg: LlamaConfig) -> Optional[Tuple[str, torch.Tensor]]:
+    """``(transformers name, tensor)`` for export; None for the output head of tied embeddings."""
+    if name == "output.weight" and cfg.tie_embeddings:
+        return None
+    heads = _heads(name, cfg)
+    return hf_name(name), (interleaved_to_halves(tensor, heads) if heads else tensor).contiguous()
+
+
+def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> Dict[str, Any]:
+    """``config.json`` for ``transformers.LlamaForCausalLM``."""
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_dim,
+        "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.dim // cfg.n_heads,
+        "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
+        "mlp_bias": False, "torch_dtype": _DTYPE_NAMES[dtype],
+    }
+
+
+def is_hf_llama_dir(path: str) -> bool:
+    """Whether ``path`` holds a ``config.json`` of ``model_type: llama`` (transformers names)."""
+    config = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(config):
+        return False
+    with open(config) as f:
+        try:
+            return json.load(f).get("model_type") == "llama"
+        except ValueError:
+            return False
+
+
+@torch.no_grad()
+def _rows_to_interleaved_(param: torch.Tensor, n_heads: int) -> None:
+    full = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
+    fixed = halves_to_interleaved(full, n_heads)
+    if isinstance(param, DTensor):
+        local = distribute_tensor(fixed, param.device_mesh, param.placements, src_data_rank=None).to_local()
+        param.to_local().copy_(local)
+    else:
+        param.copy_(fixed)
+
+
+def load_hf_llama(model: nn.Module, path: str, cfg: LlamaConfig) -> None:
+    """Fill ``model`` (plain or sharded) from a ``transformers`` Llama directory (collective).
+
+    Raises:
+        KeyError / ValueError / CheckpointError: as :func:`hyper_parallel.checkpoint.load_hf`.
+    """
+    from hyper_parallel.checkpoint import get_model_state_dict, load_hf
+
+    ours = get_model_state_dict(model)
+    targets = {hf_name(k): v for k, v in ours.items() if not (k == "output.weight" and cfg.tie_embeddings)}
+    load_hf(targets, path)
+    for name, tensor in ours.items():
+        heads = _heads(name, cfg)
+        if heads:
+            _rows_to_interleaved_(tensor, heads)

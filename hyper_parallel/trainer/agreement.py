@@ -1,0 +1,64 @@
+"""Ranks fail together: the ranks that found a problem report it, the others stop quietly.
+
+A problem found on one rank only (a bad token id in its slice of the data) must not leave the
+other ranks waiting in a collective or dying on "Connection closed by peer". Each check is
+followed by one all-reduce of a failure flag, so every rank learns that some rank failed and
+all raise :class:`JobFailed` at the same point.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Optional, TypeVar
+
+import torch
+
+from hyper_parallel.trainer.config import ConfigError
+from hyper_parallel.trainer.state import all_reduce_sum
+
+T = TypeVar("T")
+
+
+class JobFailed(Exception):
+    """Some rank found a problem; raised on every rank at the same point.
+
+    Args:
+        error: this rank's problem, or None when only other ranks found one.
+        failed_ranks: how many ranks found a problem.
+    """
+
+    def __init__(self, error: Optional[ConfigError], failed_ranks: int):
+        super().__init__(str(error) if error else f"{failed_ranks} other rank(s) failed")
+        self.error, self.failed_ranks = error, failed_ranks
+
+    def report(self, rank: int, world_size: int) -> Optional[str]:
+        """The line this rank prints, or None to stay quiet.
+
+        Ranks that found the problem print it with their rank; when every rank found one (the
+        same problem everywhere, e.g. a checkpoint that does not fit), rank 0 prints it alone.
+        """
+        if self.error is None or (self.failed_ranks == world_size and rank != 0):
+            return None
+        if world_size == 1 or self.failed_ranks == world_size:
+            return str(self.error)
+        return f"(rank {rank} of {world_size}) {self.error}"
+
+
+def fail_together(error: Optional[ConfigError], device: torch.device) -> None:
+    """Raise :class:`JobFailed` on every rank if ``error`` is set on any (one all-reduce).
+
+    Every rank must call this at the same point.
+    """
+    failed = int(all_reduce_sum(torch.tensor([float(error is not None)], device=device)).item())
+    if failed:
+        raise JobFailed(error, failed)
+
+
+def together(device: torch.device, action: Callable[[], T]) -> T:
+    """``action()`` on every rank; a :class:`ConfigError` on any rank fails all of them."""
+    error, result = None, None
+    try:
+        result = action()
+    except ConfigError as err:
+        error = err
+    fail_together(error, device)
+    return result

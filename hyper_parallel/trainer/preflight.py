@@ -1,0 +1,165 @@
+"""Checks of the machine and the file system before any rank starts.
+
+Writable output folders, an earlier run's checkpoints where a new run would overwrite them,
+and a lower bound of the memory the job needs against what the machine has. Every check is
+cheap and reads no data, so ``recipes/train.py --check`` runs them before torchrun starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import tempfile
+from typing import List, NamedTuple, Optional
+
+import torch
+from omegaconf import DictConfig
+
+from hyper_parallel.checkpoint import is_checkpoint
+from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step
+from hyper_parallel.data import MarkovSource
+from hyper_parallel.models.llama import Transformer
+from hyper_parallel.platform import get_platform
+from hyper_parallel.trainer.config import ConfigError, ParallelDims, llama_config, problems_message
+from hyper_parallel.trainer.metrics import format_bytes
+
+# fp32 parameter + fp32 gradient + AdamW's two fp32 moments.
+_STATE_BYTES_PER_PARAM = 16
+
+
+def check_environment(cfg: DictConfig, dims: ParallelDims, *, ranks_per_node: int) -> None:
+    """Run every pre-start check on a validated config.
+
+    Creates ``output_dir`` and ``checkpoint.folder`` if missing (the job would create them).
+
+    Raises:
+        ConfigError: listing every problem found.
+    """
+    problems = (folder_problems(cfg) + init_from_problems(cfg) + resume_problems(cfg)
+                + memory_problems(cfg, dims, ranks_per_node))
+    if problems:
+        raise ConfigError(problems_message("cannot start", problems))
+
+
+def folder_problems(cfg: DictConfig) -> List[str]:
+    """``output_dir`` and ``checkpoint.folder`` can be created and written."""
+    problems = []
+    for key, path in (("output_dir", cfg.output_dir), ("checkpoint.folder", cfg.checkpoint.folder)):
+        try:
+            os.makedirs(path, exist_ok=True)
+            with tempfile.TemporaryFile(dir=path):
+                pass
+        except OSError as err:
+            blocker = _first_file_on_path(path)
+            why = f"{blocker} is a file, not a folder" if blocker else (err.strerror or str(err))
+            problems.append(f"{key}={path} cannot be used: {why}; choose another {key}")
+    return problems
+
+
+def init_from_problems(cfg: DictConfig) -> List[str]:
+    """``model.init_from``, when set, is a folder (an HF-style safetensors directory)."""
+    path = cfg.model.init_from
+    return [] if path is None or os.path.isdir(path) else [f"model.init_from={path} is not a folder"]
+
+
+def _first_file_on_path(path: str) -> Optional[str]:
+    """The first existing non-folder among ``path`` and its parents, if any."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        prefix = os.sep.join(parts[:i])
+        if os.path.exists(prefix) and not os.path.isdir(prefix):
+            return prefix
+    return None
+
+
+def resume_problems(cfg: DictConfig) -> List[str]:
+    """``checkpoint.resume=false`` must not write into a folder holding another run's checkpoints."""
+    folder = cfg.checkpoint.folder
+    if cfg.checkpoint.resume or not os.path.isdir(folder):
+        return []
+    steps = sorted(s for s in map(checkpoint_step, os.listdir(folder))
+                   if s is not None and is_checkpoint(os.path.join(folder, f"step-{s}")))
+    if not steps:
+        return []
+    return [f"checkpoint.resume=false, but checkpoint.folder={folder} holds checkpoints of an earlier run "
+            f"(step-{', step-'.join(map(str, steps))}); a new run there would overwrite them and its "
+            "retention would delete them. Use a new output_dir (or checkpoint.folder), delete the "
+            "old checkpoints, or resume (checkpoint.resume=true)"]
+
+
+class MemoryEstimate(NamedTuple):
+    """A lower bound of the bytes one rank needs, by part (activations beyond the logits not counted)."""
+
+    parameters: int       # parameter count of the whole model
+    model_state: int      # this rank's shard of parameters, gradients and AdamW moments (fp32)
+    gathered: int         # the largest FSDP group unsharded at once (the root: embeddings, head)
+    logits: int           # one micro-batch's fp32 logits and their gradient
+    rope: int             # the RoPE cos/sin tables (max_seq_len x head_dim)
+    data: int             # the data source's tables, in host memory
+
+    @property
+    def device_bytes(self) -> int:
+        return self.model_state + self.gathered + self.logits + self.rope
+
+
+def estimate_memory(cfg: DictConfig, dims: ParallelDims) -> MemoryEstimate:
+    """A lower bound of one rank's memory for this config, from shapes alone (nothing allocated)."""
+    llama = llama_config(cfg.model)
+    with torch.device("meta"):
+        one_block = Transformer(dataclasses.replace(llama, n_layers=1))
+    block = sum(p.numel() for p in one_block.layers[0].parameters())
+    root = sum(p.numel() for p in one_block.parameters()) - block
+    parameters = root + block * llama.n_layers
+    param_bytes = 2 if cfg.parallel.mixed_precision == "bf16" else 4
+    t = cfg.training
+    micro_batch = t.global_batch_size // (dims.dp_size * t.grad_accum_steps)
+    data = (MarkovSource.memory_bytes(llama.vocab_size, cfg.data.branching)
+            if cfg.data.kind == "synthetic" else 0)
+    return MemoryEstimate(
+        parameters=parameters,
+        model_state=_STATE_BYTES_PER_PARAM * parameters // dims.shard,
+        gathered=param_bytes * max(root, block),
+        logits=2 * 4 * micro_batch * t.seq_len * llama.vocab_size,
+        rope=4 * llama.max_seq_len * llama.head_dim,
+        data=data,
+    )
+
+
+def available_memory() -> tuple[Optional[int], Optional[int]]:
+    """(bytes of host memory available now, bytes of this rank's accelerator or None on CPU)."""
+    host = None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        host = int(fields["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        pass
+    platform = get_platform()
+    if not platform.is_accelerator:
+        return host, None
+    accelerators = platform.device_module  # this rank's own device: no context on another rank's
+    return host, accelerators.get_device_properties(platform.local_rank % accelerators.device_count()).total_memory
+
+
+def memory_problems(cfg: DictConfig, dims: ParallelDims, ranks_per_node: int) -> List[str]:
+    """The estimate against the machine: every rank of this node on the host (CPU training),
+    or one rank per accelerator."""
+    est = estimate_memory(cfg, dims)
+    host, device = available_memory()
+    on_accelerator = device is not None and cfg.training.device == "auto"
+    fb = format_bytes
+    parts = (f"{est.parameters:,} parameters: model state {fb(est.model_state)}, gathered root "
+             f"{fb(est.gathered)}, logits {fb(est.logits)}, RoPE tables {fb(est.rope)}"
+             + (f", synthetic chain {fb(est.data)}" if est.data else ""))
+    need_host = ranks_per_node * (est.data + (0 if on_accelerator else est.device_bytes))
+    fix = ("; make the model, the micro-batch (training.global_batch_size / ranks / "
+           "training.grad_accum_steps) or model.max_seq_len smaller, or shard over more ranks")
+    problems = []
+    if on_accelerator and est.device_bytes > device:
+        problems.append(f"the job needs at least {fb(est.device_bytes)} per accelerator ({parts}) "
+                        f"but one has {fb(device)}{fix}")
+    if host is not None and need_host > host:
+        problems.append(f"the job needs at least {fb(need_host)} of host memory for {ranks_per_node} "
+                        f"rank(s) on this machine ({parts}) but {fb(host)} is available{fix}")
+    return problems
+

@@ -1,0 +1,162 @@
+"""Bad recipe inputs, through ``recipes/train.py --check`` in-process: one line, exit 2.
+
+The cases are the red team's (issue 7, section 7): inputs that gave a traceback wall or ran on
+nonsense with exit 0. ``--check`` runs what every rank runs before the process group starts.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import time
+
+import pytest
+
+from hyper_parallel.checkpoint import save
+from hyper_parallel.trainer import compose_config, validate_config
+from hyper_parallel.trainer import preflight
+from hyper_parallel.trainer.schema import DATA_SCHEMA
+from tests.recipes.launch import RECIPE
+
+_spec = importlib.util.spec_from_file_location("train_recipe", RECIPE)
+recipe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(recipe)
+
+GIB = 1024**3
+
+
+@pytest.fixture
+def check(tmp_path, monkeypatch, capsys):
+    """``check(*overrides) -> (exit code, stdout, stderr)`` of ``train.py --check`` on 2 ranks."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+
+    def run(*overrides: str):
+        code = recipe.main(["--check", f"output_dir={tmp_path / 'out'}", *overrides])
+        out, err = capsys.readouterr()
+        return code, out, err
+    return run
+
+
+def _one_line_error(code, err, expected):
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    assert expected in lines[0], err
+
+
+@pytest.mark.parametrize("override,expected", [
+    # a traceback wall before
+    ("optim.betas=[2,3]", "optim.betas=[2, 3] must be a list of 2 values, each a finite number in [0, 1)"),
+    ("optim.betas=abc", "optim.betas='abc' must be a list of 2 values"),
+    ("optim.eps=-1", "optim.eps=-1 must be a finite number > 0"),
+    ("parallel.dp_replicate=abc", "parallel.dp_replicate='abc' must be a positive integer"),
+    ("parallel.dp_replicate=null", "parallel.dp_replicate=None must be a positive integer"),
+    ("model.dim=0", "model.dim=0 must be a positive integer"),
+    ("model.dim=-64", "model.dim=-64 must be a positive integer"),
+    ("model.n_heads=0", "model.n_heads=0 must be a positive integer"),
+    ("model.n_layers=0", "model.n_layers=0 must be a positive integer"),
+    ("model.n_layers=-1", "model.n_layers=-1 must be a positive integer"),
+    ("model.ffn_hidden_dim=0", "model.ffn_hidden_dim=0 must be null or a positive integer"),
+    ("training.seed=1e29", "training.seed=1e+29 must be an integer in [0, 4294967295]"),
+    ("model.n_heads=64", "model: dim/n_heads = 1 must be even (RoPE rotates pairs)"),
+    ("model.dim=6", "model: dim=6 is not divisible by n_heads=4"),
+    # exit 0 on nonsense before
+    ("checkpoint.async_save=maybe", "checkpoint.async_save='maybe' must be true or false"),
+    ("checkpoint.resume=abc", "checkpoint.resume='abc' must be true or false"),
+    ("+training.foo=1", "unknown key training.foo"),
+    ("model.rope_theta=-1", "model.rope_theta=-1 must be a finite number > 0"),
+    ("data.concentration=0", "data.concentration=0 must be a finite number > 0"),
+    ("optim.lr=inf", "optim.lr=inf must be a finite number > 0"),
+    ("training.stepz=5", "unknown key training.stepz (did you mean training.steps"),
+    ("+data.path=x", "data.path is not a key of data=synthetic (it belongs to data=tokens)"),
+])
+def test_bad_value_gives_one_line_and_exit_2(check, override, expected):
+    code, _, err = check(override)
+    _one_line_error(code, err, expected)
+
+
+def test_a_good_config_passes(check):
+    code, out, err = check()
+    assert code == 0 and out.strip() == "config OK for 2 rank(s)" and not err
+
+
+def test_several_problems_are_listed_together(check):
+    code, _, err = check("optim.eps=-1", "model.dim=0", "+training.foo=1")
+    assert code == 2 and err.startswith("error: invalid configuration:\n"), err
+    for expected in ("optim.eps=-1", "model.dim=0", "unknown key training.foo"):
+        assert expected in err
+
+
+@pytest.mark.parametrize("override,needs", [
+    ("model.vocab_size=1000000000", "parameters"),       # ran for 9 minutes before
+    ("training.global_batch_size=4000000", "logits"),    # a traceback wall before
+])
+def test_absurd_sizes_fail_fast_with_a_memory_estimate(check, monkeypatch, override, needs):
+    monkeypatch.setattr(preflight, "available_memory", lambda: (16 * GIB, None))
+    started = time.monotonic()
+    code, _, err = check(override)
+    assert time.monotonic() - started < 10
+    _one_line_error(code, err, "of host memory for 2 rank(s) on this machine")
+    assert needs in err and "16GiB is available" in err
+
+
+def test_the_memory_estimate_is_a_lower_bound_that_admits_the_default_job():
+    cfg = compose_config(["model.vocab_size=1000", "training.global_batch_size=8", "training.seq_len=16"])
+    est = preflight.estimate_memory(cfg, validate_config(cfg, 2))
+    llama = 1000 * 64 * 2 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 192 + 2 * 64) + 64
+    assert est.parameters == llama
+    assert est.model_state == 16 * llama // 2
+    assert est.logits == 2 * 4 * (8 // 2) * 16 * 1000
+    host, device = preflight.available_memory()
+    assert host > 0 and device is None  # this CPU machine
+    assert not preflight.memory_problems(compose_config([]), validate_config(compose_config([]), 2), 2)
+
+
+def test_output_folder_under_a_file(check, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    code, _, err = check(f"output_dir={blocker}/run")
+    assert code == 2 and f"{blocker} is a file, not a folder" in err, err
+    assert "output_dir=" in err and "checkpoint.folder=" in err  # both derive from output_dir
+    code, _, err = check(f"checkpoint.folder={blocker}/ckpt")
+    _one_line_error(code, err, f"checkpoint.folder={blocker}/ckpt cannot be used: {blocker} is a file")
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_output_folder(check, tmp_path):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    try:
+        code, _, err = check(f"output_dir={locked}/run", f"checkpoint.folder={tmp_path}/ckpt")
+        _one_line_error(code, err, f"output_dir={locked}/run cannot be used: Permission denied")
+    finally:
+        locked.chmod(0o700)
+
+
+def test_init_from_must_be_a_folder(check, tmp_path):
+    code, _, err = check(f"model.init_from={tmp_path}/nope")
+    _one_line_error(code, err, f"model.init_from={tmp_path}/nope is not a folder")
+
+
+def test_resume_false_refuses_a_folder_holding_checkpoints(check, tmp_path):
+    folder = tmp_path / "out" / "checkpoints"
+    save({"x": 1}, checkpoint_id=str(folder / "step-3"), no_dist=True)
+    code, _, err = check("checkpoint.resume=false")
+    _one_line_error(code, err, f"checkpoint.resume=false, but checkpoint.folder={folder} holds checkpoints")
+    assert "step-3" in err and "Use a new output_dir" in err
+    assert check()[0] == 0  # resuming is fine
+    code, _, err = check("checkpoint.resume=false", f"checkpoint.folder={tmp_path}/fresh")
+    assert code == 0, err
+
+
+def test_every_schema_key_is_in_the_config_files_and_every_data_kind_composes():
+    for kind, keys in DATA_SCHEMA.items():
+        overrides = [f"data={kind}"] + {"text": ["data.paths=x"], "tokens": ["data.path=x"]}.get(kind, [])
+        cfg = compose_config(overrides)
+        validate_config(cfg, 1)
+        assert set(cfg.data) == {"kind", *keys}
+    for model in ("llama_debug", "llama_50m", "llama_1b", "llama_8b"):
+        validate_config(compose_config([f"model={model}", "training.seq_len=64"]), 8)
