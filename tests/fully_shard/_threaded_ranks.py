@@ -14,16 +14,17 @@ os.environ["HYPER_PARALLEL_DEVICE"] = "cpu"
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.tensor import Shard  # noqa: E402
 from torch.testing._internal.distributed.multi_threaded_pg import (  # noqa: E402
     _install_threaded_pg, _uninstall_threaded_pg)
 
 import hyper_parallel as hp  # noqa: E402
 
-WORLD, DIM = 4, 8
+WORLD, DIM, HIDDEN = 4, 8, 6  # HIDDEN over 4 ranks: uneven shards (2, 2, 2, 0)
 
 
 def _model() -> nn.Module:
-    return nn.Sequential(nn.Linear(DIM, DIM), nn.ReLU(), nn.Linear(DIM, DIM)).double()
+    return nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, DIM)).double()
 
 
 def _loss(model, x):
@@ -35,8 +36,9 @@ def _rank_main(rank, store, models, batches, results):
     diffs = []
     for reference in models:  # a second model hits the (per-rank) mesh and subgroup caches
         model = copy.deepcopy(reference)
-        for i in (0, 2):  # smaller post-forward groups: a subgroup per rank pair
-            hp.fully_shard(model[i], reshard_after_forward=2)
+        # Smaller post-forward groups (a subgroup per rank pair), with dim-0 and dim-1 shards.
+        hp.fully_shard(model[0], reshard_after_forward=2)
+        hp.fully_shard(model[2], reshard_after_forward=2, shard_placement_fn=lambda p: Shard(p.ndim - 1))
         hp.fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for batch in batches:
