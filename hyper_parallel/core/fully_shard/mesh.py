@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -12,8 +13,13 @@ from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
 from hyper_parallel.platform import get_platform
 
-_WORLD_MESH: dict = {}
-_SUBGROUPS: dict = {}  # (mesh ranks, size) -> this rank's subgroup of its shard group
+# Caches keyed by the default process group: one per process normally, one per rank when
+# ranks are threads of one process (torch's threaded test harness), so that a rank never
+# skips a collective group creation because another rank already cached its result.
+_WORLD_MESH: "weakref.WeakKeyDictionary[dist.ProcessGroup, DeviceMesh]" = weakref.WeakKeyDictionary()
+# default group -> (mesh ranks, size) -> this rank's subgroup of its shard group
+_SUBGROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, Dict[tuple, dist.ProcessGroup]]" = (
+    weakref.WeakKeyDictionary())
 
 
 @dataclass(frozen=True)
@@ -46,12 +52,13 @@ class DataParallelMesh:
         """The group of ``size`` consecutive shard ranks (``size`` divides the shard world
         size) this rank belongs to; created collectively on first use, so every rank must ask
         for the same sizes in the same order."""
+        subgroups = _SUBGROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
         key = (tuple(self.mesh.mesh.flatten().tolist()), size)
-        if key not in _SUBGROUPS:
+        if key not in subgroups:
             rows = self.mesh.mesh.reshape(-1, self.shard_size).tolist()
             ranks = [row[i:i + size] for row in rows for i in range(0, self.shard_size, size)]
-            _SUBGROUPS[key], _ = dist.new_subgroups_by_enumeration(ranks)
-        return _SUBGROUPS[key]
+            subgroups[key], _ = dist.new_subgroups_by_enumeration(ranks)
+        return subgroups[key]
 
 
 def _world_mesh() -> DeviceMesh:
@@ -59,7 +66,6 @@ def _world_mesh() -> DeviceMesh:
     default_group = dist.distributed_c10d._get_default_group()
     mesh = _WORLD_MESH.get(default_group)
     if mesh is None:
-        _WORLD_MESH.clear()
         mesh = init_device_mesh(get_platform().device_type, (dist.get_world_size(),),
                                 mesh_dim_names=("shard",))
         _WORLD_MESH[default_group] = mesh
