@@ -159,7 +159,7 @@ def test_new_keys_are_validated():
     with pytest.raises(ConfigError) as err:
         validate_config(cfg, 1)
     for text in ("training.stop_after_steps=0", "training.time_limit_minutes=-1", "eval.every=-2",
-                 "load_only=true needs checkpoint.load_from", "checkpoint.exclude: ['model']",
+                 "load_only=true needs checkpoint.load_from", "checkpoint.exclude=['model']",
                  "export_dtype='int8'", "profiling.steps=0"):
         assert text in str(err.value), text
 

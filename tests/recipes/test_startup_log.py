@@ -4,6 +4,7 @@ where the outputs are."""
 from hyper_parallel.trainer import RunSummary, compose_config
 from hyper_parallel.trainer.config import model_overrides
 from hyper_parallel.trainer.loop import format_summary, starting_point
+from hyper_parallel.trainer.operations import LoadPlan
 
 
 def test_size_overrides_are_named_next_to_the_preset():
@@ -14,10 +15,11 @@ def test_size_overrides_are_named_next_to_the_preset():
 
 def test_the_starting_point_names_init_from_and_checkpoints():
     cfg = compose_config(["output_dir=/o"])
-    assert starting_point(cfg, 0) == "starting from scratch"
-    assert starting_point(cfg, 6) == "resumed from /o/checkpoints/step-6"
+    assert starting_point(cfg, None) == "starting from scratch"
+    plan = LoadPlan("/o/checkpoints/step-6", ["model"], 6, "resumed from /o/checkpoints/step-6")
+    assert starting_point(cfg, plan) == "resumed from /o/checkpoints/step-6"
     cfg = compose_config(["output_dir=/o", "model.init_from=/hf"])
-    assert starting_point(cfg, 0) == "starting at step 0 from the weights in /hf (model.init_from)"
+    assert starting_point(cfg, None) == "starting at step 0 from the weights in /hf (model.init_from)"
 
 
 def test_the_summary_names_the_tensorboard_folder_when_there_is_one():
