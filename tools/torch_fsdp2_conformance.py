@@ -44,6 +44,7 @@ from typing import Any, NamedTuple
 
 IMPL_ENV = "HP_FSDP2_CONFORMANCE_IMPL"
 LOG_ENV = "HP_FSDP2_CONFORMANCE_LOG"
+MAX_WORLD_ENV = "HP_FSDP2_CONFORMANCE_MAX_WORLD"
 PATCHED_NAMES = ("fully_shard", "FSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
                  "CPUOffloadPolicy", "register_fsdp_forward_method")
 TORCH_MODULES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp",
@@ -94,6 +95,19 @@ class _RebindLoader(importlib.abc.Loader):
                 setattr(module, key, self._swap[id(value)])
         if module.__name__ == "torch.testing._internal.common_fsdp":
             _run_fsdp_test_on_cpu(module)
+        elif os.environ.get(MAX_WORLD_ENV):
+            _cap_world_size(module, int(os.environ[MAX_WORLD_ENV]))
+
+
+def _cap_world_size(module: Any, cap: int) -> None:
+    """Run the module's multi-process test classes on at most ``cap`` ranks (--max-world-size)."""
+    from torch.testing._internal.common_distributed import MultiProcessTestCase
+
+    for value in list(vars(module).values()):
+        if isinstance(value, type) and issubclass(value, MultiProcessTestCase) \
+                and isinstance(vars(value).get("world_size"), property):
+            world = vars(value)["world_size"].fget
+            value.world_size = property(lambda self, world=world: min(world(self), cap))
 
 
 def _run_fsdp_test_on_cpu(common_fsdp: Any) -> None:
@@ -256,14 +270,16 @@ def port_files(src: Path, dst: Path, cpu_port: bool, world: int) -> None:
         (dst / path.name).write_text(text, encoding="utf-8")
 
 
-def run_pytest(workdir: Path, targets: list[str], impl: str, timeout: int,
-               keyword: str | None) -> tuple[dict[str, Result], float, bool]:
+def run_pytest(workdir: Path, targets: list[str], impl: str, timeout: int, keyword: str | None,
+               max_world: int | None) -> tuple[dict[str, Result], float, bool]:
     """Run pytest on ``targets`` in ``workdir`` with ``impl``; results, seconds, timed out."""
     log = workdir / f"log-{impl}-{time.monotonic_ns()}.jsonl"
     env = dict(os.environ)
     tools_dir = str(Path(__file__).resolve().parent)
     env["PYTHONPATH"] = os.pathsep.join(
         [str(workdir / "site"), tools_dir] + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    if max_world:
+        env[MAX_WORLD_ENV] = str(max_world)
     env.update({IMPL_ENV: impl, LOG_ENV: str(log), "CUDA_VISIBLE_DEVICES": "",
                 "OMP_NUM_THREADS": "1", "PYTHONDONTWRITEBYTECODE": "1"})
     cmd = ["nice", "-n", "10", sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
@@ -318,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=1200, help="seconds per file and impl")
     parser.add_argument("--cpu-port", action="store_true", help="apply CPU_PORT_REWRITES")
     parser.add_argument("--world-size", type=int, default=4, help="CPU world size for --cpu-port")
+    parser.add_argument("--max-world-size", type=int,
+                        help="run multi-process test classes on at most this many ranks")
     parser.add_argument("--json", type=Path, help="write the raw results here")
     parser.add_argument("--rerun-failed", type=Path, metavar="JSON",
                         help="run with ours only the tests a previous --json run found failing")
@@ -340,6 +358,9 @@ def main(argv: list[str] | None = None) -> int:
 
     previous = json.loads(args.rerun_failed.read_text()) if args.rerun_failed else None
     files = args.files or sorted(p.name for p in args.folder.glob("test_*.py"))
+    import hyper_parallel
+
+    print(f"ours: hyper_parallel from {Path(hyper_parallel.__file__).parent}", flush=True)
     missing = [n for n in PATCHED_NAMES if n not in ours()]
     if missing:
         print(f"hyper_parallel lacks {missing}: torch's are left in place for those", flush=True)
@@ -366,8 +387,12 @@ def main(argv: list[str] | None = None) -> int:
                     report["files"][name] = entry
                     continue
             for impl in impls:
+                if impl == "ours" and previous is None:  # only what passes with torch
+                    targets = [k for k, v in entry["torch"].items() if v[0] == "passed"]
+                    if not targets:
+                        continue
                 results, seconds, timed_out = run_pytest(work, targets, impl, args.timeout,
-                                                         args.keyword)
+                                                         args.keyword, args.max_world_size)
                 entry[impl] = {k: list(v) for k, v in results.items()}
                 entry["seconds"][impl] = seconds
                 print(f"{name} [{impl}]: {len(results)} tests, {seconds:.0f}s"
