@@ -202,9 +202,9 @@ def _log(record: dict[str, Any]) -> None:
             f.write(json.dumps(record) + "\n")
 
 
-def pytest_collection_modifyitems(items: list[Any]) -> None:
-    """Record every collected test so timeouts can be told apart from tests never collected."""
-    for item in items:
+def pytest_collection_finish(session: Any) -> None:
+    """Record every selected test so a file's timeout shows which tests it cut off."""
+    for item in session.items:
         _log({"nodeid": item.nodeid, "when": "collected", "outcome": "collected"})
 
 
