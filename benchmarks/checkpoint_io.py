@@ -33,7 +33,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import hyper_parallel.checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint.filesystem import start_writeback
+from hyper_parallel.core.distributed_checkpoint._fileio import start_writeback
 from hyper_parallel.platform import free_port
 
 WORLD = 2

@@ -6,22 +6,35 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex
-from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel.platform import get_platform
 
 
-class StagedData:
-    """Stands in for the planner while the background thread writes: ``get_data`` serves
-    the snapshot."""
+class StagedData(SavePlanner):
+    """The planner of a staged save: planning steps go to the original planner, ``get_data``
+    serves the snapshot taken at staging time."""
 
-    def __init__(self, data: Dict[MetadataIndex, Any], checksums: Dict[MetadataIndex, int]) -> None:
-        self._data, self._checksums = data, checksums
+    def __init__(self, planner: SavePlanner, data: Dict[MetadataIndex, Any],
+                 checksums: Dict[MetadataIndex, int]) -> None:
+        self._planner, self._data, self._checksums = planner, data, checksums
 
-    def get_data(self, item) -> Any:
+    def configure_planner(self, state_dict: Dict[str, Any], **kwargs: Any) -> None:
+        self._planner.configure_planner(state_dict, **kwargs)
+
+    def build_local_plan(self) -> SavePlan:
+        return self._planner.build_local_plan()
+
+    def build_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
+        return self._planner.build_global_plan(all_plans)
+
+    def finalize_plan(self, plan: SavePlan) -> SavePlan:
+        return self._planner.finalize_plan(plan)
+
+    def get_data(self, item: WriteItem) -> Any:
         return self._data[item.index]
 
-    def known_checksum(self, item) -> Optional[int]:
+    def known_checksum(self, item: WriteItem) -> Optional[int]:
         return self._checksums.get(item.index)
 
 
@@ -62,6 +75,5 @@ class StagingBuffers:
             if it.type == WriteItemType.BYTE_IO:
                 data[it.index] = planner.get_data(it)  # bytes serialised at plan time: a snapshot
         # Planning checksummed these bytes moments ago (same thread, before the copy).
-        known = getattr(planner, "known_checksum", None)
-        checksums = {} if known is None else {it.index: known(it) for it in tensors}
-        return StagedData(data, {index: crc for index, crc in checksums.items() if crc is not None})
+        checksums = {it.index: planner.known_checksum(it) for it in tensors}
+        return StagedData(planner, data, {index: crc for index, crc in checksums.items() if crc is not None})
