@@ -12,13 +12,8 @@ from hyper_parallel.core.distributed_checkpoint.api import (
     staging_buffers,
     wait_for_pending_save,
 )
-from hyper_parallel.core.distributed_checkpoint.filesystem import (
-    FileSystemReader,
-    FileSystemWriter,
-    is_checkpoint,
-    read_checkpoint_metadata,
-    verify_checkpoint,
-)
+from hyper_parallel.core.distributed_checkpoint.commit import is_checkpoint, read_checkpoint_metadata, verify_checkpoint
+from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.flatten import flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     BytesStorageMetadata,
@@ -42,7 +37,9 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
+from hyper_parallel.core.distributed_checkpoint.stateful import Stateful
 from hyper_parallel.core.distributed_checkpoint.storage import (
+    AsyncCommitWriter,
     RankWriteResult,
     StorageReader,
     StorageWriter,
@@ -57,7 +54,7 @@ __all__ = [
     "MetadataIndex", "StorageInfo", "TensorStorageMetadata",
     "LoadItemType", "LoadPlan", "LoadPlanner", "ReadItem", "SavePlan", "SavePlanner",
     "StandardLoadPlanner", "StandardSavePlanner", "WriteItem", "WriteItemType",
-    "RankWriteResult", "StorageReader", "StorageWriter", "WriteResult",
+    "RankWriteResult", "StorageReader", "StorageWriter", "WriteResult", "AsyncCommitWriter", "Stateful",
 ]
 
 # --- state dict helpers, CheckpointManager and HF interop (state_dict.py, manager.py, hf.py) ---

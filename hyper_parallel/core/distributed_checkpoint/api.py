@@ -3,169 +3,90 @@
 from __future__ import annotations
 
 import concurrent.futures
-import copy
-import dataclasses
 import os
-import threading
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
 
+from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaver
 from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
-from hyper_parallel.core.distributed_checkpoint.filesystem import (
-    FileSystemReader,
-    FileSystemWriter,
-    read_checkpoint_metadata,
-)
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, Metadata
+from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.plan_cache import PlannedSave, SavePlanCache
 from hyper_parallel.core.distributed_checkpoint.planner import (
     LoadPlanner,
     SavePlan,
     SavePlanner,
     StandardLoadPlanner,
     StandardSavePlanner,
-    check_values_agree,
 )
-from hyper_parallel.core.distributed_checkpoint.staging import StagingBuffers
-from hyper_parallel.core.distributed_checkpoint.storage import StorageReader, StorageWriter
+from hyper_parallel.core.distributed_checkpoint.staging import StagedSave, StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.stateful import resolve_stateful
+from hyper_parallel.core.distributed_checkpoint.storage import (
+    AsyncCommitWriter,
+    RankWriteResult,
+    StorageReader,
+    StorageWriter,
+)
 
 __all__ = ["save", "async_save", "load"]
+
+_PLANS = SavePlanCache()
+_SAVER = AsyncSaver()
 
 
 def _dist_ready(no_dist: bool) -> bool:
     return not no_dist and dist.is_available() and dist.is_initialized()
 
 
-def _is_stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
+class _SaveJob:
+    """What one save call works with: its writer, planner, rank, process group and plan cache key."""
 
+    def __init__(self, state_dict: Dict[str, Any], checkpoint_id: Optional[str],
+                 writer: Optional[StorageWriter], planner: Optional[SavePlanner], no_dist: bool,
+                 use_collectives: bool, remove_redundancy: bool, save_to_minimum_rank: bool) -> None:
+        self.state_dict = state_dict
+        self.checkpoint_id = None if checkpoint_id is None else os.fspath(checkpoint_id)
+        self.writer = writer if writer is not None else FileSystemWriter()
+        self.planner = planner if planner is not None else StandardSavePlanner()
+        with_dist = _dist_ready(no_dist)
+        self.rank = dist.get_rank() if with_dist else 0
+        self.world = dist.get_world_size() if with_dist else 1
+        self.use_collectives = use_collectives
+        self.remove_redundancy, self.save_to_minimum_rank = remove_redundancy, save_to_minimum_rank
+        self.dw = DistWrapper(with_dist and use_collectives)
+        self.key = (type(self.planner), type(self.writer), self.rank, self.world, use_collectives,
+                    remove_redundancy, save_to_minimum_rank)
 
-def _resolve_stateful(state_dict: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
-    """``state_dict`` with its top-level Stateful values (``state_dict()``/``load_state_dict()``,
-    e.g. ModelState, OptimizerState, modules) replaced by their ``state_dict()``, and those
-    Stateful objects by key."""
-    stateful = {key: value for key, value in state_dict.items() if _is_stateful(value)}
-    if not stateful:
-        return state_dict, {}
-    return {key: value.state_dict() if key in stateful else value for key, value in state_dict.items()}, stateful
+    def build_local_plan(self) -> SavePlan:
+        self.writer.initialize_writer(self.checkpoint_id)
+        self.planner.configure_planner(
+            self.state_dict, rank=self.rank, is_coordinator=self.rank == 0,
+            remove_redundancy=self.remove_redundancy, save_to_minimum_rank=self.save_to_minimum_rank,
+            allow_pickle=self.writer.allow_pickle, use_collectives=self.use_collectives)
+        self.writer.configure_writer(self.rank == 0, rank=self.rank, world_size=self.world,
+                                     use_collectives=self.use_collectives)
+        return self.writer.optimize_local_plan(self.planner.build_local_plan())
 
-
-# ------------------------------------------------------------------------ save plan caching
-
-@dataclass
-class _PlanCache:
-    """Last successful save's plans for one (planner, writer, options) combination.
-
-    Every rank keeps its own local and final plan; the coordinator also keeps everybody's,
-    plus the global plans and metadata. A rank whose local plan is unchanged sends only its
-    value checksums; when all are unchanged the coordinator skips global planning and sends
-    each rank only the per-save storage data (staging directory, save id).
-    """
-
-    local: Optional[SavePlan] = None
-    final: Optional[SavePlan] = None
-    all_local: List[SavePlan] = field(default_factory=list)
-    global_plans: List[SavePlan] = field(default_factory=list)
-    metadata: Optional[Metadata] = None
-    sent: List[SavePlan] = field(default_factory=list)
-
-
-_PLAN_CACHES: Dict[Tuple, _PlanCache] = {}
-
-
-@dataclass
-class _SaveContext:
-    writer: StorageWriter
-    planner: SavePlanner
-    dw: DistWrapper
-    plan: SavePlan
-    metadata: Optional[Metadata]  # global (coordinator) or rank-local metadata; None elsewhere
-    rank_local: bool
-    cache_key: Tuple
-    cache_update: _PlanCache
-
-
-def _plan_save(state_dict: Dict[str, Any], checkpoint_id, storage_writer, planner, no_dist: bool,
-               use_collectives: bool, remove_redundancy: bool, save_to_minimum_rank: bool) -> _SaveContext:
-    writer = storage_writer if storage_writer is not None else FileSystemWriter()
-    planner = planner if planner is not None else StandardSavePlanner()
-    with_dist = _dist_ready(no_dist)
-    rank = dist.get_rank() if with_dist else 0
-    world = dist.get_world_size() if with_dist else 1
-    rank_local = not use_collectives
-    dw = DistWrapper(with_dist and not rank_local)
-    key = (type(planner), type(writer), rank, world, rank_local, remove_redundancy, save_to_minimum_rank)
-
-    def build_local_plan() -> SavePlan:
-        writer.initialize_writer(None if checkpoint_id is None else os.fspath(checkpoint_id))
-        planner.configure_planner(state_dict, rank=rank, is_coordinator=rank == 0,
-                                  remove_redundancy=remove_redundancy, save_to_minimum_rank=save_to_minimum_rank,
-                                  allow_pickle=getattr(writer, "allow_pickle", False), use_collectives=not rank_local)
-        writer.configure_writer(rank == 0, rank=rank, world_size=world, use_collectives=not rank_local)
-        return writer.optimize_local_plan(planner.build_local_plan())
-
-    if rank_local:
-        (plan,), metadata = planner.build_global_plan([build_local_plan()])
-        metadata.world_size, metadata.save_id = world, uuid.uuid4().hex
-        return _SaveContext(writer, planner, dw, planner.finalize_plan(plan), metadata, True, key, _PlanCache())
-
-    cache = _PLAN_CACHES.get(key, _PlanCache())
-    update = _PlanCache()
-
-    def local_step():
-        local = build_local_plan()
-        update.local = local
-        return ("same", local.value_checksums) if local == cache.local else ("plan", local)
-
-    def global_step(gathered):
-        check_values_agree([payload.value_checksums if kind == "plan" else payload for kind, payload in gathered])
-        if all(kind == "same" for kind, _ in gathered) and cache.global_plans:
-            update.all_local, update.global_plans = cache.all_local, cache.global_plans
-            update.metadata = cache.metadata
+    def plan(self) -> PlannedSave:
+        """Collective planning (cached in ``_PLANS``), or this rank's alone without collectives."""
+        if self.use_collectives:
+            planned = _PLANS.plan(self.key, self.dw, self.planner, self.writer, self.build_local_plan)
         else:
-            update.all_local = [p if kind == "plan" else cache.all_local[r] for r, (kind, p) in enumerate(gathered)]
-            update.global_plans, update.metadata = planner.build_global_plan(update.all_local)
-        final = writer.optimize_global_plan([dataclasses.replace(p) for p in update.global_plans])
-        update.sent = final
-        return [("same", p.storage_data)
-                if gathered[r][0] == "same" and r < len(cache.sent) and cache.sent[r] == p else ("plan", p)
-                for r, p in enumerate(final)]
-
-    kind, payload = dw.gather_then_scatter("save planning", local_step, global_step)
-    plan = dataclasses.replace(cache.final, storage_data=payload) if kind == "same" else payload
-    update.final = plan
-    metadata = copy.deepcopy(update.metadata) if dw.is_coordinator else None
-    if metadata is not None:
-        metadata.save_id = plan.storage_data["save_id"] if isinstance(plan.storage_data, dict) else uuid.uuid4().hex
-    return _SaveContext(writer, planner, dw, planner.finalize_plan(plan), metadata, False, key, update)
-
-
-def _remember_plans(ctx: _SaveContext) -> None:
-    if not ctx.rank_local:
-        _PLAN_CACHES[ctx.cache_key] = ctx.cache_update
-
-
-def _forget_plans(ctx: _SaveContext) -> None:
-    _PLAN_CACHES.pop(ctx.cache_key, None)
+            (plan,), metadata = self.planner.build_global_plan([self.build_local_plan()])
+            plan.save_id = metadata.save_id = uuid.uuid4().hex
+            metadata.world_size = self.world
+            planned = PlannedSave(plan, metadata, self.key, None)
+        return planned._replace(plan=self.planner.finalize_plan(planned.plan))
 
 
 # -------------------------------------------------------------------------------- save
 
-_pending_lock = threading.Lock()
-_pending: Optional[concurrent.futures.Future] = None
-_executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
-_staging = StagingBuffers()
-
-
 def wait_for_pending_save() -> None:
     """Block until this process's last ``async_save`` has finished (errors are left to its Future)."""
-    with _pending_lock:
-        pending = _pending
-    if pending is not None:
-        concurrent.futures.wait([pending])
+    _SAVER.wait()
 
 
 def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
@@ -173,7 +94,7 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
          no_dist: bool = False, use_collectives: bool = True, remove_redundancy: bool = True,
          save_to_minimum_rank: bool = False) -> Metadata:
     """Save a (nested) state dict of DTensors, tensors and plain values as one checkpoint.
-    Top-level Stateful values (objects with ``state_dict()``/``load_state_dict()``, e.g.
+    Top-level :class:`Stateful` values (``state_dict()``/``load_state_dict()``, e.g.
     ``ModelState``/``OptimizerState``) are saved as their ``state_dict()``.
 
     Call on every rank with the same structure. Each rank writes its own chunks; replicated
@@ -196,50 +117,52 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
         CheckpointError: another rank failed, or values disagree between ranks.
         TypeError / ValueError: a value cannot be stored (names the key).
     """
-    wait_for_pending_save()
-    state_dict, _ = _resolve_stateful(state_dict)
-    ctx = _plan_save(state_dict, checkpoint_id, storage_writer, planner, no_dist, use_collectives,
-                     remove_redundancy, save_to_minimum_rank)
-    if ctx.rank_local:
-        ctx.writer.finalize_checkpoint(ctx.metadata, [ctx.writer.execute_write(ctx.plan, ctx.planner)])
-        return ctx.metadata
+    _SAVER.wait()
+    state_dict, _ = resolve_stateful(state_dict)
+    job = _SaveJob(state_dict, checkpoint_id, storage_writer, planner, no_dist, use_collectives,
+                   remove_redundancy, save_to_minimum_rank)
+    planned = job.plan()
+    staged = _SAVER.staging.stage(planned.plan, job.planner, snapshot=False)
+
+    def write() -> RankWriteResult:  # the async pipeline, waited on
+        return _SAVER.write_while_staging(lambda: staged.write_with(job.writer, planned.plan), staged).result()
+
+    if not use_collectives:
+        job.writer.finalize_checkpoint(planned.metadata, [write()])
+        return planned.metadata
 
     def commit(results):
-        ctx.writer.finalize_checkpoint(ctx.metadata, results)
-        return ctx.metadata
+        job.writer.finalize_checkpoint(planned.metadata, results)
+        return planned.metadata
 
     try:
-        metadata = ctx.dw.gather_then_broadcast(
-            "save", lambda: ctx.writer.execute_write(ctx.plan, ctx.planner), commit)
+        metadata = job.dw.gather_then_broadcast("save", write, commit)
     except BaseException:
-        _forget_plans(ctx)
-        abort = getattr(ctx.writer, "abort_checkpoint", None)
-        if ctx.dw.is_coordinator and abort is not None:
-            abort(ctx.plan)
+        _PLANS.forget(job.key)
+        if job.dw.is_coordinator:
+            job.writer.abort_checkpoint(planned.plan)
         raise
-    _remember_plans(ctx)
+    _PLANS.remember(planned)
     return metadata
 
 
-def _write_in_background(ctx: _SaveContext, staged) -> Optional[Metadata]:
-    writer = ctx.writer
+def _write_rank_local(writer: StorageWriter, planned: PlannedSave, staged: StagedSave) -> Metadata:
+    writer.finalize_checkpoint(planned.metadata, [staged.write_with(writer, planned.plan)])
+    return planned.metadata
+
+
+def _write_then_commit(writer: AsyncCommitWriter, planned: PlannedSave, staged: StagedSave,
+                       is_coordinator: bool) -> Metadata:
+    """Background thread of a collective async save: write, then commit through the writer's
+    marker protocol (no collectives off the main thread)."""
     try:
-        result = writer.execute_write(ctx.plan, staged)
-        if ctx.rank_local:
-            writer.finalize_checkpoint(ctx.metadata, [result])
-            return ctx.metadata
-        writer.publish_result(ctx.plan, result)
-        if ctx.dw.is_coordinator:
-            writer.finalize_checkpoint(ctx.metadata, writer.collect_results(ctx.plan))
-            return ctx.metadata
-        writer.wait_committed(ctx.plan)
-        metadata = read_checkpoint_metadata(writer.path)
-        if metadata.save_id != ctx.plan.storage_data["save_id"]:
-            raise CheckpointError(f"async save to {writer.path} was replaced by another save before it committed")
-        return metadata
+        writer.publish_result(planned.plan, staged.write_with(writer, planned.plan))
+        if is_coordinator:
+            writer.finalize_checkpoint(planned.metadata, writer.collect_results(planned.plan))
+            return planned.metadata
+        return writer.wait_committed(planned.plan)
     except BaseException as exc:
-        if not ctx.rank_local:
-            writer.publish_failure(ctx.plan, exc)
+        writer.publish_failure(planned.plan, exc)
         raise
 
 
@@ -251,34 +174,33 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = Non
 
     Planning (the only collectives) runs in the caller; a background thread then writes
     the files, and the commit is coordinated through marker files in the staging directory
-    (no collectives off the main thread). The Future resolves to the committed Metadata on
-    every rank once the checkpoint is committed, or raises. What is saved is the state at
-    the moment of the call. The next save or load in this process waits for this one.
+    (no collectives off the main thread; the writer must be an :class:`AsyncCommitWriter`).
+    The Future resolves to the committed Metadata on every rank once the checkpoint is
+    committed, or raises. What is saved is the state at the moment of the call. The next
+    save or load in this process waits for this one.
 
     Raises (here): like :func:`save`'s planning; write errors are raised by the Future.
     """
-    global _pending, _executor
-    wait_for_pending_save()
+    _SAVER.wait()
     writer = storage_writer if storage_writer is not None else FileSystemWriter()
-    commit_methods = ("publish_result", "publish_failure", "collect_results", "wait_committed")
-    if use_collectives and not all(hasattr(writer, m) for m in commit_methods):
-        raise TypeError(f"{type(writer).__name__} cannot commit asynchronously: it lacks {commit_methods}")
-    state_dict, _ = _resolve_stateful(state_dict)
-    ctx = _plan_save(state_dict, checkpoint_id, writer, planner, no_dist, use_collectives,
-                     remove_redundancy, save_to_minimum_rank)
-    staged = _staging.stage(ctx.plan, ctx.planner)
-    _remember_plans(ctx)
-    if _executor is None:
-        _executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-async-save")
-    future = _executor.submit(_write_in_background, ctx, staged)
-    with _pending_lock:
-        _pending = future
-    return future
+    if use_collectives and not isinstance(writer, AsyncCommitWriter):
+        raise TypeError(f"{type(writer).__name__} cannot commit asynchronously: it is not an AsyncCommitWriter")
+    state_dict, _ = resolve_stateful(state_dict)
+    job = _SaveJob(state_dict, checkpoint_id, writer, planner, no_dist, use_collectives,
+                   remove_redundancy, save_to_minimum_rank)
+    planned = job.plan()
+    staged = _SAVER.staging.stage(planned.plan, job.planner, snapshot=True)
+    if not use_collectives:
+        return _SAVER.write_while_staging(lambda: _write_rank_local(writer, planned, staged), staged)
+    _PLANS.remember(planned)
+    return _SAVER.write_while_staging(
+        lambda: _write_then_commit(writer, planned, staged, job.dw.is_coordinator), staged)
 
 
 def staging_buffers() -> StagingBuffers:
-    """The process's async-save staging buffers (``nbytes``, ``allocations``), for monitoring."""
-    return _staging
+    """The process's staging buffers: ``configure(...)`` their sizes, ``release()`` their
+    memory, read ``nbytes`` / ``allocations`` (see docs/checkpoint.md)."""
+    return _SAVER.staging
 
 
 # -------------------------------------------------------------------------------- load
@@ -298,9 +220,10 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     """Load a checkpoint into ``state_dict`` in place, resharding into its layout.
 
     Tensors (DTensor shards or plain) are filled in place from whatever chunks overlap them;
-    non-tensor values are replaced. A top-level Stateful value has its ``state_dict()`` filled
-    and then gets ``load_state_dict()`` of it. Each rank reads only the byte ranges it needs; a
-    replicated shard is read once per replica group and broadcast (``use_collectives``).
+    non-tensor values are replaced. A top-level :class:`Stateful` value has its
+    ``state_dict()`` filled and then gets ``load_state_dict()`` of it. Each rank reads only
+    the byte ranges it needs; a replicated shard is read once per replica group and
+    broadcast (``use_collectives``).
 
     Args:
         checkpoint_id: the checkpoint directory (or configure ``storage_reader`` with it).
@@ -313,9 +236,9 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
             or a key missing / of another shape or dtype (names the key; see
             ``StandardLoadPlanner(strict=False)`` to record these instead).
     """
-    wait_for_pending_save()
+    _SAVER.wait()
     caller_state_dict = state_dict
-    state_dict, stateful = _resolve_stateful(state_dict)
+    state_dict, stateful = resolve_stateful(state_dict)
     reader = storage_reader if storage_reader is not None else FileSystemReader()
     reader.initialize_reader(None if checkpoint_id is None else os.fspath(checkpoint_id))
     planner = planner if planner is not None else StandardLoadPlanner()
@@ -333,14 +256,11 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     def global_step(plans):
         return reader.optimize_global_plan(planner.build_global_plan(plans))
 
-    plan = dw.gather_then_scatter("load planning", local_step, global_step)
-    plan = planner.finalize_plan(plan)
+    plan = planner.finalize_plan(dw.gather_then_scatter("load planning", local_step, global_step))
     dw.gather_then_broadcast("load", lambda: reader.execute_read(plan, planner), lambda _: None)
     if dw.use_dist:
         _broadcast_replicas(planner)
-    if stateful:
-        for key, value in state_dict.items():
-            if key in stateful:
-                stateful[key].load_state_dict(value)
-            else:
-                caller_state_dict[key] = value  # plain values were replaced in the resolved copy
+    for key, value in stateful.items():
+        value.load_state_dict(state_dict[key])
+    if stateful:  # plain values were replaced in the resolved copy
+        caller_state_dict.update((k, v) for k, v in state_dict.items() if k not in stateful)

@@ -6,7 +6,7 @@ import argparse
 import sys
 from typing import List, Optional, TextIO
 
-from hyper_parallel.core.distributed_checkpoint.filesystem import read_checkpoint_metadata, verify_checkpoint
+from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
 from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step
 from hyper_parallel.core.distributed_checkpoint.metadata import (

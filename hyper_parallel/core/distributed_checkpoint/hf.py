@@ -21,9 +21,9 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, read_checkpoint_metadata
+from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata
+from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.metadata import (
-    DTYPE_TO_SAFETENSORS,
     ChunkStorageMetadata,
     CheckpointError,
     Metadata,
@@ -33,6 +33,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     check_relative_path,
 )
 from hyper_parallel.core.distributed_checkpoint.resharding import numel
+from hyper_parallel.core.distributed_checkpoint.safetensors_format import DTYPE_BY_TAG, read_header
 from hyper_parallel.core.distributed_checkpoint.state_dict import copy_into, get_model_state_dict
 
 __all__ = ["export_hf", "load_hf", "INDEX_FILE"]
@@ -42,7 +43,6 @@ SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # Hugging Face's default "5GB"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _MODEL_PREFIX = "model."
-_DTYPE_BY_TAG = {tag: dtype for dtype, tag in DTYPE_TO_SAFETENSORS.items()}
 
 
 # ----------------------------------------------------------------------------- export
@@ -131,22 +131,6 @@ def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.Pa
 # ------------------------------------------------------------------------------- load
 
 
-def _safetensors_header(path: str) -> tuple[Dict[str, Any], int]:
-    """``(header, data_start)`` of a safetensors file."""
-    with open(path, "rb") as f:
-        prefix = f.read(8)
-        if len(prefix) != 8:
-            raise CheckpointError(f"{path} is not a safetensors file (too short)")
-        length = int.from_bytes(prefix, "little")
-        if length > os.fstat(f.fileno()).st_size - 8:
-            raise CheckpointError(f"{path} is not a safetensors file (header length {length})")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError as exc:
-            raise CheckpointError(f"{path} has a corrupt safetensors header: {exc}") from None
-    return header, 8 + length
-
-
 def _weight_map(hf_dir: str) -> Dict[str, str]:
     index_path = os.path.join(hf_dir, INDEX_FILE)
     if os.path.isfile(index_path):
@@ -157,7 +141,7 @@ def _weight_map(hf_dir: str) -> Dict[str, str]:
                 raise CheckpointError(f"{index_path} is not a safetensors index: {exc}") from None
     single = os.path.join(hf_dir, SINGLE_FILE)
     if os.path.isfile(single):
-        header, _ = _safetensors_header(single)
+        header, _ = read_header(single)
         return {key: SINGLE_FILE for key in header if key != "__metadata__"}
     raise CheckpointError(f"{hf_dir} has neither {INDEX_FILE} nor {SINGLE_FILE}")
 
@@ -178,12 +162,12 @@ def hf_metadata(hf_dir: Union[str, os.PathLike]) -> Metadata:
         path = os.path.join(hf_dir, file)
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} (listed in the index) is missing")
-        header, data_start = _safetensors_header(path)
+        header, data_start = read_header(path)
         for key in keys:
             entry = header.get(key)
             if entry is None:
                 raise CheckpointError(f"{path} does not hold {key!r}, which the index places there")
-            dtype = _DTYPE_BY_TAG.get(entry["dtype"])
+            dtype = DTYPE_BY_TAG.get(entry["dtype"])
             if dtype is None:
                 raise CheckpointError(f"{key!r} in {path} has unsupported dtype {entry['dtype']}")
             shape = tuple(int(s) for s in entry["shape"])

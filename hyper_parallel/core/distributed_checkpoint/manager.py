@@ -12,24 +12,18 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint.filesystem import is_checkpoint
+from hyper_parallel.core.distributed_checkpoint.commit import is_checkpoint, staging_target
 from hyper_parallel.platform import get_platform
 
 __all__ = ["CheckpointManager", "checkpoint_step"]
 
 _STEP_DIR = re.compile(r"step-(\d+)")
-# FileSystemWriter stages a save of ``step-N`` in ``.step-N.staging-<id>`` (``.old``: swapped out).
-_STAGING_DIR = re.compile(r"\.step-\d+\.staging-[0-9a-f]+(\.old)?")
 
 
 def checkpoint_step(path: Union[str, os.PathLike]) -> Optional[int]:
     """The step encoded in a ``step-{N}`` directory name, or None."""
     match = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(os.fspath(path))))
     return int(match.group(1)) if match else None
-
-
-def _is_stateful(value: Any) -> bool:
-    return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
 
 class CheckpointManager:
@@ -64,11 +58,12 @@ class CheckpointManager:
         self.async_save = async_save
         self._pending: Optional[Future] = None
         self._pending_step: Optional[int] = None
-        if self._rank() == 0:
+        if get_platform().rank == 0:
             os.makedirs(self.folder, exist_ok=True)
-            # Nothing of ours is being written yet: staging dirs now are from crashed runs.
+            # Nothing of ours is being written yet: staging dirs of step-N now are from crashed runs.
             for name in os.listdir(self.folder):
-                if _STAGING_DIR.fullmatch(name):
+                target = staging_target(name)
+                if target is not None and checkpoint_step(target) is not None:
                     shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
         self._barrier()
 
@@ -108,13 +103,12 @@ class CheckpointManager:
         if not force and step % self.interval:
             return False
         self.wait()  # one save in flight at a time; also applies retention for the previous one
-        state_dict = {key: value.state_dict() if _is_stateful(value) else value for key, value in state.items()}
         path = self.checkpoint_path(step)
         if self.async_save:
-            self._pending = api.async_save(state_dict, checkpoint_id=path, no_dist=self._no_dist())
+            self._pending = api.async_save(state, checkpoint_id=path, no_dist=self._no_dist())
             self._pending_step = step
             return self._pending
-        api.save(state_dict, checkpoint_id=path, no_dist=self._no_dist())
+        api.save(state, checkpoint_id=path, no_dist=self._no_dist())
         self._apply_retention(step)
         return True
 
@@ -133,7 +127,7 @@ class CheckpointManager:
         self._apply_retention(step)
 
     def _apply_retention(self, saved_step: int) -> None:
-        if self.keep_last_n is not None and self._rank() == 0:
+        if self.keep_last_n is not None and get_platform().rank == 0:
             steps = self.committed_steps()
             keep = set(steps[-self.keep_last_n:]) | {saved_step, steps[-1] if steps else saved_step}
             for old in steps:
@@ -159,14 +153,7 @@ class CheckpointManager:
         step = self._agree(self.latest_step())
         if step is None:
             return None
-        stateful = {key: value.state_dict() for key, value in state.items() if _is_stateful(value)}
-        state_dict = {key: stateful.get(key, value) for key, value in state.items()}
-        api.load(state_dict, checkpoint_id=self.checkpoint_path(step), no_dist=self._no_dist())
-        for key, value in state.items():
-            if key in stateful:
-                value.load_state_dict(state_dict[key])
-            elif not isinstance(value, torch.Tensor):
-                state[key] = state_dict[key]
+        api.load(state, checkpoint_id=self.checkpoint_path(step), no_dist=self._no_dist())
         return step
 
     # ------------------------------------------------------------------ process group
@@ -174,10 +161,6 @@ class CheckpointManager:
     @staticmethod
     def _no_dist() -> bool:
         return not dist.is_initialized()
-
-    @staticmethod
-    def _rank() -> int:
-        return dist.get_rank() if dist.is_initialized() else 0
 
     @staticmethod
     def _barrier() -> None:

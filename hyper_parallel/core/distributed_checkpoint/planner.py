@@ -85,13 +85,15 @@ class ReadItem:
 class SavePlan:
     """One rank's writes. ``value_checksums`` (crc32 of every plain tensor and value this rank
     holds, owned or not) lets the coordinator refuse silently diverging per-rank values; it
-    is not part of plan equality, so an unchanged structure still hits the plan cache."""
+    is not part of plan equality, so an unchanged structure still hits the plan cache.
+    ``save_id`` (set by the coordinator for each save) is the same on every rank's plan."""
 
     items: List[WriteItem]
     layouts: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     storage_data: Any = field(default=None, compare=False)
     planner_data: Any = None
     value_checksums: Dict[str, int] = field(default_factory=dict, compare=False)
+    save_id: str = field(default="", compare=False)
 
 
 @dataclass
@@ -121,6 +123,11 @@ class SavePlanner(abc.ABC):
     @abc.abstractmethod
     def get_data(self, item: WriteItem) -> Any:
         """The contiguous tensor chunk (TENSOR) or the serialised bytes (BYTE_IO) of ``item``."""
+
+    def known_checksum(self, item: WriteItem) -> Optional[int]:
+        """crc32 of ``get_data(item)``'s bytes if the planner already computed it, so writers
+        need not checksum them again; None (the default) when unknown."""
+        return None
 
 
 class LoadPlanner(abc.ABC):
@@ -325,8 +332,7 @@ class StandardSavePlanner(SavePlanner):
         return local_data(self.flat[item.index.fqn]).detach().contiguous()
 
     def known_checksum(self, item: WriteItem) -> Optional[int]:
-        """crc32 of ``get_data(item)``'s bytes if planning already computed it (plain tensors,
-        for the cross-rank agreement check), so writers need not checksum them again."""
+        """Plain tensors were checksummed in planning (for the cross-rank agreement check)."""
         if type(self).get_data is not StandardSavePlanner.get_data:
             return None  # a subclass may serve other bytes than the ones checksummed
         return self._plain_tensor_checksums.get(item.index.fqn) if item.type == WriteItemType.TENSOR else None

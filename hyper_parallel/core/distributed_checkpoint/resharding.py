@@ -1,4 +1,5 @@
-"""Chunk geometry: which global box a (D)Tensor holds, who else holds it, and box overlaps."""
+"""Chunk geometry: which global box a (D)Tensor holds, who else holds it, box overlaps, and
+where a box lies inside a stored row-major chunk."""
 
 from __future__ import annotations
 
@@ -67,3 +68,29 @@ def narrow(tensor: torch.Tensor, offsets: Sequence[int], lengths: Sequence[int])
         if off != 0 or length != tensor.shape[dim]:
             tensor = tensor.narrow(dim, off, length)
     return tensor
+
+
+class BoxGeometry:
+    """Where a box (``offsets``/``lengths``) of a row-major chunk of ``sizes`` lies, in
+    elements from the chunk's start, and the contiguous runs it is made of."""
+
+    def __init__(self, sizes: Tuple[int, ...], offsets: Tuple[int, ...], lengths: Tuple[int, ...]) -> None:
+        self.offsets, self.lengths = offsets, lengths
+        self.strides = [1] * len(sizes)
+        for d in range(len(sizes) - 2, -1, -1):
+            self.strides[d] = self.strides[d + 1] * sizes[d + 1]
+        self.first = sum(o * s for o, s in zip(offsets, self.strides))
+        self.span = sum((n - 1) * s for n, s in zip(lengths, self.strides)) + 1
+        self.volume = numel(lengths)
+        self.contiguous = self.span == self.volume
+        # Runs: the box's contiguous pieces, spanning every dim from the last partial one on.
+        partial = [d for d, (n, size) in enumerate(zip(lengths, sizes)) if n != size]
+        self.run_dim = partial[-1] if partial else 0
+        self.run = numel(lengths[self.run_dim:])
+
+    def run_starts(self) -> List[int]:
+        """Element offset of every run, in the box's row-major order."""
+        starts = torch.tensor([self.first], dtype=torch.int64)
+        for n, stride in zip(self.lengths[:self.run_dim], self.strides[:self.run_dim]):
+            starts = (starts[:, None] + torch.arange(n, dtype=torch.int64) * stride).reshape(-1)
+        return starts.tolist()

@@ -29,7 +29,11 @@ class RankWriteResult:
 class StorageWriter(abc.ABC):
     """Writes one checkpoint. Order on every rank: ``initialize_writer`` -> ``configure_writer``
     -> ``optimize_local_plan`` -> (coordinator) ``optimize_global_plan`` -> ``execute_write``
-    -> (coordinator) ``finalize_checkpoint``."""
+    -> (coordinator) ``finalize_checkpoint``; after a failed collective save the coordinator
+    calls ``abort_checkpoint`` instead."""
+
+    allow_pickle: bool = False
+    """Whether values JSON cannot hold may be pickled (the planner is told before planning)."""
 
     @abc.abstractmethod
     def initialize_writer(self, checkpoint_id: Optional[str]) -> None: ...
@@ -49,6 +53,34 @@ class StorageWriter(abc.ABC):
     @abc.abstractmethod
     def finalize_checkpoint(self, metadata: Metadata, results: List[RankWriteResult]) -> None:
         """Record ``results`` in ``metadata`` and commit the checkpoint (coordinator only)."""
+
+    def abort_checkpoint(self, plan: SavePlan) -> None:
+        """Coordinator, after a failed collective save (every rank has stopped writing):
+        clean up what the save left. Nothing by default."""
+
+
+class AsyncCommitWriter(StorageWriter):
+    """A writer that can commit a collective save without collectives, from a background
+    thread (what :func:`async_save` needs). After ``execute_write`` every rank calls
+    ``publish_result`` (or ``publish_failure``); the coordinator then calls
+    ``collect_results`` and ``finalize_checkpoint``, the others ``wait_committed``."""
+
+    @abc.abstractmethod
+    def publish_result(self, plan: SavePlan, result: RankWriteResult) -> None:
+        """Make this rank's write results visible to the coordinator."""
+
+    @abc.abstractmethod
+    def publish_failure(self, plan: SavePlan, error: BaseException) -> None:
+        """Tell the other ranks (best effort) that this rank's part failed."""
+
+    @abc.abstractmethod
+    def collect_results(self, plan: SavePlan) -> List[RankWriteResult]:
+        """Coordinator: every rank's published results, in rank order (bounded wait)."""
+
+    @abc.abstractmethod
+    def wait_committed(self, plan: SavePlan) -> Metadata:
+        """Non-coordinators: block until the coordinator committed this save (bounded wait);
+        returns the committed metadata."""
 
 
 class StorageReader(abc.ABC):

@@ -1,0 +1,268 @@
+"""The commit protocol: what makes a directory a checkpoint, and how ranks get there.
+
+- A collective save writes into a staging directory ``.{name}.staging-{save_id}`` next to the
+  target (:func:`staging_dir`); the coordinator writes ``metadata.json`` into it last and swaps
+  it into place (:func:`commit_staging_dir`).
+- A save without collectives writes into the target and each rank commits its own
+  ``metadata.rank{r}.json`` (:func:`commit_rank_metadata`); :func:`read_checkpoint_metadata`
+  merges them once all ranks have.
+- An async save coordinates its commit through marker files in the staging directory instead
+  of collectives: each rank publishes ``.done.rank{r}.json`` (its write results) or
+  ``.failed.rank{r}``; the coordinator collects them (:func:`collect_results`), the others wait
+  for the staging directory to disappear (:func:`wait_committed`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import re
+import time
+import zlib
+from typing import Callable, Dict, List, Optional
+
+from hyper_parallel.core.distributed_checkpoint._fileio import fsync_dir, replace_dir, write_file_atomically
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    METADATA_FILE,
+    CheckpointError,
+    FileInfo,
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+)
+from hyper_parallel.core.distributed_checkpoint.storage import RankWriteResult, WriteResult
+
+RANK_METADATA = "metadata.rank{}.json"
+_DONE_MARKER = ".done.rank{}.json"
+_FAILED_MARKER = ".failed.rank{}"
+# ``.old``: a checkpoint swapped out by a commit where the OS has no atomic exchange.
+_STAGING_DIR = re.compile(r"\.(?P<target>.+)\.staging-[0-9a-f]+(\.old)?")
+
+
+# --------------------------------------------------------------------- staging directories
+
+def staging_dir(path: str, save_id: str) -> str:
+    """Where a collective save of checkpoint ``path`` with id ``save_id`` writes its files."""
+    return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.staging-{save_id}")
+
+
+def staging_target(name: str) -> Optional[str]:
+    """The checkpoint name a staging directory ``name`` belongs to, or None if ``name`` is
+    not a staging directory."""
+    match = _STAGING_DIR.fullmatch(name)
+    return match.group("target") if match else None
+
+
+def has_committed_metadata(path: str, rank: int) -> bool:
+    """True if ``path`` holds the global metadata or ``rank``'s rank-local metadata."""
+    return any(os.path.exists(os.path.join(path, n)) for n in (METADATA_FILE, RANK_METADATA.format(rank)))
+
+
+def commit_staging_dir(staging: str, path: str, metadata: Metadata, sync: bool) -> None:
+    """Coordinator: write ``metadata.json`` into ``staging`` and swap it into place at ``path``."""
+    write_file_atomically(os.path.join(staging, METADATA_FILE), metadata.to_json().encode(), sync)
+    if sync:
+        fsync_dir(staging)
+    replace_dir(staging, path)
+
+
+def commit_rank_metadata(path: str, metadata: Metadata, sync: bool) -> None:
+    """One rank of a save without collectives: commit its rank-local metadata."""
+    write_file_atomically(os.path.join(path, RANK_METADATA.format(metadata.rank)), metadata.to_json().encode(), sync)
+
+
+# ------------------------------------------------------------------- write results <-> JSON
+
+def _results_to_json(result: RankWriteResult) -> str:
+    return json.dumps({
+        "items": [[r.index.fqn, r.index.offset, r.index.index, r.storage.relative_path, r.storage.offset,
+                   r.storage.length, r.storage.checksum, r.storage.encoding] for r in result.items],
+        "files": {n: [f.size, f.checksum] for n, f in result.files.items()},
+    })
+
+
+def _results_from_json(text: str) -> RankWriteResult:
+    doc = json.loads(text)
+    items = [WriteResult(MetadataIndex(fqn, None if off is None else tuple(off), idx),
+                         StorageInfo(path, start, length, crc, enc))
+             for fqn, off, idx, path, start, length, crc, enc in doc["items"]]
+    return RankWriteResult(items, {n: FileInfo(s, c) for n, (s, c) in doc["files"].items()})
+
+
+def record_results(metadata: Metadata, results: List[RankWriteResult]) -> None:
+    """Add every rank's written items and files to ``metadata``."""
+    for result in results:
+        for r in result.items:
+            metadata.storage_data[r.index] = r.storage
+        metadata.files.update(result.files)
+
+
+# ---------------------------------------------------------------- async commit by markers
+
+def publish_result(staging: str, rank: int, result: RankWriteResult) -> None:
+    """Write ``rank``'s "done" marker (its write results) into the staging directory."""
+    # Not fsynced: the coordinator deletes markers before committing, and a crash before
+    # the commit leaves an uncommitted staging directory either way.
+    write_file_atomically(os.path.join(staging, _DONE_MARKER.format(rank)),
+                          _results_to_json(result).encode(), sync=False)
+
+
+def publish_failure(staging: str, rank: int, error: BaseException) -> None:
+    """Tell the other ranks (best effort) that ``rank``'s part of the save failed."""
+    try:
+        write_file_atomically(os.path.join(staging, _FAILED_MARKER.format(rank)), repr(error).encode(), sync=False)
+    except OSError:
+        pass
+
+
+def _poll(staging: str, path: str, timeout_s: float, done: Callable[[List[str]], bool],
+          waiting_for: Callable[[], str]) -> None:
+    """List ``staging`` until ``done(names)`` (or it is gone: names == []), raising on a
+    failure marker or after ``timeout_s``. Backs off to keep a shared file system's
+    metadata load low when thousands of ranks wait."""
+    deadline = time.monotonic() + timeout_s
+    delay = 0.005
+    while True:
+        try:
+            names = os.listdir(staging)
+        except FileNotFoundError:
+            names = []
+        failed = sorted(n for n in names if n.startswith(".failed.rank"))
+        if failed:
+            with open(os.path.join(staging, failed[0])) as f:
+                reason = f.read()
+            raise CheckpointError(f"async save to {path} failed on {failed[0][8:]}: {reason}")
+        if done(names):
+            return
+        if time.monotonic() > deadline:
+            raise CheckpointError(f"async save to {path}: {waiting_for()} within "
+                                  f"{timeout_s:.0f}s; the checkpoint was not committed")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+
+
+def collect_results(staging: str, path: str, world_size: int, timeout_s: float) -> List[RankWriteResult]:
+    """Coordinator: wait for every rank's done marker (bounded by ``timeout_s``) and read them."""
+    markers = [_DONE_MARKER.format(r) for r in range(world_size)]
+    missing = set(markers)
+
+    def all_done(names: List[str]) -> bool:
+        missing.difference_update(names)
+        return not missing
+
+    _poll(staging, path, timeout_s, all_done, lambda: f"ranks did not finish writing (missing {sorted(missing)[:8]})")
+    results = []
+    for marker in markers:
+        with open(os.path.join(staging, marker)) as f:
+            results.append(_results_from_json(f.read()))
+        os.remove(os.path.join(staging, marker))
+    return results
+
+
+def wait_committed(staging: str, path: str, save_id: str, timeout_s: float) -> Metadata:
+    """Non-coordinators: wait until the coordinator has renamed the staging directory away;
+    returns the committed metadata.
+
+    Raises:
+        CheckpointError: a rank failed, the wait timed out, or another save replaced this one.
+    """
+    _poll(staging, path, timeout_s, lambda names: not os.path.exists(staging), lambda: "the coordinator did not commit")
+    metadata = read_checkpoint_metadata(path)
+    if metadata.save_id != save_id:
+        raise CheckpointError(f"async save to {path} was replaced by another save before it committed")
+    return metadata
+
+
+# ---------------------------------------------------------------- reading committed metadata
+
+def _metadata_text(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise CheckpointError(f"{path} is missing") from None
+
+
+def _merge_rank_metadata(parts: List[Metadata], directory: str) -> Metadata:
+    world = parts[0].world_size
+    ranks = sorted(p.rank for p in parts)
+    if ranks != list(range(world)) or any(p.world_size != world for p in parts):
+        raise CheckpointError(
+            f"{directory} holds rank-local metadata of ranks {ranks}, expected ranks 0..{world - 1}: "
+            "the checkpoint is incomplete"
+        )
+    merged = Metadata(state_dict_metadata={}, world_size=world, save_id=parts[0].save_id)
+    chunks_seen: Dict[str, set] = {}
+    for part in sorted(parts, key=lambda p: p.rank):
+        for index, info in part.storage_data.items():
+            kept = merged.storage_data.setdefault(index, info)
+            if kept is not info and kept.checksum != info.checksum:
+                # Plain values are written by every rank without collectives; copies must agree.
+                raise CheckpointError(f"{directory}: ranks saved different values for {index.fqn!r} "
+                                      f"(files {kept.relative_path} and {info.relative_path})")
+        for fqn, md in part.state_dict_metadata.items():
+            existing = merged.state_dict_metadata.setdefault(fqn, md)
+            if isinstance(md, TensorStorageMetadata):
+                known = chunks_seen.setdefault(fqn, set(existing.chunks))
+                if existing is not md:
+                    existing.chunks.extend(c for c in md.chunks if c not in known)
+                    known.update(md.chunks)
+        merged.files.update(part.files)
+        merged.layouts.update(part.layouts)
+    return merged
+
+
+def read_checkpoint_metadata(directory: str) -> Metadata:
+    """The committed metadata of a checkpoint directory (no process group needed).
+
+    Raises:
+        CheckpointError: nothing committed there, or the metadata is corrupt.
+    """
+    directory = os.fspath(directory)
+    main = os.path.join(directory, METADATA_FILE)
+    if os.path.exists(main):
+        return Metadata.from_json(_metadata_text(main), main)
+    rank_files = glob.glob(os.path.join(glob.escape(directory), RANK_METADATA.format("*")))
+    if not rank_files:
+        raise CheckpointError(f"{directory} is not a committed checkpoint: {METADATA_FILE} is missing")
+    parts = [Metadata.from_json(_metadata_text(p), p) for p in rank_files]
+    return _merge_rank_metadata(parts, directory)
+
+
+def is_checkpoint(path: str) -> bool:
+    """True only for a directory whose metadata was committed (all ranks' for rank-local saves)."""
+    if not os.path.isdir(path):
+        return False
+    if os.path.isfile(os.path.join(path, METADATA_FILE)):
+        return True
+    try:
+        read_checkpoint_metadata(path)
+    except CheckpointError:
+        return False
+    return True
+
+
+def verify_checkpoint(checkpoint_dir: str) -> Metadata:
+    """Check every data file of a checkpoint against the sizes and crc32s in its metadata.
+
+    Returns the metadata. Raises:
+        CheckpointError: uncommitted, or a file is missing, has the wrong size or checksum.
+    """
+    metadata = read_checkpoint_metadata(checkpoint_dir)
+    for name, info in sorted(metadata.files.items()):
+        path = os.path.join(checkpoint_dir, name)
+        try:
+            size = os.path.getsize(path)
+        except FileNotFoundError:
+            raise CheckpointError(f"checkpoint file {path} is missing") from None
+        if size != info.size:
+            raise CheckpointError(f"checkpoint file {path} has {size} bytes, metadata says {info.size}")
+        crc = 0
+        with open(path, "rb") as f:
+            while block := f.read(1 << 24):
+                crc = zlib.crc32(block, crc)
+        if crc != info.checksum:
+            raise CheckpointError(f"checkpoint file {path} fails its checksum: the file is corrupt")
+    return metadata

@@ -1,0 +1,109 @@
+"""A rank's data files: tensor chunks in safetensors files, non-tensor values in one file each
+encoding; both return where every item landed and the file's size and crc32."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from typing import List, Tuple
+
+from hyper_parallel.core.distributed_checkpoint._fileio import start_writeback
+from hyper_parallel.core.distributed_checkpoint.checksum import crc32_combine
+from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, FileInfo, StorageInfo
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner, WriteItem
+from hyper_parallel.core.distributed_checkpoint.resharding import numel
+from hyper_parallel.core.distributed_checkpoint.safetensors_format import encode_header, tensor_name
+from hyper_parallel.core.distributed_checkpoint.staging import ChunkSource
+from hyper_parallel.core.distributed_checkpoint.storage import WriteResult
+
+
+def chunk_nbytes(item: WriteItem) -> int:
+    """Bytes of a TENSOR write item's chunk."""
+    td = item.tensor_data
+    return numel(td.chunk.sizes) * td.dtype.itemsize
+
+
+def write_safetensors(path: str, items: List[WriteItem], source: ChunkSource, name: str,
+                      sync: bool) -> Tuple[List[WriteResult], FileInfo]:
+    """Write ``items`` (TENSOR) as one safetensors file named ``name`` at ``path``, taking
+    their bytes piece by piece from ``source`` (each checksummed once, as it is written)."""
+    # The header comes from the plan, so the data can stream in after it.
+    entries = [(tensor_name(it.index), it.tensor_data.dtype, it.tensor_data.chunk.sizes, chunk_nbytes(it))
+               for it in items]
+    header = encode_header(entries)
+    results, offset = [], len(header)
+    file_crc = zlib.crc32(header)
+    # zlib.crc32 and file writes both release the GIL: checksum each piece on a helper
+    # thread while this one writes it, so the checksum costs no extra wall time.
+    with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-crc") as crc_pool:
+        try:
+            f.write(header)
+            for item, (_, _, _, nbytes) in zip(items, entries):
+                known = source.known_checksum(item)
+                crc, written = 0, 0
+                for piece in source.chunks(item):
+                    data = piece.numpy()
+                    pending = crc_pool.submit(zlib.crc32, data, crc) if known is None else None
+                    f.write(data)
+                    if sync:
+                        # Disk writes overlap the staging of the next pieces instead of all
+                        # waiting for the final fsync.
+                        f.flush()
+                        start_writeback(f.fileno(), offset + written, len(data))
+                    written += len(data)
+                    if pending is not None:
+                        crc = pending.result()
+                if written != nbytes:
+                    raise CheckpointError(f"{item.index.fqn!r}: {written} bytes staged, the plan says {nbytes}")
+                crc = known if known is not None else crc
+                file_crc = crc32_combine(file_crc, crc, nbytes)
+                results.append(WriteResult(item.index, StorageInfo(name, offset, nbytes, crc)))
+                offset += nbytes
+            f.flush()
+            if sync:
+                os.fsync(f.fileno())
+        except BaseException as exc:
+            source.abort(exc)  # stop the producer and the other files' writers
+            raise
+    return results, FileInfo(offset, file_crc)
+
+
+def write_values(path: str, items: List[WriteItem], planner: SavePlanner, name: str, encoding: str,
+                 sync: bool) -> Tuple[List[WriteResult], FileInfo]:
+    """Write serialised values (BYTE_IO): JSON ones form one JSON object {fqn: value};
+    pickles are concatenated."""
+    json_file = encoding == "json"
+    parts: List[bytes] = [b"{"] if json_file else []
+    results, offset = [], len(parts[0]) if parts else 0
+    for i, item in enumerate(items):
+        if json_file:
+            prefix = (b"," if i else b"") + json.dumps(item.index.fqn).encode() + b":"
+            parts.append(prefix)
+            offset += len(prefix)
+        data = planner.get_data(item)
+        parts.append(data)
+        results.append(WriteResult(item.index, StorageInfo(name, offset, len(data), zlib.crc32(data), encoding)))
+        offset += len(data)
+    if json_file:
+        parts.append(b"}")
+    blob = b"".join(parts)
+    with open(path, "wb") as f:
+        f.write(blob)
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+    return results, FileInfo(len(blob), zlib.crc32(blob))
+
+
+def split_by_bytes(items: List[WriteItem], parts: int) -> List[List[WriteItem]]:
+    """At most ``parts`` non-empty groups of TENSOR items with balanced bytes, each in the
+    order of ``items`` (the order the staging pipeline produces them in)."""
+    buckets: List[List[int]] = [[] for _ in range(parts)]
+    loads = [0] * parts
+    for position in sorted(range(len(items)), key=lambda p: chunk_nbytes(items[p]), reverse=True):
+        i = loads.index(min(loads))
+        buckets[i].append(position)
+        loads[i] += chunk_nbytes(items[position])
+    return [[items[p] for p in sorted(b)] for b in buckets if b]
