@@ -306,6 +306,23 @@ class HSDPParamGroup:
     def reset_grad_count(self) -> None:
         self._grads_seen = 0
 
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` (default: the data-parallel world size)."""
+        self._pre_factor, self._post_factor = _divide_factors(factor)
+
+    def reset_iter_state(self) -> None:
+        """After an aborted step: wait for and drop this group's reductions in flight, partial
+        (HSDP) sums and unreduced unsharded gradients; reshard."""
+        for item in self._pending + self._all_reducing:
+            item.work.wait()
+        self._pending, self._all_reducing = [], []
+        for bucket in self.buckets:
+            bucket.partial_grad = None
+        for param in self.params:
+            if param.unsharded_param is not None:
+                param.unsharded_param.grad = None
+        self.reshard()
+
     def reduce_grads(self) -> None:
         """Issue the reduce-scatter of every bucket's unsharded gradients (async)."""
         for bucket in self.buckets:
