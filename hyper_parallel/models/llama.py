@@ -72,6 +72,11 @@ def init_tensor_(param: torch.Tensor, fill: Callable[[torch.Tensor, torch.Genera
         param.copy_(full)
 
 
+def _upcast(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in at least float32 (float64 stays float64), for numerically sensitive steps."""
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-5):
         super().__init__()
@@ -79,7 +84,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + self.eps)
+        wide = _upcast(x)
+        normed = wide * torch.rsqrt(wide.pow(2).mean(-1, keepdim=True) + self.eps)
         return normed.type_as(x) * self.weight
 
     def reset_parameters(self) -> None:
@@ -95,7 +101,7 @@ def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate pairs (x[..., 2i], x[..., 2i+1]) of x: (batch, heads, seq, head_dim)."""
-    x1, x2 = x.float().unflatten(-1, (-1, 2)).unbind(-1)
+    x1, x2 = _upcast(x).unflatten(-1, (-1, 2)).unbind(-1)
     cos, sin = cos[: x.shape[-2]], sin[: x.shape[-2]]
     rotated = torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
     return rotated.type_as(x)

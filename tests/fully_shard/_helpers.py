@@ -14,11 +14,22 @@ from hyper_parallel.models import build_llama
 
 VOCAB, SEQ = 32, 8
 
+# [Note: parity in float64]
+# Parity tests train in float64 against a single-process reference on the global batch. The
+# sharded run sums per-rank gradients in another order than the reference's one big matmul;
+# in float32 that is ~1e-7 relative noise, and AdamW multiplies noise in a gradient smaller
+# than its eps (1e-8) by lr / eps = 1e6, so fp32 parameters differ by ~1e-5 depending on the
+# CPU's kernels. In float64 the same noise is ~1e-16 * 1e6 = 1e-10 at worst: TOL leaves two
+# orders of magnitude, while any real defect (a missing reduction, a wrong scale, a stale
+# shard) shows up at 1e-4 or more.
+DTYPE = torch.float64
+TOL = 1e-8
 
-def tiny_llama(**overrides) -> nn.Module:
+
+def tiny_llama(dtype: torch.dtype = DTYPE, **overrides) -> nn.Module:
     cfg = dict(vocab_size=VOCAB, dim=16, n_layers=2, n_heads=2, n_kv_heads=1, max_seq_len=16)
     cfg.update(overrides)
-    return build_llama("llama_debug", **cfg)
+    return build_llama("llama_debug", **cfg).to(dtype)
 
 
 def global_batch(step: int, batch_size: int = 4) -> torch.Tensor:
@@ -28,7 +39,8 @@ def global_batch(step: int, batch_size: int = 4) -> torch.Tensor:
 
 def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).float(), tokens[:, 1:].flatten())
+    logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
+    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
@@ -43,14 +55,14 @@ def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:
 
 def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
     assert a.keys() == b.keys(), (sorted(a), sorted(b))
-    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+    return max((a[k].double() - b[k].double()).abs().max().item() for k in a)
 
 
 def train(model: nn.Module, batches: List[torch.Tensor], loss_fn: Callable = lm_loss,
           micro_batches: int = 1, before_micro: Optional[Callable[[nn.Module, int, int], None]] = None,
-          lr: float = 1e-2) -> List[float]:
+          lr: float = 1e-2, eps: float = 1e-8) -> List[float]:
     """AdamW steps; each batch is split into ``micro_batches`` accumulated micro-batches."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, weight_decay=0.1)
     losses = []
     for batch in batches:
         for i, micro in enumerate(batch.chunk(micro_batches)):

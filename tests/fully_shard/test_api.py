@@ -16,10 +16,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard.param_group import ShardState
-from tests.fully_shard._helpers import full_params, global_batch, lm_loss, max_diff, tiny_llama, train
+from tests.fully_shard._helpers import DTYPE, TOL, full_params, global_batch, lm_loss, max_diff, tiny_llama, train
 from tests.multirank import run_on_ranks
-
-TOL = 1e-5
 
 
 def _wrap(model, **kw):
@@ -40,7 +38,7 @@ def _meta_init_and_state_dict():
     assert local <= total // world + 64, (local, total)  # each rank holds only its shard
     for name, param in params.items():
         assert not param.to_local().is_meta and torch.isfinite(param.to_local()).all(), name
-    assert torch.equal(model.norm.weight.full_tensor(), torch.ones(16))
+    assert torch.equal(model.norm.weight.full_tensor(), torch.ones(16, dtype=DTYPE))
     assert model.output.weight is model.tok_embeddings.weight
 
     # Train it against a plain model holding the same full values.

@@ -14,10 +14,9 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
-from tests.fully_shard._helpers import full_params, global_batch, lm_loss, max_diff, parity, tiny_llama, train
+from tests.fully_shard._helpers import (DTYPE, TOL, full_params, global_batch, lm_loss, max_diff, parity,
+                                        tiny_llama, train)
 from tests.multirank import run_on_ranks
-
-TOL = 1e-5
 
 
 def _hsdp_mesh():
@@ -71,10 +70,10 @@ def _hsdp_and_uneven():
     assert counts == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}, counts
 
     gen = torch.Generator().manual_seed(0)
-    batches = [torch.randn(8, 8, generator=gen) for _ in range(2)]
+    batches = [torch.randn(8, 8, generator=gen, dtype=DTYPE) for _ in range(2)]
     for name, placement_fn in [("empty_shards", None), ("empty_shards_dim1", lambda p: Shard(p.ndim - 1))]:
         torch.manual_seed(0)
-        reference = _Uneven()
+        reference = _Uneven().to(DTYPE)
         model = hp.fully_shard(copy.deepcopy(reference), shard_placement_fn=placement_fn)
         if placement_fn is None:
             assert model.down.weight.to_local().shape[0] == (0 if rank == 3 else 1)
