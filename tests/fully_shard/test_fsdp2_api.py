@@ -1,8 +1,8 @@
 """FSDP2 API a drop-in user calls: fully_shard([a, b]), register_fsdp_forward_method, the
 FSDPModule setters, reset_iter_state, and bad-argument errors.
 
-Parity runs in float64 against single-process training on the global batch, so tolerances
-are tight and hold on any CPU.
+Parity runs in float64 against single-process training on the global batch (see
+[Note: parity in float64] in _helpers.py).
 """
 
 from __future__ import annotations
@@ -22,19 +22,8 @@ from torch.distributed.tensor import DTensor
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
-from tests.fully_shard._helpers import full_params, global_batch, max_diff, tiny_llama, train
+from tests.fully_shard._helpers import TOL, full_params, global_batch, lm_loss, max_diff, tiny_llama, train
 from tests.multirank import run_on_ranks
-
-TOL = 1e-9  # float64
-
-
-def _llama64() -> nn.Module:
-    return tiny_llama().double()
-
-
-def _loss64(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
 
 
 def _wrap_layers(model: nn.Module, **kw) -> nn.Module:
@@ -43,7 +32,7 @@ def _wrap_layers(model: nn.Module, **kw) -> nn.Module:
     return hp.fully_shard(model, **kw)
 
 
-def _pair(seed: int = 0, model_fn=_llama64):
+def _pair(seed: int = 0, model_fn=tiny_llama):
     """A reference model and a deep copy to be wrapped."""
     torch.manual_seed(seed)
     reference = model_fn()
@@ -57,15 +46,14 @@ def _local(batch: torch.Tensor) -> torch.Tensor:
 def _train_both(reference, model, steps=2, micro_batches=1, before_micro=None) -> float:
     """Train both (the model on this rank's slice); ``before_micro`` runs on the model only."""
     batches = [global_batch(s) for s in range(steps)]
-    train(reference, batches, loss_fn=_loss64, micro_batches=micro_batches)
-    train(model, [_local(b) for b in batches], loss_fn=_loss64, micro_batches=micro_batches,
-          before_micro=before_micro)
+    train(reference, batches, micro_batches=micro_batches)
+    train(model, [_local(b) for b in batches], micro_batches=micro_batches, before_micro=before_micro)
     return max_diff(full_params(model), full_params(reference))
 
 
 def _step_counts(model) -> dict:
     collectives.reset_collective_counts()
-    _loss64(model, _local(global_batch(9))).backward()
+    lm_loss(model, _local(global_batch(9))).backward()
     counts = collectives.collective_counts()
     model.zero_grad()
     return counts
@@ -124,7 +112,7 @@ def _group_with_head_called_later():
         return sum(losses) / targets.numel()
 
     torch.manual_seed(0)
-    reference = Trunk(_llama64())
+    reference = Trunk(tiny_llama())
     model = copy.deepcopy(reference)
     hp.fully_shard([model.inner.norm, model.inner.output])
     for layer in model.inner.layers:
@@ -216,15 +204,15 @@ def _divide_factor():
     for module in modules:
         module.set_gradient_divide_factor(1.0)  # sum over ranks
     batch = global_batch(0)
-    _loss64(model, _local(batch)).backward()
-    _loss64(reference, batch).backward()
+    lm_loss(model, _local(batch)).backward()
+    lm_loss(reference, batch).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     summed = {n: world * p.grad for n, p in reference.named_parameters()}
     results = {"sum": max_diff(grads, summed)}
     model.zero_grad()
     for module in modules:
         module.set_gradient_divide_factor(4.0 * world)
-    _loss64(model, _local(batch)).backward()
+    lm_loss(model, _local(batch)).backward()
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     results["quarter_mean"] = max_diff(grads, {n: p.grad / 4 for n, p in reference.named_parameters()})
     for bad in (0, -1.0, "2"):
@@ -300,7 +288,7 @@ def _reset_iter_state():
         fail["where"] = where
         batch = global_batch(step)
         try:
-            _loss64(model, _local(batch)).backward()
+            lm_loss(model, _local(batch)).backward()
         except RuntimeError as error:
             assert "injected" in str(error)
             model.reset_iter_state()
@@ -308,7 +296,7 @@ def _reset_iter_state():
             continue
         opt.step()
         opt.zero_grad()
-        _loss64(reference, batch).backward()
+        lm_loss(reference, batch).backward()
         ref_opt.step()
         ref_opt.zero_grad()
         step += 1
