@@ -128,6 +128,36 @@ def test_fully_shard_list_head_called_after_root_forward():
     _assert_within(run_on_ranks(2, _group_with_head_called_later, timeout=180))
 
 
+def _list_groupings():
+    """Groupings torch's FSDP2 tests use: two blocks in one group, a tied embedding + head
+    in one group, and an embedding group that is not unsharded in backward."""
+    def blocks_together(model):
+        hp.fully_shard(list(model.layers))
+        return hp.fully_shard(model)
+
+    def tied_embedding_and_head(model):
+        hp.fully_shard([model.tok_embeddings, model.output])
+        return _wrap_layers(model)
+
+    def embedding_group_no_backward_unshard(model):
+        hp.fully_shard([model.tok_embeddings])
+        model.tok_embeddings.set_unshard_in_backward(False)
+        hp.fully_shard([model.norm, model.output])
+        return _wrap_layers(model)
+
+    results = {}
+    for wrap, tie in ((blocks_together, False), (tied_embedding_and_head, True),
+                      (embedding_group_no_backward_unshard, False)):
+        reference, model = _pair(model_fn=lambda: tiny_llama(tie_embeddings=tie))
+        wrap(model)
+        results[wrap.__name__] = _train_both(reference, model)
+    return results
+
+
+def test_fully_shard_list_groupings():
+    _assert_within(run_on_ranks(2, _list_groupings, timeout=240))
+
+
 # -- register_fsdp_forward_method ---------------------------------------------------------
 class _Scorer(nn.Module):
     def __init__(self):
