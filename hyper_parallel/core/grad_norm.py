@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from hyper_parallel._torch_compat import foreach_mul_
 from hyper_parallel.platform import get_platform
 
 __all__ = ["clip_grad_norm_", "get_total_norm"]
@@ -196,4 +197,4 @@ def _scale_(grads: List[torch.Tensor], coef: torch.Tensor, foreach: bool | None)
             for tensor in group:
                 tensor.mul_(device_coef)
         else:
-            torch._foreach_mul_(group, device_coef)
+            foreach_mul_(group, device_coef)

@@ -119,6 +119,11 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
     _check_number(problems, "training.max_grad_norm", t.max_grad_norm, low=0.0, note=" (0 disables clipping)")
     if t.device not in ("auto", "cpu"):
         problems.append(f"training.device={t.device!r} must be 'auto' or 'cpu'")
+    if not isinstance(t.compile, bool):
+        problems.append(f"training.compile={t.compile!r} must be true or false")
+    elif t.compile and t.compile_backend not in _compile_backends():
+        problems.append(f"training.compile_backend={t.compile_backend!r} is not a torch.compile "
+                        f"backend; known: {_compile_backends()}")
     if dims is not None and not problems:
         ranks_x_accum = dims.dp_size * t.grad_accum_steps
         if t.global_batch_size % ranks_x_accum:
@@ -149,6 +154,12 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
     if problems:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(problems))
     return dims
+
+
+def _compile_backends() -> List[str]:
+    import torch
+
+    return torch.compiler.list_backends(exclude_tags=())
 
 
 def _is_int(value: Any) -> bool:

@@ -122,7 +122,8 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
     mesh = build_mesh(dims, device.type)
     model = build_model(cfg.model, mesh=mesh, device=device, seed=t.seed,
                         mixed_precision=cfg.parallel.mixed_precision,
-                        reshard_after_forward=cfg.parallel.reshard_after_forward)
+                        reshard_after_forward=cfg.parallel.reshard_after_forward,
+                        compile_backend=t.compile_backend if t.compile else None)
     # Every rank starts training from the same global generator state (the checkpoint stores it).
     torch.manual_seed(t.seed + 1)
     optimizer = build_optimizer(model, cfg.optim)

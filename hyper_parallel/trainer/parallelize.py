@@ -3,8 +3,7 @@ materialised and initialised shard by shard."""
 
 from __future__ import annotations
 
-import functools
-from typing import Optional
+from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig
@@ -27,10 +26,18 @@ def apply_activation_checkpointing(model: Transformer) -> None:
     """Recompute each block's activations during backward.
 
     The block's ``forward`` is wrapped in place (no wrapper module), so parameter names and
-    checkpoints are the same with and without it.
+    checkpoints are the same with and without it. The wrapper is a plain Python function (not a
+    ``functools.partial`` of ``checkpoint``): a compiled block then has a frame for dynamo to
+    trace, which captures the checkpointed region in the block's graph.
     """
     for block in model.layers:
-        block.forward = functools.partial(checkpoint, block.forward, use_reentrant=False)
+        block.forward = _checkpointed(block.forward)
+
+
+def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def checkpointed_forward(*args: Any) -> torch.Tensor:
+        return checkpoint(forward, *args, use_reentrant=False)
+    return checkpointed_forward
 
 
 def shard_model(model: Transformer, mesh: DeviceMesh, *, mixed_precision: str,
@@ -46,9 +53,21 @@ def shard_model(model: Transformer, mesh: DeviceMesh, *, mixed_precision: str,
     return model
 
 
+def compile_blocks(model: Transformer, backend: str) -> None:
+    """``torch.compile`` each block (``fullgraph=True``: a block body compiles without graph
+    breaks; fully_shard's hooks run eagerly around it). Call after activation checkpointing
+    and before ``fully_shard`` (the torchtitan order)."""
+    for block in model.layers:
+        block.compile(backend=backend, fullgraph=True)
+
+
 def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: torch.device, seed: int,
-                mixed_precision: str = "fp32", reshard_after_forward: bool = True) -> nn.Module:
+                mixed_precision: str = "fp32", reshard_after_forward: bool = True,
+                compile_backend: Optional[str] = None) -> nn.Module:
     """Build the configured model without allocating full weights, shard it, initialise it.
+
+    Order: activation checkpointing, then per-block ``torch.compile`` with ``compile_backend``
+    (None: eager), then ``fully_shard``.
 
     With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
     reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
@@ -61,6 +80,8 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
         model = Transformer(llama_config(model_cfg))
     if model_cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
+    if compile_backend is not None:
+        compile_blocks(model, compile_backend)
     if mesh is not None:
         shard_model(model, mesh, mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)

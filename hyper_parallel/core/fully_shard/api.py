@@ -199,7 +199,7 @@ def fully_shard(
     _register_full_state_dict_loading(load_slots)
     state = HSDPState(modules, group, mp_policy, borrowed)
     for mod in modules:
-        mod._hsdp_state = state
+        mod.__dict__["_hsdp_state"] = state  # on mod itself, even if it forwards setattr (torch.compile)
         cls = type(mod)
         if cls not in _CLASS_CACHE:
             _CLASS_CACHE[cls] = type(f"HSDP{cls.__name__}", (FSDPModule, cls), {})

@@ -161,7 +161,7 @@ def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
 
     @functools.wraps(method)
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        args, kwargs = state._pre_forward(module, args, kwargs)
-        return state._post_forward(module, args, method(*args, **kwargs))
+        args, kwargs = state.pre_forward_hook(module, args, kwargs)
+        return state.post_forward_hook(module, args, method(*args, **kwargs))
 
     setattr(module, method_name, wrapped)

@@ -9,8 +9,8 @@ from typing import List, Optional, Tuple
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 
+from hyper_parallel._torch_compat import DTensorSpec, TensorMeta
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh, sharded_layout
 
 

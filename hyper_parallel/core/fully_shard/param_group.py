@@ -16,6 +16,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from hyper_parallel._torch_compat import chunk_cat, preserve_version_counter
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh
 from hyper_parallel.core.fully_shard.param import HSDPParam
@@ -125,7 +126,7 @@ class _Bucket:
             storage.resize_(nbytes)
         # Autograd saved the unsharded params in forward; refilling the same storage before
         # backward is intended, so the version counter must not change.
-        with torch.no_grad(), torch.autograd._unsafe_preserve_version_counter(self.unsharded_flat):
+        with torch.no_grad(), preserve_version_counter(self.unsharded_flat):
             torch.split_with_sizes_copy(gathered, self.sizes, dim=-1, out=destinations)
 
     def free_unsharded(self) -> None:
@@ -142,7 +143,7 @@ class _Bucket:
                 shape = (param.unsharded_local_shape[param.shard_dim], *param.rest_shape)
                 grads[i] = torch.zeros(shape, dtype=self.compute_dtype, device=self.unsharded_flat.device)
             param.unsharded_param.grad = None
-        flat = torch._chunk_cat(grads, dim=0, num_chunks=self.world)
+        flat = chunk_cat(grads, dim=0, num_chunks=self.world)
         return flat.to(self.reduce_dtype).view(-1)
 
     def assign_grads(self, reduced: torch.Tensor) -> None:

@@ -7,14 +7,22 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 import torch
 from torch import nn
 
+from hyper_parallel._torch_compat import current_graph_task_id, queue_autograd_callback
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.core.fully_shard.policy import MixedPrecisionPolicy
 from hyper_parallel.core.fully_shard.tree import cast_floating, iter_tensors
 
 
+def _eager(hook):
+    """``hook`` run eagerly, never traced by torch.compile: a compiled caller graph-breaks at
+    it, and dynamo does not compile it as a frame of its own (it unshards, issues collectives
+    and mutates module state, none of which belongs in a graph). Same approach as FSDP2."""
+    return torch.compiler.disable(hook, recursive=True, reason="hyper_parallel fully_shard hook")
+
+
 def _in_backward() -> bool:
     """True while the autograd engine runs (e.g. checkpoint recomputation calls forward)."""
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 class _RootContext:
@@ -30,6 +38,7 @@ class _RootContext:
         self.callback_queued = False
         # False: the end of backward leaves the last reductions in flight (set_is_last_backward).
         self.is_last_backward = True
+        self._final_callback_hook = _eager(self._final_callback)
 
     def begin_step(self) -> None:
         # Reductions a non-last backward left in flight overlap this forward; the next
@@ -51,7 +60,7 @@ class _RootContext:
             self.callback_queued = True
             order = self.forward_order
             self.prev_in_forward = dict(zip(order[1:], order))
-            torch.autograd.Variable._execution_engine.queue_callback(self._final_callback)
+            queue_autograd_callback(self._final_callback_hook)
 
     def advance_reductions(self) -> None:
         """Pipeline step: finish the all-reduces in flight, then move finished
@@ -123,12 +132,18 @@ class HSDPState:
         self.to_run: Set[nn.Module] = set()  # modules of this group yet to run in this forward
         self.unshard_in_backward = True
         self.is_last_backward = True  # copied to the root context at lazy init
-        group.on_all_grads = self.post_backward
+        # Every entry point called by nn.Module or autograd, wrapped once (see _eager);
+        # pre_forward_hook/post_forward_hook also run custom forward methods.
+        self._pre_backward_hook = _eager(self._pre_backward)
+        self._input_grads_hook = _eager(self._on_input_grads)
+        self.pre_forward_hook = _eager(self._pre_forward)
+        self.post_forward_hook = _eager(self._post_forward)
+        group.on_all_grads = _eager(self.post_backward)
         for module in self.modules:
-            module.register_forward_pre_hook(self._pre_forward, prepend=True, with_kwargs=True)
-            module.register_forward_hook(self._post_forward)
+            module.register_forward_pre_hook(self.pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward_hook)
             module.register_state_dict_pre_hook(lambda *_: group.reshard())
-            module._register_load_state_dict_pre_hook(lambda *_: group.reshard())
+            module.register_load_state_dict_pre_hook(lambda *_: group.reshard())
 
     # -- initialisation -------------------------------------------------------------------
     def lazy_init(self) -> None:
@@ -220,7 +235,7 @@ class HSDPState:
         if inputs:
             self.input_grads_hooked = True
             self.input_grads_pending += 1
-            torch.autograd.graph.register_multi_grad_hook(inputs, self._on_input_grads, mode="all")
+            torch.autograd.graph.register_multi_grad_hook(inputs, self._input_grads_hook, mode="all")
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if _in_backward():  # recomputation (activation checkpointing): backward needs the params
@@ -241,7 +256,7 @@ class HSDPState:
         if grad_enabled:
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
-                    tensor.register_hook(self._pre_backward)
+                    tensor.register_hook(self._pre_backward_hook)
         return output
 
     def _finish_forward(self, grad_enabled: bool) -> None:

@@ -1,0 +1,57 @@
+"""The one module through which hyper_parallel reaches private torch names.
+
+Each name below is used because torch has no public equivalent; when a torch release moves or
+renames one, this file is the only one to change (``tests/test_torch_compat.py`` imports
+every name, so such a release fails there first). Verified on the torch versions listed in
+the README (``make test-torch TORCH=<version>`` runs the suite on another one).
+
+DTensor's ``_local_tensor`` attribute is the one private access left outside this file: the
+fully_shard parameters re-point it at views of their flat shard buffer (``param.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import torch
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401  (re-exported)
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
+
+__all__ = [
+    "DTensorSpec",
+    "TensorMeta",
+    "chunk_cat",
+    "compute_local_shape_and_global_offset",
+    "current_graph_task_id",
+    "foreach_mul_",
+    "lookup_compile_backend",
+    "preserve_version_counter",
+    "queue_autograd_callback",
+]
+
+# torch._chunk_cat(tensors, dim, num_chunks): the per-rank interleaving copy FSDP2 uses for
+# its reduce-scatter input, one kernel instead of a cat per rank.
+chunk_cat = torch._chunk_cat
+# torch._foreach_mul_(tensors, scalar_tensor): one multi-tensor kernel (gradient clipping).
+foreach_mul_ = torch._foreach_mul_
+# Context manager: writes inside it do not bump a tensor's version counter (refilling the
+# unsharded parameters that autograd saved in forward).
+preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+
+
+def current_graph_task_id() -> int:
+    """The running autograd graph task's id, -1 outside backward."""
+    return torch._C._current_graph_task_id()
+
+
+def queue_autograd_callback(callback: Callable[[], None]) -> None:
+    """Run ``callback`` when the current backward pass has finished (must be in backward)."""
+    torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def lookup_compile_backend(name: str) -> Callable:
+    """The torch.compile backend callable registered as ``name`` (e.g. ``"aot_eager"``)."""
+    from torch._dynamo.backends.registry import lookup_backend
+
+    return lookup_backend(name)
+
