@@ -2,7 +2,7 @@
 
 Each rank adds up (p-norm) or takes the max (inf-norm) over the local slices it *owns*: a
 DTensor's local slice is owned by the rank whose coordinate is 0 on every mesh dim the tensor
-is not sharded on, so every distinct slice is counted exactly once and replicas are skipped.
+is replicated on, so every distinct slice is counted exactly once and replicas are skipped.
 Owned contributions are then reduced once per reduction scope: all meshes spanning the whole
 world share one all-reduce over the default group; a mesh covering only part of the world
 (e.g. one pipeline stage) is reduced over its own dims. Plain tensors are taken as replicated
@@ -55,7 +55,8 @@ def clip_grad_norm_(
         foreach: use torch's foreach kernels (None: where supported), as in torch.
 
     Returns:
-        The total norm as a plain float32 tensor, equal on every rank.
+        The total norm as a plain tensor, equal on every rank: float64 when any gradient is
+        float64, float32 otherwise.
 
     Raises:
         ValueError: ``norm_type`` is not positive, or a gradient lives on a mesh that does
@@ -93,9 +94,12 @@ def get_total_norm(
     if not tensors:
         return torch.tensor(0.0)
     out_device = _local(tensors[0]).device
+    # Accumulate in float32 at least; every rank sees the same dtypes, so collectives match.
+    dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     total = None
     for scope, local_tensors in _owned_local_tensors(tensors).items():
-        part = _reduce(scope, _local_contribution(local_tensors, p, foreach), p).to(out_device)
+        contribution = _local_contribution(local_tensors, p, foreach, dtype)
+        part = _reduce(scope, contribution, p).to(out_device)
         total = part if total is None else _combine(total, part, p)
     if math.isinf(p):
         # [max, any-nan] -> max, or nan if any slice anywhere held a nan.
@@ -140,20 +144,23 @@ def _owned_local_tensors(tensors: Iterable[torch.Tensor]) -> Dict[_Scope, List[t
             )
         scope: _Scope = ("world", mesh.device_type) if mesh.size() == world else mesh
         slices = owned.setdefault(scope, [])
-        if all(c == 0 for c, pl in zip(coordinate, tensor.placements) if not pl.is_shard()):
+        # Only replicated dims hold copies; every other placement (Shard, _StridedShard, ...)
+        # splits the tensor, so each of its coordinates holds a distinct slice.
+        if all(c == 0 for c, pl in zip(coordinate, tensor.placements) if pl.is_replicate()):
             slices.append(tensor.to_local())
     return owned
 
 
-def _local_contribution(tensors: List[torch.Tensor], p: float, foreach: bool | None) -> torch.Tensor:
-    """``[sum |x|^p]`` for finite p, ``[max |x|, any nan]`` for inf, over ``tensors`` (float32)."""
+def _local_contribution(tensors: List[torch.Tensor], p: float, foreach: bool | None,
+                        dtype: torch.dtype) -> torch.Tensor:
+    """``[sum |x|^p]`` for finite p, ``[max |x|, any nan]`` for inf, over ``tensors`` (in ``dtype``)."""
     # Empty slices (uneven sharding) add nothing, and torch has no inf-norm of an empty tensor.
     tensors = [t for t in tensors if t.numel()]
     if not tensors:
-        return torch.zeros(2 if math.isinf(p) else 1)
-    norm = torch.nn.utils.get_total_norm(tensors, p, foreach=foreach).float()
+        return torch.zeros(2 if math.isinf(p) else 1, dtype=dtype)
+    norm = torch.nn.utils.get_total_norm(tensors, p, foreach=foreach).to(dtype)
     if math.isinf(p):
-        return torch.stack((norm, norm.isnan().float()))
+        return torch.stack((norm, norm.isnan().to(dtype)))
     return (norm**p).reshape(1)
 
 

@@ -339,6 +339,23 @@ def test_reset_iter_state_recovers_after_exception():
     _assert_within(run_on_ranks(2, _reset_iter_state, timeout=180))
 
 
+# -- .to(dtype) while unsharded ----------------------------------------------------------
+def _to_dtype_while_unsharded():
+    reference, model = _pair(model_fn=lambda: tiny_llama(dtype=torch.float32))
+    reference.double()  # float32 values: exact in float64 too
+    _wrap_layers(model)
+    model.unshard()  # the root group's unsharded parameters are the registered ones now
+    model.layers[0].unshard()
+    model.to(torch.float64)  # converts the sharded parameters (each group reshards first)
+    for name, param in model.named_parameters():
+        assert isinstance(param, DTensor) and param.to_local().dtype == torch.float64, name
+    return {"to_float64": _train_both(reference, model)}
+
+
+def test_to_dtype_while_unsharded():
+    _assert_within(run_on_ranks(2, _to_dtype_while_unsharded, timeout=180))
+
+
 # -- errors and docs (no process group needed) --------------------------------------------
 @pytest.mark.parametrize("bad, got", [
     (torch.randn(3), "got Tensor"),

@@ -13,9 +13,8 @@ import torch
 import torch.distributed as dist
 
 _COUNTS: Counter = Counter()
-# The *_single names replace the deprecated *_tensor ones in recent torch (same semantics).
-_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+# The torch.distributed functions are looked up at call time (not bound at import) so that
+# instrumentation patching them (e.g. torch.testing's patch_all_gather) sees these calls.
 
 
 def collective_counts() -> Dict[str, int]:
@@ -31,14 +30,14 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
                async_op: bool) -> Optional[dist.Work]:
     """Gather every rank's flat ``shard`` into the flat ``output`` (rank-major)."""
     _COUNTS["all_gather"] += 1
-    return _all_gather_single(output, shard, group=group, async_op=async_op)
+    return dist.all_gather_single(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
                    async_op: bool) -> Optional[dist.Work]:
     """Sum the flat ``full`` (rank-major chunks) over ``group``; this rank's chunk into ``output``."""
     _COUNTS["reduce_scatter"] += 1
-    return _reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
+    return dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
                                       async_op=async_op)
 
 

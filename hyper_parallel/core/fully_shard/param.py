@@ -22,14 +22,22 @@ def _contiguous_stride(shape: Tuple[int, ...]) -> Tuple[int, ...]:
     return tuple(reversed(stride))
 
 
+def _sharded_spec(mesh, placements, shape: Tuple[int, ...], dtype: torch.dtype) -> DTensorSpec:
+    return DTensorSpec(mesh, tuple(placements), tensor_meta=TensorMeta(
+        torch.Size(shape), _contiguous_stride(shape), dtype))
+
+
 class HSDPParam:
     """One managed parameter.
 
-    Internally the shard dim ``d`` is moved to the front: the padded local shard is a contiguous
-    ``(chunk, *rest)`` block of its group's flat shard buffer (``chunk = ceil(size_d / W)``), and
-    the DTensor's local tensor is the unpadded ``narrow(0, 0, valid).movedim(0, d)`` view of it.
-    The unsharded parameter is the same kind of view into the group's all-gathered buffer, so
-    uneven sizes on any dim need no extra copies beyond the all-gather copy-out.
+    Each rank's slot in its group's flat shard buffer holds ``shard_numel`` elements
+    (``chunk = ceil(size_d / W)`` slices of the shard dim ``d``): first its local shard,
+    contiguous in the parameter's own dim order (``valid <= chunk`` slices), then zero padding.
+    The DTensor's local tensor is a contiguous view of that slot, whatever ``d``. The unsharded
+    parameter is a contiguous view of its segment of the group's unsharded buffer: for ``d = 0``
+    the rank-major all-gather rows are already that layout; for ``d > 0`` the rows are
+    concatenated along ``d`` (:meth:`cat_rows`), and gradients are split back into rank rows
+    (:meth:`rank_rows`) for the reduce-scatter.
 
     Attributes:
         sharded_param: the ``nn.Parameter`` (DTensor) the optimizer and ``state_dict`` see.
@@ -60,21 +68,50 @@ class HSDPParam:
         size = local.shape[self.shard_dim]
         self.world = dp.shard_size
         self.chunk = math.ceil(size / self.world)
-        self.rest_shape = tuple(s for i, s in enumerate(local.shape) if i != self.shard_dim)
-        self.shard_numel = self.chunk * math.prod(self.rest_shape)
+        self.rest_numel = math.prod(s for i, s in enumerate(local.shape) if i != self.shard_dim)
+        self.shard_numel = self.chunk * self.rest_numel
         self.shard_offset = min(dp.shard_rank * self.chunk, size)
         self.valid = min(self.chunk, size - self.shard_offset)
+        self.local_shape = self._rows_shape(self.valid)
         mesh, placements = sharded_layout(dp, self.shard_dim, self.tp_mesh, self.tp_placements)
-        self.spec = DTensorSpec(mesh, placements, tensor_meta=TensorMeta(
-            torch.Size(self.global_shape), _contiguous_stride(self.global_shape), self.dtype))
+        self.spec = _sharded_spec(mesh, placements, self.global_shape, self.dtype)
         self._initial_local: Optional[torch.Tensor] = local  # copied into the shard on bind
+        self._bound_local: Optional[torch.Tensor] = None  # the local view bind_shard set
         self.sharded_param: Optional[nn.Parameter] = None
         self.unsharded_param: Optional[nn.Parameter] = None
+        # Plain tensor of the unsharded values (local over TP), viewing the unsharded buffer.
+        self.unsharded_data: Optional[torch.Tensor] = None
+
+    def _rows_shape(self, rows: int) -> Tuple[int, ...]:
+        shape = list(self.unsharded_local_shape)
+        shape[self.shard_dim] = rows
+        return tuple(shape)
 
     def _local_view(self, padded_flat: torch.Tensor) -> torch.Tensor:
-        """Unpadded local shard (original dim order) viewing a flat padded shard."""
-        padded = padded_flat.view(self.chunk, *self.rest_shape)
-        return padded.narrow(0, 0, self.valid).movedim(0, self.shard_dim)
+        """Unpadded local shard (contiguous, original dim order) viewing a flat padded slot."""
+        return padded_flat[:self.valid * self.rest_numel].view(self.local_shape)
+
+    def _rank_valid(self) -> List[int]:
+        size = self.unsharded_local_shape[self.shard_dim]
+        return [max(0, min(self.chunk, size - r * self.chunk)) for r in range(self.world)]
+
+    def rank_rows(self, full: torch.Tensor) -> torch.Tensor:
+        """``full`` (unsharded local shape, ``d > 0``) as ``(world, shard_numel)`` slots: row
+        ``r`` holds rank ``r``'s shard flattened, then zeros."""
+        rows = full.new_zeros(self.world, self.shard_numel)
+        start = 0
+        for r, valid in enumerate(self._rank_valid()):
+            rows[r, :valid * self.rest_numel].view(self._rows_shape(valid)).copy_(
+                full.narrow(self.shard_dim, start, valid))
+            start += valid
+        return rows
+
+    def cat_rows(self, rows: torch.Tensor) -> None:
+        """Inverse of :meth:`rank_rows` (``d > 0``): concatenate the rank rows of an all-gather
+        into the unsharded parameter's storage."""
+        pieces = [rows[r, :valid * self.rest_numel].view(self._rows_shape(valid))
+                  for r, valid in enumerate(self._rank_valid())]
+        torch.cat(pieces, dim=self.shard_dim, out=self.unsharded_data)
 
     def bind_shard(self, padded_flat: torch.Tensor) -> None:
         """Make the sharded DTensor's local tensor a view of ``padded_flat`` (its slot in the
@@ -92,37 +129,85 @@ class HSDPParam:
             current = self.sharded_param._local_tensor
             if not current.is_meta and current.data_ptr() != local.data_ptr():
                 local.copy_(current)
-        self.sharded_param._local_tensor = local
+        self.sharded_param._local_tensor = self._bound_local = local
+
+    def adopt_replacement(self) -> bool:
+        """Pick up what replaced the sharded parameter since the last bind: a new parameter on
+        the module (``setattr``, ``load_state_dict(assign=True)``: DTensor of the same layout, or
+        a full plain tensor, sharded here) or a new local tensor (``module.to(dtype/device)``,
+        ``to_empty``). Call while the sharded parameters are registered.
+
+        Returns:
+            True when the local shard no longer views the group's buffer (rebind needed).
+
+        Raises:
+            ValueError: the replacement's shape or layout differs from the parameter's.
+        """
+        for module, name in self.slots:
+            new = module._parameters.get(name)
+            if new is not None and new is not self.sharded_param:
+                self.sharded_param = self._as_sharded(new, name)
+                self.use_sharded()
+                break
+        local = self.sharded_param._local_tensor
+        if local is self._bound_local:
+            return False
+        self.dtype = local.dtype
+        self.spec = self.sharded_param._spec
+        return True
+
+    def _as_sharded(self, new: torch.Tensor, name: str) -> nn.Parameter:
+        if tuple(new.shape) != self.global_shape:
+            raise ValueError(f"parameter {name!r} was replaced by a tensor of shape "
+                             f"{tuple(new.shape)}; fully_shard manages it with shape {self.global_shape}")
+        if not isinstance(new, DTensor):
+            local = self._local_slice(new.detach())
+            spec = _sharded_spec(self.spec.mesh, self.spec.placements, self.global_shape, local.dtype)
+            return nn.Parameter(DTensor(local, spec, requires_grad=False),
+                                requires_grad=new.requires_grad)
+        if new.device_mesh != self.spec.mesh or tuple(new.placements) != self.spec.placements:
+            raise ValueError(f"parameter {name!r} was replaced by a DTensor on {new.device_mesh} "
+                             f"with placements {tuple(new.placements)}; fully_shard manages it on "
+                             f"{self.spec.mesh} with {self.spec.placements}")
+        return new if isinstance(new, nn.Parameter) else nn.Parameter(new, requires_grad=new.requires_grad)
 
     def bind_unsharded(self, padded_full_flat: torch.Tensor) -> None:
         """Create the unsharded parameter as a view of its slot in the group's unsharded buffer."""
-        full = padded_full_flat.view(self.world * self.chunk, *self.rest_shape)
-        full = full.narrow(0, 0, self.unsharded_local_shape[self.shard_dim]).movedim(0, self.shard_dim)
+        full = padded_full_flat[:math.prod(self.unsharded_local_shape)].view(self.unsharded_local_shape)
+        self.unsharded_data = full
         if self.tp_mesh is not None:
             full = DTensor.from_local(full, self.tp_mesh, self.tp_placements, run_check=False,
                                       shape=torch.Size(self.global_shape),
                                       stride=_contiguous_stride(self.global_shape))
         self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
 
-    def unsharded_grad(self) -> Optional[torch.Tensor]:
-        """The unsharded gradient (shard dim first, local over TP), or None."""
+    def reduce_scatter_input(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The unsharded gradient (local over TP; zeros if there is none) in a layout whose
+        ``_chunk_cat(dim=0, num_chunks=world)`` chunk ``r`` is rank ``r``'s shard slot; clears
+        the unsharded gradient."""
         grad = self.unsharded_param.grad
+        self.unsharded_param.grad = None
         if grad is None:
-            return None
-        if isinstance(grad, DTensor):
+            grad = torch.zeros(self.unsharded_local_shape, dtype=dtype, device=device)
+        elif isinstance(grad, DTensor):
             if tuple(grad.placements) != self.tp_placements:
                 grad = grad.redistribute(placements=self.tp_placements)
             grad = grad._local_tensor
-        return grad.movedim(self.shard_dim, 0)
+        return self.rank_rows(grad) if self.shard_dim else grad
 
     def accumulate_sharded_grad(self, padded_flat: torch.Tensor) -> None:
-        """Set (or add to) the sharded gradient from its slot of a reduced flat buffer."""
+        """Set (or add to) the sharded gradient from its slot of a reduced flat buffer, then run
+        the sharded parameter's post-accumulate-grad hooks (autograd never sees it)."""
         local = self._local_view(padded_flat)
-        grad = self.sharded_param.grad
-        if grad is None:
-            self.sharded_param.grad = DTensor(local, self.spec, requires_grad=False)
+        param = self.sharded_param
+        if param.grad is None:
+            param.grad = DTensor(local, self.spec, requires_grad=False)
         else:
-            grad._local_tensor.add_(local)
+            param.grad._local_tensor.add_(local)
+        hooks = param._post_accumulate_grad_hooks  # private torch attribute: None or a dict
+        if hooks:
+            for hook in tuple(hooks.values()):
+                hook(param)
 
     def use_sharded(self) -> None:
         for module, name in self.slots:
@@ -137,9 +222,15 @@ class HSDPParam:
         if tuple(full.shape) != self.global_shape:
             raise ValueError(f"full tensor of shape {tuple(full.shape)} does not match the "
                              f"parameter's shape {self.global_shape}")
+        local = self._local_slice(full).to(dtype=self.dtype)
+        return DTensor(local, self.spec, requires_grad=False)
+
+    def _local_slice(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's slice of a full tensor, on the sharded parameter's device (the full
+        tensor's while that is meta: ``load_state_dict(assign=True)`` into a meta model)."""
         local = full
         if self.tp_mesh is not None:
             local = distribute_tensor(full, self.tp_mesh, self.tp_placements, src_data_rank=None).to_local()
         local = local.narrow(self.shard_dim, self.shard_offset, self.valid)
-        local = local.to(device=self.sharded_param._local_tensor.device, dtype=self.dtype)
-        return DTensor(local, self.spec, requires_grad=False)
+        device = self.sharded_param._local_tensor.device
+        return local.to(device=full.device if device.type == "meta" else device)

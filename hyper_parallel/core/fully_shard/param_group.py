@@ -4,14 +4,15 @@ Parameters are bucketed by dtype. Each bucket owns one flat shard buffer (the pa
 padded shards are views into it, so it is the all-gather input with no copy-in), one
 all-gather into a rank-major flat buffer, one ``split_with_sizes_copy`` copy-out into the
 parameter-major unsharded buffer (the unsharded parameters are views into it; its storage is
-freed on reshard and refilled in place before backward), one reduce-scatter of
-``_chunk_cat``-ed gradients and, for HSDP, one all-reduce over the replicate dim.
+freed on reshard and refilled in place before backward; parameters sharded on a dim > 0 take
+one more ``cat`` from a temporary), one reduce-scatter of ``_chunk_cat``-ed gradients and, for
+HSDP, one all-reduce over the replicate dim.
 """
 
 from __future__ import annotations
 
 import enum
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
@@ -52,14 +53,18 @@ class _Bucket:
         self.reduce_dtype = mp.reduce_dtype or self.compute_dtype
         self.sizes = [p.shard_numel for p in params]
         self.total = sum(self.sizes)
-        self.trainable = [p for p in params if p.requires_grad]  # frozen ones are not reduced
-        self.grad_sizes = [p.shard_numel for p in self.trainable]
-        self.grad_total = sum(self.grad_sizes)
+        self.update_trainable()
         self.shard_flat: Optional[torch.Tensor] = None
         self.unsharded_flat: Optional[torch.Tensor] = None
         self._copy_out_views: List[torch.Tensor] = []
         self.partial_grad: Optional[torch.Tensor] = None  # HSDP: reduce-scattered, not all-reduced
         self.gathered_version = -1  # _shard_version() at the last all-gather
+
+    def update_trainable(self) -> None:
+        """Take the parameters' current ``requires_grad``: frozen ones are not reduced."""
+        self.trainable = [p for p in self.params if p.requires_grad]
+        self.grad_sizes = [p.shard_numel for p in self.trainable]
+        self.grad_total = sum(self.grad_sizes)
 
     def _shard_version(self) -> int:
         # In-place updates of a DTensor bump the wrapper's version counter, not the local
@@ -81,13 +86,6 @@ class _Bucket:
         for param, piece in zip(self.params, self.shard_flat.split(self.sizes)):
             param.bind_shard(piece)
 
-    def rebind_if_replaced(self) -> None:
-        """Re-point the parameters into the flat shard buffer if their local tensors were
-        replaced (``to_empty`` / ``to`` after the first forward); O(1) per bucket."""
-        local = self.params[0].sharded_param._local_tensor
-        if local.untyped_storage().data_ptr() != self.shard_flat.untyped_storage().data_ptr():
-            self.bind_shards(local.device, pin=self.shard_flat.is_pinned())
-
     def bind_unsharded(self, device: torch.device) -> None:
         self.unsharded_flat = torch.empty(self.world * self.total, dtype=self.compute_dtype, device=device)
         segments = self.unsharded_flat.split([self.world * n for n in self.sizes])
@@ -98,17 +96,27 @@ class _Bucket:
 
     def all_gather(self, group: dist.ProcessGroup, device: torch.device, async_op: bool):
         """Issue the all-gather of the flat shard; returns (work, rank-major result, copy-out
-        destinations) for :meth:`copy_out`."""
+        destinations) for :meth:`copy_out`. One rank: no collective, the shard is the result."""
         self.gathered_version = self._shard_version()
         shard = self.shard_flat.to(device=device, dtype=self.compute_dtype, non_blocking=True)
+        if self.world == 1:
+            return None, shard.view(1, self.total), self._destinations()
         output = torch.empty(self.world * self.total, dtype=self.compute_dtype, device=device)
         work = collectives.all_gather(output, shard, group, async_op)
-        return work, output.view(self.world, self.total), self._copy_out_views
+        return work, output.view(self.world, self.total), self._destinations()
+
+    def _destinations(self) -> List[torch.Tensor]:
+        """Copy-out targets, ``(world, n)`` each: the unsharded segments for dim-0 parameters,
+        temporaries (concatenated by :meth:`copy_out`) for the others."""
+        return [torch.empty_like(view) if param.shard_dim else view
+                for param, view in zip(self.params, self._copy_out_views)]
 
     def post_forward_piece(self, size: int, sub_rank: int) -> torch.Tensor:
         """What this rank keeps after forward when resharding to groups of ``size`` ranks: the
         shards of ranks ``sub_rank, sub_rank + size, ...`` as a ``(world // size, total)`` block."""
-        return torch.cat([view[sub_rank::size] for view in self._copy_out_views], dim=1)
+        rows = [param.rank_rows(param.unsharded_data) if param.shard_dim else view
+                for param, view in zip(self.params, self._copy_out_views)]
+        return torch.cat([r[sub_rank::size] for r in rows], dim=1)
 
     def all_gather_pieces(self, piece: torch.Tensor, group: dist.ProcessGroup, size: int, async_op: bool):
         """Rebuild the unsharded parameters from post-forward pieces over a ``size``-rank group."""
@@ -117,7 +125,7 @@ class _Bucket:
         rows = self.world // size
         # Gathered row (j, m) is rank m * size + j's shard.
         gathered = output.view(size, rows, self.total).transpose(0, 1)
-        return work, gathered, [view.view(rows, size, -1) for view in self._copy_out_views]
+        return work, gathered, [d.view(rows, size, -1) for d in self._destinations()]
 
     def copy_out(self, gathered: torch.Tensor, destinations: List[torch.Tensor]) -> None:
         storage = self.unsharded_flat.untyped_storage()
@@ -128,6 +136,9 @@ class _Bucket:
         # backward is intended, so the version counter must not change.
         with torch.no_grad(), preserve_version_counter(self.unsharded_flat):
             torch.split_with_sizes_copy(gathered, self.sizes, dim=-1, out=destinations)
+            for param, rows in zip(self.params, destinations):
+                if param.shard_dim:
+                    param.cat_rows(rows.view(self.world, -1))
 
     def free_unsharded(self) -> None:
         self.unsharded_flat.untyped_storage().resize_(0)
@@ -135,14 +146,10 @@ class _Bucket:
     def gradient_input(self) -> Optional[torch.Tensor]:
         """Unsharded grads of the trainable parameters as one rank-major flat reduce-scatter
         input (None: no grads at all). Clears the unsharded grads."""
-        grads = [p.unsharded_grad() for p in self.trainable]
-        if all(g is None for g in grads):
+        if all(p.unsharded_param.grad is None for p in self.trainable):
             return None
-        for i, (param, grad) in enumerate(zip(self.trainable, grads)):
-            if grad is None:
-                shape = (param.unsharded_local_shape[param.shard_dim], *param.rest_shape)
-                grads[i] = torch.zeros(shape, dtype=self.compute_dtype, device=self.unsharded_flat.device)
-            param.unsharded_param.grad = None
+        device = self.unsharded_flat.device
+        grads = [p.reduce_scatter_input(self.compute_dtype, device) for p in self.trainable]
         flat = chunk_cat(grads, dim=0, num_chunks=self.world)
         return flat.to(self.reduce_dtype).view(-1)
 
@@ -155,7 +162,8 @@ class _Bucket:
 class _PendingReduce:
     """A bucket's reduce-scatter (then, for HSDP, all-reduce) in flight."""
 
-    def __init__(self, bucket: _Bucket, work, grad_input: torch.Tensor, output: torch.Tensor):
+    def __init__(self, bucket: _Bucket, work: Optional[dist.Work], grad_input: torch.Tensor,
+                 output: torch.Tensor):
         self.bucket, self.work, self.grad_input, self.output = bucket, work, grad_input, output
 
 
@@ -180,10 +188,7 @@ class HSDPParamGroup:
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.pin_memory = self.offload and offload_policy.pin_memory and get_platform().pin_memory_available()
-        by_dtype: Dict[torch.dtype, List[HSDPParam]] = {}
-        for param in params:
-            by_dtype.setdefault(param.dtype, []).append(param)
-        self.buckets = [_Bucket(ps, dp.shard_size, mp_policy) for ps in by_dtype.values()]
+        self.buckets: List[_Bucket] = []
         self.user_reshard_after_forward = reshard_after_forward
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
         self.reshard_after_backward = True
@@ -200,13 +205,11 @@ class HSDPParamGroup:
         self._initialized = False
         self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
         self._grads_expected = 0
+        self._hooked: Set[HSDPParam] = set()  # params whose unsharded param has the grad hook
         self._grads_seen = 0
         self.on_all_grads: Optional[Callable[[], None]] = None
-        for bucket in self.buckets:
-            device = bucket.params[0]._initial_local.device
-            bucket.bind_shards(torch.device("cpu") if self.offload and device.type != "meta" else device,
-                               pin=False)
-        self._sharded_slots = [(m._parameters, n, p.sharded_param) for p in params for m, n in p.slots]
+        self._unsharded_slots: List[tuple] = []
+        self._bind_buckets([p._initial_local.device for p in params], pin=False)
 
     # -- set-up ---------------------------------------------------------------------------
     def add_slot(self, param: HSDPParam, module: torch.nn.Module, name: str) -> None:
@@ -217,26 +220,73 @@ class HSDPParamGroup:
         if self._initialized:
             self._unsharded_slots.append((module._parameters, name, param.unsharded_param))
 
-    def lazy_init(self) -> None:
-        """Bind shards to where the parameters now live (after ``to_empty``), allocate the
-        unsharded buffers and register the gradient hooks. Runs once."""
+    def _bind_buckets(self, devices: List[torch.device], pin: bool) -> None:
+        """Bucket the parameters by their current dtype, bind their shards into flat buffers on
+        ``devices`` (the first of each bucket's parameters decides; CPU when offloading) and,
+        once initialised, their unsharded parameters."""
+        by_dtype: Dict[torch.dtype, List[Tuple[HSDPParam, torch.device]]] = {}
+        for param, device in zip(self.params, devices):
+            by_dtype.setdefault(param.dtype, []).append((param, device))
+        self.buckets = []
+        for entries in by_dtype.values():
+            bucket = _Bucket([p for p, _ in entries], self.dp.shard_size, self.mp_policy)
+            device = entries[0][1]
+            bucket.bind_shards(torch.device("cpu") if self.offload and device.type != "meta" else device, pin)
+            self.buckets.append(bucket)
+        self._sharded_slots = [(m._parameters, n, p.sharded_param) for p in self.params for m, n in p.slots]
         if self._initialized:
-            return
+            self._bind_unsharded()
+
+    def _bind_unsharded(self) -> None:
         for bucket in self.buckets:
-            local = bucket.params[0].sharded_param._local_tensor
-            if any(p.sharded_param._local_tensor.is_meta for p in bucket.params):
-                raise RuntimeError(
-                    "fully_shard parameters are still on the meta device at the first forward: "
-                    "call module.to_empty(device=...) and initialise them first")
-            bucket.bind_shards(torch.device("cpu") if self.offload else local.device, self.pin_memory)
             bucket.bind_unsharded(self.device)
         self._unsharded_slots = [(m._parameters, n, p.unsharded_param)
                                  for p in self.params for m, n in p.slots]
+        self._hooked = set()
+        self._hook_grads()
+
+    def _hook_grads(self) -> None:
+        """Count the trainable unsharded parameters' gradients (hooks need requires_grad)."""
         for param in self.params:
-            if param.requires_grad:
+            if param.requires_grad and param not in self._hooked:
                 param.unsharded_param.register_post_accumulate_grad_hook(self._on_grad)
+                self._hooked.add(param)
         self._grads_expected = sum(p.requires_grad for p in self.params)
+
+    def _adopt_replacements(self) -> None:
+        """Rebind after parameters were replaced on the modules or converted (``setattr``,
+        ``load_state_dict(assign=True)``, ``module.to(dtype/device)``, ``to_empty``): buckets
+        follow the parameters' new dtypes and devices. Call while sharded."""
+        if any([p.adopt_replacement() for p in self.params]):
+            self._bind_buckets([p.sharded_param._local_tensor.device for p in self.params],
+                               self.pin_memory and self._initialized)
+
+    def _sync_requires_grad(self) -> None:
+        """Take ``requires_grad`` changes made on the sharded parameters since the last forward."""
+        changed = False
+        for param in self.params:
+            requires_grad = param.sharded_param.requires_grad
+            if param.requires_grad != requires_grad:
+                param.requires_grad = requires_grad
+                param.unsharded_param.requires_grad_(requires_grad)
+                changed = True
+        if changed:
+            for bucket in self.buckets:
+                bucket.update_trainable()
+            self._hook_grads()
+
+    def lazy_init(self) -> None:
+        """Bind shards to where the parameters now live (after ``to_empty``, ``to``, or a
+        replacement), allocate the unsharded buffers and register the gradient hooks. Runs once."""
+        if self._initialized:
+            return
+        self._adopt_replacements()
+        if any(p.sharded_param._local_tensor.is_meta for p in self.params):
+            raise RuntimeError(
+                "fully_shard parameters are still on the meta device at the first forward: "
+                "call module.to_empty(device=...) and initialise them first")
         self._initialized = True
+        self._bind_buckets([p.sharded_param._local_tensor.device for p in self.params], self.pin_memory)
 
     # -- unshard / reshard ----------------------------------------------------------------
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
@@ -251,8 +301,8 @@ class HSDPParamGroup:
             self._post_forward_pieces = None
             self.state = ShardState.UNSHARDING
         elif self.state == ShardState.SHARDED:
-            for bucket in self.buckets:
-                bucket.rebind_if_replaced()
+            self._adopt_replacements()
+            self._sync_requires_grad()
             self._gathers = [(b, *b.all_gather(self.dp.shard_group, self.device, async_op))
                              for b in self.buckets]
             self.state = ShardState.UNSHARDING
@@ -315,7 +365,8 @@ class HSDPParamGroup:
         """After an aborted step: wait for and drop this group's reductions in flight, partial
         (HSDP) sums and unreduced unsharded gradients; reshard."""
         for item in self._pending + self._all_reducing:
-            item.work.wait()
+            if item.work is not None:
+                item.work.wait()
         self._pending, self._all_reducing = [], []
         for bucket in self.buckets:
             bucket.partial_grad = None
@@ -332,6 +383,9 @@ class HSDPParamGroup:
                 continue
             if self._pre_factor != 1:
                 grad_input.div_(self._pre_factor)
+            if self.dp.shard_size == 1:  # nothing to scatter: the input is this rank's result
+                self._pending.append(_PendingReduce(bucket, None, grad_input, grad_input))
+                continue
             output = torch.empty(bucket.grad_total, dtype=bucket.reduce_dtype, device=grad_input.device)
             work = collectives.reduce_scatter(output, grad_input, self.dp.shard_group, async_op=True)
             self._pending.append(_PendingReduce(bucket, work, grad_input, output))
@@ -343,7 +397,8 @@ class HSDPParamGroup:
         kept as a partial sum for the next all-reduce instead.)"""
         pending, self._pending = self._pending, []
         for item in pending:
-            item.work.wait()
+            if item.work is not None:
+                item.work.wait()
             bucket, reduced = item.bucket, item.output
             if not self.dp.is_hsdp:
                 self._set_grads(bucket, reduced)

@@ -1,0 +1,199 @@
+"""FSDP2 drop-in behaviours (CPU ports of torch's FSDP2 unit tests' checks), in float64."""
+
+from __future__ import annotations
+
+import copy
+from unittest import mock
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import Shard
+
+import hyper_parallel as hp
+from hyper_parallel.core.fully_shard import collectives
+from tests.fully_shard._helpers import DTYPE, TOL, full_params, global_batch, max_diff, parity, train
+from tests.multirank import run_on_ranks
+
+DIM, HIDDEN = 6, 5  # HIDDEN is odd: uneven shards on either dim over 2 ranks
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.in_proj = nn.Linear(DIM, HIDDEN)
+        self.out_proj = nn.Linear(HIDDEN, DIM)
+
+    def forward(self, x):
+        return self.out_proj(torch.relu(self.in_proj(x)))
+
+
+def _mlp() -> nn.Module:
+    return _MLP().to(DTYPE)
+
+
+def _mse(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    x = tokens.to(DTYPE) / 32
+    return ((model(x[:, :DIM]) - x[:, -DIM:]) ** 2).mean()
+
+
+def _wrap_mlp(model: nn.Module, **kw) -> nn.Module:
+    hp.fully_shard(model.in_proj, **kw)
+    hp.fully_shard(model.out_proj, **kw)
+    return hp.fully_shard(model, **kw)
+
+
+# -- shard_placement_fn: local shards and their grads are contiguous on any dim -----------------
+def _contiguous_shards_on_dim_gt0():
+    results = {}
+    for name, fn in [("shard1", lambda p: Shard(1) if p.ndim > 1 else Shard(0)),
+                     ("shard_minus1", lambda p: Shard(-1))]:
+        def wrap(model, fn=fn):
+            model = _wrap_mlp(model, shard_placement_fn=fn)
+            for pname, param in model.named_parameters():
+                assert param.is_contiguous() and param.to_local().is_contiguous(), pname
+            return model
+
+        collectives.reset_collective_counts()
+        results[name] = parity(wrap, dist.get_rank(), 2, model_fn=_mlp, loss_fn=_mse)
+        # 2 steps of 2 non-empty groups (the root holds none): per step each all-gathers in
+        # forward and again in backward, and reduce-scatters once.
+        counts = collectives.collective_counts()
+        assert counts == {"all_gather": 8, "reduce_scatter": 4}, counts
+
+    torch.manual_seed(0)
+    model = _wrap_mlp(_mlp(), shard_placement_fn=lambda p: Shard(p.ndim - 1))
+    _mse(model, global_batch(0)).backward()
+    for pname, param in model.named_parameters():
+        assert param.to_local().is_contiguous(), pname
+        assert param.grad.is_contiguous() and param.grad.to_local().is_contiguous(), pname
+    return results
+
+
+def test_shard_placement_fn_contiguous_params_grads():
+    for result in run_on_ranks(2, _contiguous_shards_on_dim_gt0, timeout=180):
+        assert all(v <= TOL for v in result.values()), result
+
+
+# -- instrumentation that patches torch.distributed sees fully_shard's collectives --------------
+def _patched_collectives_are_seen():
+    seen = {"all_gather": 0, "reduce_scatter": 0}
+    real_all_gather, real_reduce_scatter = dist.all_gather_single, dist.reduce_scatter_single
+
+    def all_gather(*args, **kwargs):
+        seen["all_gather"] += 1
+        return real_all_gather(*args, **kwargs)
+
+    def reduce_scatter(*args, **kwargs):
+        seen["reduce_scatter"] += 1
+        return real_reduce_scatter(*args, **kwargs)
+
+    torch.manual_seed(0)
+    model = _wrap_mlp(_mlp())
+    # What torch.testing._internal.common_fsdp's patch_all_gather / patch_reduce_scatter do.
+    with mock.patch.object(dist, "all_gather_single", all_gather), \
+            mock.patch.object(dist, "reduce_scatter_single", reduce_scatter):
+        _mse(model, global_batch(0)).backward()
+    return seen
+
+
+def test_patched_torch_collectives_see_our_calls():
+    for seen in run_on_ranks(2, _patched_collectives_are_seen, timeout=120):
+        assert seen == {"all_gather": 4, "reduce_scatter": 2}, seen
+
+
+# -- world size 1: no collectives -------------------------------------------------------------
+def _world_size_one():
+    assert dist.get_world_size() == 1
+    collectives.reset_collective_counts()
+    diffs = {"fsdp": parity(_wrap_mlp, 0, 1, model_fn=_mlp, loss_fn=_mse),
+             "dim1": parity(lambda m: _wrap_mlp(m, shard_placement_fn=lambda p: Shard(p.ndim - 1)),
+                            0, 1, model_fn=_mlp, loss_fn=_mse, micro_batches=2)}
+    return diffs, collectives.collective_counts()
+
+
+def test_train_parity_single_worldsize1():
+    [(diffs, counts)] = run_on_ranks(1, _world_size_one, timeout=120)
+    assert all(v <= TOL for v in diffs.values()), diffs
+    assert counts == {}, counts
+
+
+def _train_both(reference: nn.Module, model: nn.Module, steps: int, before_step=None, opt_fn=None) -> float:
+    """AdamW steps of the reference on the global batch and of the wrapped model on this rank's
+    half; ``before_step(model, step)`` runs on both first. Max abs diff of the full parameters."""
+    opt_fn = opt_fn or (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    optimizers = [opt_fn(reference), opt_fn(model)]
+    for step in range(steps):
+        batch = global_batch(step)
+        for m, opt, data in ((reference, optimizers[0], batch), (model, optimizers[1], batch.chunk(world)[rank])):
+            if before_step is not None:
+                before_step(m, step)
+            _mse(m, data).backward()
+            if opt is not None:
+                opt.step()
+                opt.zero_grad()
+    return max_diff(full_params(model), full_params(reference))
+
+
+# -- module.to(dtype) after fully_shard -------------------------------------------------------
+def _to_float64_after_init():
+    torch.manual_seed(0)
+    reference = _MLP().to(DTYPE)  # float32 values: exact in either dtype
+    model = _wrap_mlp(copy.deepcopy(reference).float())
+    model.to(DTYPE)
+    with torch.no_grad():
+        model(torch.zeros(1, DIM, dtype=DTYPE))  # lazy init in float64 ...
+    model.float().to(DTYPE)  # ... and convert again after it
+    for name, param in model.named_parameters():
+        assert param.dtype == param.to_local().dtype == param._spec.tensor_meta.dtype == DTYPE, name
+    diff = _train_both(reference, model, steps=3)
+    for name, param in model.named_parameters():
+        assert param.to_local().dtype == DTYPE and param.grad is None, name
+    _mse(model, global_batch(0)).backward()
+    for name, param in model.named_parameters():
+        assert param.grad.to_local().dtype == param.grad._spec.tensor_meta.dtype == DTYPE, name
+    return diff
+
+
+def test_to_float64_after_init():
+    for diff in run_on_ranks(2, _to_float64_after_init, timeout=120):
+        assert diff <= TOL, diff
+
+
+# -- requires_grad_ changed after wrapping ----------------------------------------------------
+def _linears() -> nn.Module:
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(4):
+        layers += [nn.Linear(DIM, DIM), nn.ReLU()]
+    return nn.Sequential(*layers).to(DTYPE)
+
+
+def _set_frozen(model: nn.Module, step: int) -> None:
+    """model[0] and model[4] (linears) frozen in steps 0-1 (after wrapping), trainable again from step 2."""
+    for i in (0, 4):
+        model[i].requires_grad_(step >= 2)
+
+
+def _mixed_requires_grad_across_groups():
+    reference = _linears()
+    model = copy.deepcopy(reference)
+    for module in model:
+        if isinstance(module, nn.Linear):
+            hp.fully_shard(module, reshard_after_forward=False)
+    hp.fully_shard(model)
+    # AdamW moves a parameter with a gradient even if it is zero and skips one without: a
+    # frozen parameter that got a gradient, or an unfrozen one that did not, breaks parity.
+    diff = _train_both(reference, model, steps=3, before_step=_set_frozen)
+    _set_frozen(model, 0)
+    _mse(model, global_batch(0)).backward()
+    has_grad = {name: p.grad is not None for name, p in model.named_parameters()}
+    return diff, has_grad
+
+
+def test_train_mixed_requires_grad_across_groups():
+    frozen = {"0.weight", "0.bias", "4.weight", "4.bias"}
+    for diff, has_grad in run_on_ranks(2, _mixed_requires_grad_across_groups, timeout=120):
+        assert diff <= TOL, diff
+        assert has_grad == {n: n not in frozen for n in has_grad}, has_grad
