@@ -356,6 +356,44 @@ def test_to_dtype_while_unsharded():
     _assert_within(run_on_ranks(2, _to_dtype_while_unsharded, timeout=180))
 
 
+# -- MixedPrecisionPolicy(param_dtype_override_fn=...) -----------------------------------
+class _ScaledProj(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(6, 6)
+        self.scale = nn.Parameter(torch.randn(6))
+
+    def forward(self, x):
+        return self.proj(x) * self.scale  # elementwise: float32 activations * float64 scale
+
+
+def _param_dtype_override():
+    torch.manual_seed(0)
+    reference = _ScaledProj().double()
+    model = copy.deepcopy(reference)
+    keep = {id(model.scale)}
+    hp.fully_shard(model, mp_policy=hp.MixedPrecisionPolicy(
+        param_dtype=torch.float32, param_dtype_override_fn=lambda p: torch.float64 if id(p) in keep else None))
+    seen = {}
+    model.proj.register_forward_pre_hook(
+        lambda m, _: seen.update(weight=m.weight.dtype, scale=model.scale.dtype))
+    x = _local(torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1)))
+    out = model(x)
+    # The same casts by hand, on the same rows: the same kernels, so the same bits.
+    proj = reference.proj
+    expected = F.linear(x.float(), proj.weight.float(), proj.bias.float()) * reference.scale
+    out.sum().backward()
+    grad_dtypes = {n: p.grad.dtype for n, p in model.named_parameters()}
+    return seen, (out - expected).abs().max().item(), grad_dtypes, out.dtype
+
+
+def test_param_dtype_override_fn():
+    for seen, diff, grad_dtypes, out_dtype in run_on_ranks(2, _param_dtype_override, timeout=120):
+        assert seen == {"weight": torch.float32, "scale": torch.float64}, seen
+        assert diff == 0 and out_dtype == torch.float64, (diff, out_dtype)
+        assert set(grad_dtypes.values()) == {torch.float64}, grad_dtypes  # master weights' dtype
+
+
 # -- errors and docs (no process group needed) --------------------------------------------
 @pytest.mark.parametrize("bad, got", [
     (torch.randn(3), "got Tensor"),
