@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import functools
 from unittest import mock
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
@@ -197,3 +198,101 @@ def test_train_mixed_requires_grad_across_groups():
     for diff, has_grad in run_on_ranks(2, _mixed_requires_grad_across_groups, timeout=120):
         assert diff <= TOL, diff
         assert has_grad == {n: n not in frozen for n in has_grad}, has_grad
+
+
+# -- post-accumulate-grad hooks on sharded parameters -----------------------------------------
+def _post_accumulate_grad_hooks():
+    torch.manual_seed(0)
+    reference = _mlp()
+    model = _wrap_mlp(copy.deepcopy(reference))
+    calls = []
+
+    def hook(name, param):
+        calls.append((name, isinstance(param.grad, DTensor) and param.grad.shape == param.shape))
+
+    for name, param in model.named_parameters():
+        param.register_post_accumulate_grad_hook(functools.partial(hook, name))
+    _mse(model, global_batch(0)).backward()
+    names = [name for name, _ in model.named_parameters()]
+
+    # Optimizer in backward: one AdamW per parameter, stepped by its hook.
+    model = _wrap_mlp(copy.deepcopy(reference))
+    optimizers = {p: torch.optim.AdamW([p], lr=1e-2, weight_decay=0.1) for p in model.parameters()}
+
+    def step_in_backward(param):
+        optimizers[param].step()
+        optimizers[param].zero_grad()
+
+    for param in model.parameters():
+        param.register_post_accumulate_grad_hook(step_in_backward)
+    diff = _train_both(reference, model, steps=3,
+                       opt_fn=lambda m: None if m is model else torch.optim.AdamW(
+                           m.parameters(), lr=1e-2, weight_decay=0.1))
+    return sorted(calls), sorted((n, True) for n in names), diff
+
+
+def test_post_acc_grad_hook_runs_and_optim_in_backward_parity():
+    for calls, expected, diff in run_on_ranks(2, _post_accumulate_grad_hooks, timeout=120):
+        assert calls == expected, calls  # once per parameter, with the reduced sharded grad
+        assert diff <= TOL, diff
+
+
+# -- parameters replaced after wrapping, before the first forward -----------------------------
+class _WeightNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layer1 = nn.Linear(DIM, DIM, bias=False)
+        self.layer2 = nn.Linear(DIM, DIM, bias=False)
+        self.weight_norm = nn.Parameter(torch.empty(DIM))
+
+    def init_weight_norm(self):
+        with torch.no_grad():
+            norm = torch.linalg.norm(self.layer1.weight, dim=1) + torch.linalg.norm(self.layer2.weight, dim=1)
+        self.weight_norm = nn.Parameter(norm)
+
+    def forward(self, x):
+        return self.layer2(self.layer1(x)) * self.weight_norm
+
+
+def _reset_sharded_param_in_lazy_init():
+    torch.manual_seed(0)
+    reference = _WeightNorm().to(DTYPE)
+    reference.init_weight_norm()
+    with torch.device("meta"):
+        model = _WeightNorm().to(DTYPE)
+    hp.fully_shard(model.layer1)
+    hp.fully_shard(model.layer2)
+    hp.fully_shard(model)
+    for name in ("layer1", "layer2"):
+        getattr(model, name).to_empty(device="cpu")
+        getattr(model, name).load_state_dict(getattr(reference, name).state_dict())
+    model.init_weight_norm()  # a new DTensor parameter replaces the (meta) sharded one
+    results = {"weight_norm": _train_both(reference, model, steps=3)}
+
+    # load_state_dict(assign=True) (full tensors) into a meta-built wrapped model, and a
+    # DTensor parameter assigned to a wrapped module's attribute.
+    torch.manual_seed(0)
+    reference = _mlp()
+    with torch.device("meta"):
+        model = _wrap_mlp(_mlp())
+    model.load_state_dict(reference.state_dict(), assign=True)
+    bias = torch.linspace(-1, 1, HIDDEN, dtype=DTYPE)
+    reference.in_proj.bias = nn.Parameter(bias)
+    old = model.in_proj.bias
+    model.in_proj.bias = nn.Parameter(distribute_tensor(bias, old.device_mesh, old.placements))
+    results["assign"] = _train_both(reference, model, steps=3)
+    assert all(isinstance(p, DTensor) and not p.is_meta for p in model.parameters())
+
+    # A plain tensor cannot become the sharded parameter without orphaning its optimizer.
+    model.in_proj.bias = nn.Parameter(bias.clone())
+    try:
+        model(torch.zeros(1, DIM, dtype=DTYPE))
+    except ValueError as err:
+        results["plain_error"] = 0.0 if "replaced by a plain tensor" in str(err) else 1.0
+    return results
+
+
+def test_reset_sharded_param_in_lazy_init():
+    for result in run_on_ranks(2, _reset_sharded_param_in_lazy_init, timeout=120):
+        assert set(result) == {"weight_norm", "assign", "plain_error"}, result
+        assert all(v <= TOL for v in result.values()), result

@@ -133,15 +133,15 @@ class HSDPParam:
 
     def adopt_replacement(self) -> bool:
         """Pick up what replaced the sharded parameter since the last bind: a new parameter on
-        the module (``setattr``, ``load_state_dict(assign=True)``: DTensor of the same layout, or
-        a full plain tensor, sharded here) or a new local tensor (``module.to(dtype/device)``,
-        ``to_empty``). Call while the sharded parameters are registered.
+        the module (``setattr``, ``load_state_dict(assign=True)``: a DTensor of the same layout)
+        or a new local tensor (``module.to(dtype/device)``, ``to_empty``). Call while the
+        sharded parameters are registered.
 
         Returns:
             True when the local shard no longer views the group's buffer (rebind needed).
 
         Raises:
-            ValueError: the replacement's shape or layout differs from the parameter's.
+            ValueError: the replacement is not a DTensor, or its shape or layout differs.
         """
         for module, name in self.slots:
             new = module._parameters.get(name)
@@ -161,10 +161,12 @@ class HSDPParam:
             raise ValueError(f"parameter {name!r} was replaced by a tensor of shape "
                              f"{tuple(new.shape)}; fully_shard manages it with shape {self.global_shape}")
         if not isinstance(new, DTensor):
-            local = self._local_slice(new.detach())
-            spec = _sharded_spec(self.spec.mesh, self.spec.placements, self.global_shape, local.dtype)
-            return nn.Parameter(DTensor(local, spec, requires_grad=False),
-                                requires_grad=new.requires_grad)
+            # Sharding it here would make a new object, silently orphaning an optimizer that
+            # already holds this one.
+            raise ValueError(f"parameter {name!r} was replaced by a plain tensor after fully_shard: "
+                             f"assign a DTensor on {self.spec.mesh} with placements "
+                             f"{self.spec.placements} (e.g. distribute_tensor(full, param.device_mesh, "
+                             "param.placements)), or load full tensors with load_state_dict")
         if new.device_mesh != self.spec.mesh or tuple(new.placements) != self.spec.placements:
             raise ValueError(f"parameter {name!r} was replaced by a DTensor on {new.device_mesh} "
                              f"with placements {tuple(new.placements)}; fully_shard manages it on "
@@ -214,7 +216,10 @@ class HSDPParam:
             module._parameters[name] = self.sharded_param
 
     def shard_full(self, full: torch.Tensor) -> DTensor:
-        """This rank's shard of a full (global) tensor as a DTensor like ``sharded_param``.
+        """This rank's shard of a full (global) tensor as a DTensor like ``sharded_param``: a
+        copy (never a view of ``full``, which ``load_state_dict(assign=True)`` would alias), on
+        the sharded parameter's device, or on ``full``'s while that is meta (assigning into a
+        meta-built model).
 
         Raises:
             ValueError: ``full`` does not have the parameter's global shape.
@@ -222,15 +227,11 @@ class HSDPParam:
         if tuple(full.shape) != self.global_shape:
             raise ValueError(f"full tensor of shape {tuple(full.shape)} does not match the "
                              f"parameter's shape {self.global_shape}")
-        local = self._local_slice(full).to(dtype=self.dtype)
-        return DTensor(local, self.spec, requires_grad=False)
-
-    def _local_slice(self, full: torch.Tensor) -> torch.Tensor:
-        """This rank's slice of a full tensor, on the sharded parameter's device (the full
-        tensor's while that is meta: ``load_state_dict(assign=True)`` into a meta model)."""
         local = full
         if self.tp_mesh is not None:
             local = distribute_tensor(full, self.tp_mesh, self.tp_placements, src_data_rank=None).to_local()
         local = local.narrow(self.shard_dim, self.shard_offset, self.valid)
         device = self.sharded_param._local_tensor.device
-        return local.to(device=full.device if device.type == "meta" else device)
+        local = local.to(device=full.device if device.type == "meta" else device, dtype=self.dtype,
+                         copy=True, memory_format=torch.contiguous_format)
+        return DTensor(local, self.spec, requires_grad=False)
