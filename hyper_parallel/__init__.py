@@ -21,9 +21,12 @@ _LAZY = {
     "MixedPrecisionPolicy": "hyper_parallel.core.fully_shard",
     "OffloadPolicy": "hyper_parallel.core.fully_shard",
     "CPUOffloadPolicy": "hyper_parallel.core.fully_shard",
+    "register_fsdp_forward_method": "hyper_parallel.core.fully_shard",
     "clip_grad_norm_": "hyper_parallel.core.grad_norm",
     "checkpoint": "hyper_parallel.checkpoint",
+    "models": "hyper_parallel.models",
 }
+_SUBMODULES = {"checkpoint", "models"}  # attributes that are the module itself
 
 __all__ = [
     "DeviceMesh", "DTensor", "Partial", "Replicate", "Shard", "init_device_mesh",
@@ -36,6 +39,6 @@ def __getattr__(name: str) -> Any:
     if module is None:
         raise AttributeError(f"module 'hyper_parallel' has no attribute {name!r}")
     mod = import_module(module)
-    value = mod if name == "checkpoint" else getattr(mod, name)
+    value = mod if name in _SUBMODULES else getattr(mod, name)
     globals()[name] = value
     return value

@@ -1,7 +1,8 @@
 """fully_shard: FSDP / HSDP runtime on torch DTensors."""
 
-from hyper_parallel.core.fully_shard.api import FSDPModule, HSDPModule, fully_shard
+from hyper_parallel.core.fully_shard.api import fully_shard
+from hyper_parallel.core.fully_shard.module_api import FSDPModule, HSDPModule, register_fsdp_forward_method
 from hyper_parallel.core.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 __all__ = ["fully_shard", "FSDPModule", "HSDPModule", "MixedPrecisionPolicy", "OffloadPolicy",
-           "CPUOffloadPolicy"]
+           "CPUOffloadPolicy", "register_fsdp_forward_method"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import weakref
-from typing import Callable, Dict, Iterable, List, Optional, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -13,7 +13,8 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh, resolve_mesh
 from hyper_parallel.core.fully_shard.param import HSDPParam
-from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup, UnshardHandle
+from hyper_parallel.core.fully_shard.module_api import FSDPModule
+from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.core.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.core.fully_shard.state import HSDPState
 
@@ -31,72 +32,9 @@ def _owner(param: nn.Parameter) -> Optional[Tuple[HSDPParam, HSDPParamGroup]]:
         if hsdp_param.sharded_param is param or hsdp_param.original() is param:
             return hsdp_param, group
     return None
+
+
 _CLASS_CACHE: Dict[type, type] = {}
-
-
-class FSDPModule:
-    """Mixin added to the class of every module passed to :func:`fully_shard`."""
-
-    @property
-    def _state(self) -> HSDPState:
-        return self.__dict__["_hsdp_state"]
-
-    def _states(self, recurse: bool) -> List[HSDPState]:
-        if not recurse:
-            return [self._state]
-        return [m._hsdp_state for m in self.modules() if "_hsdp_state" in m.__dict__]
-
-    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
-        """All-gather this module's parameters; with ``async_op`` return a handle whose
-        ``wait()`` completes it (the next forward waits anyway)."""
-        state = self._state
-        if state.ctx is None:
-            state.lazy_init()
-        return state.group.unshard(async_op=async_op)
-
-    def reshard(self) -> None:
-        """Free the unsharded parameters; the module holds its sharded DTensors again."""
-        self._state.group.reshard()
-
-    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True) -> None:
-        """False: backward accumulates unsharded gradients locally without any reduction
-        (gradient accumulation); the next backward with True reduces the sum."""
-        for state in self._states(recurse):
-            state.group.requires_gradient_sync = requires_gradient_sync
-
-    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True) -> None:
-        """HSDP: False reduce-scatters but keeps the result as a partial sum instead of
-        all-reducing over the replicate dim; the next all-reduce includes it."""
-        for state in self._states(recurse):
-            state.group.requires_all_reduce = requires_all_reduce
-
-    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True) -> None:
-        """False keeps the parameters unsharded after backward (saves the next forward's
-        all-gather, e.g. between gradient-accumulation micro-batches)."""
-        for state in self._states(recurse):
-            state.group.reshard_after_backward = reshard_after_backward
-
-    def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
-        """Start these modules' all-gathers when this module's forward starts (replaces the
-        implicit next-module prefetch)."""
-        self._state.forward_prefetch = _states_of(modules)
-
-    def set_modules_to_backward_prefetch(self, modules: List["FSDPModule"]) -> None:
-        """Start these modules' all-gathers when this module's backward starts (replaces the
-        implicit previous-module prefetch)."""
-        self._state.backward_prefetch = _states_of(modules)
-
-
-HSDPModule = FSDPModule
-
-
-def _states_of(modules: Iterable[nn.Module]) -> List[HSDPState]:
-    states = []
-    for module in modules:
-        if not isinstance(module, FSDPModule):
-            raise ValueError(f"prefetch targets must be fully_shard modules, got {type(module).__name__}")
-        states.append(module._state)
-    return states
 
 
 def _shard_dim(param: nn.Parameter, shard_placement_fn) -> int:
@@ -118,12 +56,38 @@ def _check_device(name: str, param: nn.Parameter, dp: DataParallelMesh, offload:
                          f"{dp.mesh.device_type!r}: move the module to that device (or meta) first")
 
 
-def _collect(module: nn.Module, ignored: set) -> Tuple[Dict[int, Tuple[nn.Parameter, str, list]], list]:
+def _root_modules(module: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Module]:
+    """The modules of one ``fully_shard`` call: ``module`` itself, or the listed modules that
+    are not inside another listed module."""
+    if isinstance(module, nn.Module):
+        modules = [module]
+    elif isinstance(module, (list, tuple)) and module and all(isinstance(m, nn.Module) for m in module):
+        modules = list(dict.fromkeys(module))
+        inner = {id(sub) for m in modules for sub in m.modules() if sub is not m}
+        modules = [m for m in modules if id(m) not in inner]
+    else:
+        got = type(module).__name__
+        if isinstance(module, (list, tuple)):
+            bad = [type(m).__name__ for m in module if not isinstance(m, nn.Module)]
+            got = f"an empty {got}" if not module else f"a {got} holding {', '.join(dict.fromkeys(bad))}"
+        raise TypeError(f"fully_shard(module=...) takes an nn.Module or a non-empty list of nn.Modules, "
+                        f"got {got}")
+    for mod in modules:
+        if isinstance(mod, FSDPModule):
+            raise ValueError(f"fully_shard was already applied to this {type(mod).__name__}")
+        if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and type(mod).forward is nn.Module.forward:
+            raise ValueError(f"fully_shard cannot wrap a {type(mod).__name__}: it has no forward to "
+                             "hook; wrap its items, or the module that runs them")
+    return modules
+
+
+def _collect(modules: List[nn.Module], ignored: set) -> Tuple[Dict[int, Tuple[nn.Parameter, str, list]], list]:
     """This call's parameters (id -> (param, qualified name, slots)) and slots of parameters
     already owned by another group (tied across groups), skipping wrapped submodules."""
     own: Dict[int, Tuple[nn.Parameter, str, list]] = {}
     foreign: List[Tuple[nn.Module, str, nn.Parameter]] = []
-    stack: List[Tuple[str, nn.Module]] = [("", module)]
+    prefixes = [f"[{i}]." for i in range(len(modules))] if len(modules) > 1 else [""]
+    stack: List[Tuple[str, nn.Module]] = list(zip(prefixes, modules))[::-1]
     while stack:
         prefix, mod = stack.pop()
         for name, param in mod._parameters.items():
@@ -170,7 +134,7 @@ def _register_full_state_dict_loading(slots: List[Tuple[nn.Module, str, HSDPPara
 
 
 def fully_shard(
-    module: nn.Module,
+    module: Union[nn.Module, List[nn.Module]],
     *,
     mesh: Optional[DeviceMesh] = None,
     reshard_after_forward: Optional[Union[bool, int]] = None,
@@ -178,12 +142,14 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
-) -> nn.Module:
+) -> Union[nn.Module, List[nn.Module]]:
     """Shard ``module``'s parameters (those not already managed by a wrapped submodule) as one
     parameter group over ``mesh``.
 
     Args:
-        module: the module; its class becomes a subclass of :class:`FSDPModule`.
+        module: the module, or a list of modules sharing one group (e.g. ``[model.norm,
+            model.output]``: one all-gather when the first of them runs forward, reshard after
+            the last); each one's class becomes a subclass of :class:`FSDPModule`.
         mesh: 1-D (FSDP) or 2-D (HSDP: replicate, shard) data-parallel mesh; None = world.
         reshard_after_forward: free the unsharded parameters after forward (all-gather again
             in backward); None = True except for the root module. An int ``k`` dividing the
@@ -198,14 +164,14 @@ def fully_shard(
         ``module`` (same object).
 
     Raises:
+        TypeError: ``module`` is not an ``nn.Module`` or a non-empty list of them.
         RuntimeError: no process group is initialised.
-        ValueError: the module is already wrapped, the mesh is not 1-D/2-D or on another device
+        ValueError: the module is already wrapped or is a ModuleList/ModuleDict without forward, the mesh is not 1-D/2-D or on another device
             type, a parameter is on the wrong device, ``shard_placement_fn`` returned a
             non-``Shard`` placement, or ``reshard_after_forward`` is not a bool, None or a
             divisor of the shard world size.
     """
-    if isinstance(module, FSDPModule):
-        raise ValueError(f"fully_shard was already applied to this {type(module).__name__}")
+    modules = _root_modules(module)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise ValueError("reshard_after_forward must be a bool, an int or None, "
                          f"got {reshard_after_forward!r}")
@@ -213,7 +179,7 @@ def fully_shard(
     reshard_after_forward, post_forward_group = _post_forward_resharding(reshard_after_forward, dp)
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     ignored = {id(p) for p in (ignored_params or ())}
-    own, foreign = _collect(module, ignored)
+    own, foreign = _collect(modules, ignored)
     params = []
     for param, name, slots in own.values():
         _check_device(name, param, dp, offload)
@@ -231,9 +197,11 @@ def fully_shard(
         if owner_group is not group and owner_group not in borrowed:
             borrowed.append(owner_group)
     _register_full_state_dict_loading(load_slots)
-    module._hsdp_state = HSDPState(module, group, mp_policy, borrowed)
-    cls = type(module)
-    if cls not in _CLASS_CACHE:
-        _CLASS_CACHE[cls] = type(f"HSDP{cls.__name__}", (FSDPModule, cls), {})
-    module.__class__ = _CLASS_CACHE[cls]
+    state = HSDPState(modules, group, mp_policy, borrowed)
+    for mod in modules:
+        mod.__dict__["_hsdp_state"] = state  # on mod itself, even if it forwards setattr (torch.compile)
+        cls = type(mod)
+        if cls not in _CLASS_CACHE:
+            _CLASS_CACHE[cls] = type(f"HSDP{cls.__name__}", (FSDPModule, cls), {})
+        mod.__class__ = _CLASS_CACHE[cls]
     return module

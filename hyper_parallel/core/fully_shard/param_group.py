@@ -46,11 +46,12 @@ def _divide_factors(world: int) -> Tuple[float, float]:
 class _Bucket:
     """The group's parameters of one dtype."""
 
-    def __init__(self, params: List[HSDPParam], world: int, mp: MixedPrecisionPolicy):
+    def __init__(self, params: List[HSDPParam], world: int, mp: MixedPrecisionPolicy,
+                 compute_dtype: Optional[torch.dtype]):
         self.params = params
         self.world = world
         self.dtype = params[0].dtype
-        self.compute_dtype = mp.param_dtype or self.dtype
+        self.compute_dtype = compute_dtype or self.dtype
         self.reduce_dtype = mp.reduce_dtype or self.compute_dtype
         self.sizes = [p.shard_numel for p in params]
         self.total = sum(self.sizes)
@@ -224,6 +225,8 @@ class HSDPParamGroup:
         self._grads_seen = 0
         self.on_all_grads: Optional[Callable[[], None]] = None
         self._unsharded_slots: List[tuple] = []
+        override = mp_policy.param_dtype_override_fn  # sees the parameters before sharding
+        self._compute_dtypes = [(override and override(p.original())) or mp_policy.param_dtype for p in params]
         self._bind_buckets([p._initial_local.device for p in params], pin=False)
 
     # -- set-up ---------------------------------------------------------------------------
@@ -239,12 +242,12 @@ class HSDPParamGroup:
         """Bucket the parameters by their current dtype, bind their shards into flat buffers on
         ``devices`` (the first of each bucket's parameters decides; CPU when offloading) and,
         once initialised, their unsharded parameters."""
-        by_dtype: Dict[torch.dtype, List[Tuple[HSDPParam, torch.device]]] = {}
-        for param, device in zip(self.params, devices):
-            by_dtype.setdefault(param.dtype, []).append((param, device))
+        by_dtype: Dict[Tuple[torch.dtype, Optional[torch.dtype]], List[Tuple[HSDPParam, torch.device]]] = {}
+        for param, compute_dtype, device in zip(self.params, self._compute_dtypes, devices):
+            by_dtype.setdefault((param.dtype, compute_dtype), []).append((param, device))
         self.buckets = []
-        for entries in by_dtype.values():
-            bucket = _Bucket([p for p, _ in entries], self.dp.shard_size, self.mp_policy)
+        for (_, compute_dtype), entries in by_dtype.items():
+            bucket = _Bucket([p for p, _ in entries], self.dp.shard_size, self.mp_policy, compute_dtype)
             device = entries[0][1]
             bucket.bind_shards(torch.device("cpu") if self.offload and device.type != "meta" else device, pin)
             self.buckets.append(bucket)
@@ -383,6 +386,24 @@ class HSDPParamGroup:
 
     def reset_grad_count(self) -> None:
         self._grads_seen = 0
+
+    def set_gradient_divide_factor(self, factor: float) -> None:
+        """Divide reduced gradients by ``factor`` (default: the data-parallel world size)."""
+        self._pre_factor, self._post_factor = _divide_factors(factor)
+
+    def reset_iter_state(self) -> None:
+        """After an aborted step: wait for and drop this group's reductions in flight, partial
+        (HSDP) sums and unreduced unsharded gradients; reshard."""
+        for item in self._pending + self._all_reducing:
+            if item.work is not None:
+                item.work.wait()
+        self._pending, self._all_reducing = [], []
+        for bucket in self.buckets:
+            bucket.partial_grad = None
+        for param in self.params:
+            if param.unsharded_param is not None:
+                param.unsharded_param.grad = None
+        self.reshard()
 
     def reduce_grads(self) -> None:
         """Issue the reduce-scatter of every bucket's unsharded gradients (async)."""

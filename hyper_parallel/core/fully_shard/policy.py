@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
+from torch import nn
 
 
 @dataclass(frozen=True)
@@ -20,12 +21,19 @@ class MixedPrecisionPolicy:
             the compute dtype.
         output_dtype: floating outputs of the wrapped module's forward are cast to it.
         cast_forward_inputs: cast floating-point forward inputs to ``param_dtype``.
+        param_dtype_override_fn: ``param -> dtype | None`` (torch 2.15's name): a compute dtype
+            for this parameter instead of ``param_dtype`` (None: ``param_dtype``), e.g. to keep
+            a few parameters in float32 under bf16. Called once per parameter at
+            ``fully_shard`` time with the parameter as it was before sharding; must give the
+            same answer on every rank. Parameters are all-gathered per (dtype, compute dtype)
+            bucket, so each distinct override adds one all-gather to the group.
     """
 
     param_dtype: Optional[torch.dtype] = None
     reduce_dtype: Optional[torch.dtype] = None
     output_dtype: Optional[torch.dtype] = None
     cast_forward_inputs: bool = True
+    param_dtype_override_fn: Optional[Callable[[nn.Parameter], Optional[torch.dtype]]] = None
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
 from torch import nn
@@ -36,10 +36,13 @@ class _RootContext:
         self.reducing: List[HSDPParamGroup] = []  # reduce-scatters in flight
         self.all_reducing: List[HSDPParamGroup] = []  # HSDP all-reduces in flight
         self.callback_queued = False
+        # False: the end of backward leaves the last reductions in flight (set_is_last_backward).
+        self.is_last_backward = True
         self._final_callback_hook = _eager(self._final_callback)
 
     def begin_step(self) -> None:
-        self.finish_reductions()
+        # Reductions a non-last backward left in flight overlap this forward; the next
+        # backward's pipeline (or its end) finishes them.
         if self.forward_order:
             order = self.forward_order
             self.next_in_forward = dict(zip(order, order[1:]))
@@ -75,7 +78,8 @@ class _RootContext:
         for state in self.states:
             if state.backward_started and not state.post_backward_done:
                 state.post_backward()
-        self.finish_reductions()
+        if self.is_last_backward:
+            self.finish_reductions()
         for state in self.states:
             if state.group.reshard_after_backward:
                 state.group.reshard()
@@ -86,21 +90,32 @@ class _RootContext:
         for state in self.states:
             state.group.reshard()
 
+    def reset_iter_state(self) -> None:
+        """Discard a step aborted by an exception: wait for its collectives, drop its
+        unreduced gradients, reshard, and forget its forward order and flags."""
+        for state in self.states:
+            state.group.reset_iter_state()
+            state.reset_backward()
+        self.reducing, self.all_reducing = [], []
+        self.forward_order = []
+        self.callback_queued = False
+
 
 class HSDPState:
     """Hooks and step flags of one fully_shard module.
 
     Args:
-        module: the wrapped module.
+        modules: the wrapped module, or the modules of one ``fully_shard([a, b])`` call:
+            the first of them to run in a forward unshards the group, the last reshards it.
         group: its parameter group.
         mp_policy: casts of forward inputs/outputs.
         borrowed: groups owning parameters this module shares (tied across groups); they are
             unsharded around this module's forward and backward too.
     """
 
-    def __init__(self, module: nn.Module, group: HSDPParamGroup, mp_policy: MixedPrecisionPolicy,
+    def __init__(self, modules: Sequence[nn.Module], group: HSDPParamGroup, mp_policy: MixedPrecisionPolicy,
                  borrowed: List[HSDPParamGroup]):
-        self.module = module
+        self.modules = tuple(modules)
         self.group = group
         self.mp_policy = mp_policy
         self.borrowed = borrowed
@@ -114,22 +129,34 @@ class HSDPState:
         # Forward calls whose inputs' gradients are still to come in this backward.
         self.input_grads_pending = 0
         self.input_grads_hooked = False
-        # Every entry point called by nn.Module or autograd, wrapped once (see _eager).
+        self.to_run: Set[nn.Module] = set()  # modules of this group yet to run in this forward
+        self.unshard_in_backward = True
+        self.is_last_backward = True  # copied to the root context at lazy init
+        # Every entry point called by nn.Module or autograd, wrapped once (see _eager);
+        # pre_forward_hook/post_forward_hook also run custom forward methods.
         self._pre_backward_hook = _eager(self._pre_backward)
         self._input_grads_hook = _eager(self._on_input_grads)
+        self.pre_forward_hook = _eager(self._pre_forward)
+        self.post_forward_hook = _eager(self._post_forward)
         group.on_all_grads = _eager(self.post_backward)
-        module.register_forward_pre_hook(_eager(self._pre_forward), prepend=True, with_kwargs=True)
-        module.register_forward_hook(_eager(self._post_forward))
-        module.register_state_dict_pre_hook(lambda *_: group.reshard())
-        module.register_load_state_dict_pre_hook(lambda *_: group.reshard())
+        for module in self.modules:
+            module.register_forward_pre_hook(self.pre_forward_hook, prepend=True, with_kwargs=True)
+            module.register_forward_hook(self.post_forward_hook)
+            module.register_state_dict_pre_hook(lambda *_: group.reshard())
+            module.register_load_state_dict_pre_hook(lambda *_: group.reshard())
 
     # -- initialisation -------------------------------------------------------------------
     def lazy_init(self) -> None:
         """Make this module the root of every fully_shard module in its subtree (once)."""
         if self.ctx is not None and self.is_root:
             return
-        states = [m._hsdp_state for m in self.module.modules() if "_hsdp_state" in m.__dict__]
+        if len(self.modules) > 1:
+            raise RuntimeError("a fully_shard([...]) group of several modules cannot be the root: "
+                               "call fully_shard on a module containing them and run that")
+        modules = self.modules[0].modules()
+        states = list(dict.fromkeys(m.__dict__["_hsdp_state"] for m in modules if "_hsdp_state" in m.__dict__))
         ctx = _RootContext(states)
+        ctx.is_last_backward = self.is_last_backward
         for state in states:
             state.ctx, state.is_root = ctx, state is self
             user_value = state.group.user_reshard_after_forward
@@ -145,7 +172,25 @@ class HSDPState:
         self.post_backward_done = False
         self.input_grads_pending = 0
         self.input_grads_hooked = False
+        self.to_run.clear()
         self.group.reset_grad_count()
+
+    def set_reshard_after_forward(self, value: bool) -> None:
+        group = self.group
+        group.user_reshard_after_forward = group.reshard_after_forward = value
+        group.post_forward_group = None
+
+    def set_is_last_backward(self, value: bool) -> None:
+        self.is_last_backward = value
+        if self.ctx is not None:
+            self.ctx.is_last_backward = value
+
+    def reset_iter_state(self) -> None:
+        if self.ctx is None:
+            return  # never ran: nothing to reset
+        if not self.is_root:
+            raise RuntimeError("reset_iter_state must be called on the root fully_shard module")
+        self.ctx.reset_iter_state()
 
     # -- hooks ----------------------------------------------------------------------------
     def _unshard(self) -> None:
@@ -167,6 +212,8 @@ class HSDPState:
             self.ctx.begin_step()
         if training:
             self.ctx.record_forward(self)
+        if not in_backward and not self.to_run:
+            self.to_run.update(self.modules)
         self._unshard()
         if not in_backward:
             self._prefetch_forward()
@@ -194,31 +241,43 @@ class HSDPState:
         if _in_backward():  # recomputation (activation checkpointing): backward needs the params
             return output
         grad_enabled = torch.is_grad_enabled()
-        for group in (self.group, *self.borrowed):
-            if not grad_enabled:
-                group.reshard()
-            elif group.reshard_after_forward:
-                group.reshard_after_forward_pass()
+        self.to_run.discard(module)
+        if not self.to_run:  # the last of the group's modules to run in this pass
+            self._finish_forward(grad_enabled)
+            if self.is_root:
+                for state in self.ctx.states:
+                    if state.to_run:  # a group whose other modules run later (e.g. a chunked loss head)
+                        state.to_run.clear()
+                        state._finish_forward(grad_enabled)
+                if not grad_enabled:
+                    self.ctx.reshard_all()  # no backward follows: drop prefetched leftovers too
         if self.mp_policy.output_dtype is not None:
             output = cast_floating(output, self.mp_policy.output_dtype)
         if grad_enabled:
             for tensor in iter_tensors(output):
                 if tensor.requires_grad:
                     tensor.register_hook(self._pre_backward_hook)
-        elif self.is_root:
-            self.ctx.reshard_all()  # no backward follows: drop prefetched leftovers too
         return output
+
+    def _finish_forward(self, grad_enabled: bool) -> None:
+        for group in (self.group, *self.borrowed):
+            if not grad_enabled:
+                group.reshard()
+            elif group.reshard_after_forward:
+                group.reshard_after_forward_pass()
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
         if self.backward_started:
             return
         self.backward_started = True
         self.ctx.ensure_final_callback()
-        self._unshard()
+        if self.unshard_in_backward:
+            self._unshard()
         if self.backward_prefetch is not None:
-            self._prefetch(self.backward_prefetch)
-        elif self in self.ctx.prev_in_forward:
-            self._prefetch([self.ctx.prev_in_forward[self]])
+            targets = self.backward_prefetch
+        else:
+            targets = [self.ctx.prev_in_forward[self]] if self in self.ctx.prev_in_forward else []
+        self._prefetch([state for state in targets if state.unshard_in_backward])
 
     def post_backward(self) -> None:
         """All gradients of the group are accumulated: reduce them (async); reshard once the
