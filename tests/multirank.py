@@ -4,7 +4,8 @@ A pool of N spawned processes joins one gloo process group on loopback once; eac
 ``run(fn, *args)`` ships ``fn`` (a module-level function, pickled by reference) to every
 rank and returns the per-rank results. A rank that raises makes ``run`` raise with that
 rank's traceback; a call that does not finish within its timeout kills the pool (ranks stuck
-in a collective cannot be recovered) and the next call starts a fresh one.
+in a collective cannot be recovered) and the next call starts a fresh one. After each call a
+rank resets the module-level caches a test may have filled (``tests/process_state.py``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from multiprocessing.connection import wait
 from typing import Any, Callable, List
 
 from hyper_parallel.platform import free_port
+from tests.process_state import reset_process_state
 
 _SPAWN = mp.get_context("spawn")
 
@@ -51,7 +53,10 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
             break
         fn, args, kwargs = msg
         try:
-            result = fn(*args, **kwargs)
+            try:
+                result = fn(*args, **kwargs)
+            finally:
+                reset_process_state()  # the next test starts as on a fresh process
             conn.send(("ok", result))
         except BaseException:  # noqa: BLE001 - report everything to the parent
             conn.send(("error", traceback.format_exc()))

@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from tests.multirank import RankError, run_on_ranks
+from tests.process_state import process_state
 
 
 def _all_reduce_rank():
@@ -42,3 +43,27 @@ def test_timeout_kills_and_recovers():
     with pytest.raises(TimeoutError):
         run_on_ranks(2, _sleep, 30, timeout=2)
     assert run_on_ranks(2, _all_reduce_rank)[1] == (1, 2, 1.0)
+
+
+def _fill_process_state():
+    """Leave behind what tests do: counted collectives, a cached save plan, staging buffers."""
+    import tempfile
+
+    import hyper_parallel as hp
+    from hyper_parallel.checkpoint import save
+    from torch import nn
+
+    model = hp.fully_shard(nn.Linear(4, 4))
+    model(torch.ones(2, 4)).sum().backward()
+    with tempfile.TemporaryDirectory() as folder:
+        path = [folder]
+        dist.broadcast_object_list(path)
+        save({"model": model.state_dict()}, checkpoint_id=path[0] + "/ckpt")
+        dist.barrier()
+    return process_state()
+
+
+def test_each_call_starts_from_a_reset_process_state():
+    filled = run_on_ranks(2, _fill_process_state)[0]
+    assert filled["collective_counts"] > 0 and filled["cached_save_plans"] == 1, filled
+    assert run_on_ranks(2, process_state) == [dict.fromkeys(filled, 0)] * 2

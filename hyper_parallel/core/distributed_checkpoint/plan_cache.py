@@ -107,3 +107,10 @@ class SavePlanCache:
     def forget(self, key: Hashable) -> None:
         """Drop the plans of ``key`` (after a failed save)."""
         self._entries.pop(key, None)
+
+    def clear(self) -> None:
+        """Drop every cached plan."""
+        self._entries.clear()
+
+    def __len__(self) -> int:
+        return len(self._entries)
