@@ -19,7 +19,6 @@ import json
 import os
 import re
 import time
-import zlib
 from typing import Callable, Dict, List, Optional
 
 from hyper_parallel.core.distributed_checkpoint._fileio import fsync_dir, replace_dir, write_file_atomically
@@ -32,6 +31,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
+from hyper_parallel.core.distributed_checkpoint.validation import check_metadata, verify_file
 from hyper_parallel.core.distributed_checkpoint.storage import RankWriteResult, WriteResult
 
 RANK_METADATA = "metadata.rank{}.json"
@@ -169,7 +169,11 @@ def wait_committed(staging: str, path: str, save_id: str, timeout_s: float) -> M
         CheckpointError: a rank failed, the wait timed out, or another save replaced this one.
     """
     _poll(staging, path, timeout_s, lambda names: not os.path.exists(staging), lambda: "the coordinator did not commit")
-    metadata = read_checkpoint_metadata(path)
+    try:
+        metadata = read_checkpoint_metadata(path)
+    except CheckpointError:
+        raise CheckpointError(f"async save to {path} was not committed: another rank failed and removed "
+                              "its staging directory") from None
     if metadata.save_id != save_id:
         raise CheckpointError(f"async save to {path} was replaced by another save before it committed")
     return metadata
@@ -223,12 +227,14 @@ def read_checkpoint_metadata(directory: str) -> Metadata:
     directory = os.fspath(directory)
     main = os.path.join(directory, METADATA_FILE)
     if os.path.exists(main):
-        return Metadata.from_json(_metadata_text(main), main)
-    rank_files = glob.glob(os.path.join(glob.escape(directory), RANK_METADATA.format("*")))
-    if not rank_files:
-        raise CheckpointError(f"{directory} is not a committed checkpoint: {METADATA_FILE} is missing")
-    parts = [Metadata.from_json(_metadata_text(p), p) for p in rank_files]
-    return _merge_rank_metadata(parts, directory)
+        metadata = Metadata.from_json(_metadata_text(main), main)
+    else:
+        rank_files = glob.glob(os.path.join(glob.escape(directory), RANK_METADATA.format("*")))
+        if not rank_files:
+            raise CheckpointError(f"{directory} is not a committed checkpoint: {METADATA_FILE} is missing")
+        metadata = _merge_rank_metadata([Metadata.from_json(_metadata_text(p), p) for p in rank_files], directory)
+    check_metadata(metadata, directory)
+    return metadata
 
 
 def is_checkpoint(path: str) -> bool:
@@ -245,24 +251,14 @@ def is_checkpoint(path: str) -> bool:
 
 
 def verify_checkpoint(checkpoint_dir: str) -> Metadata:
-    """Check every data file of a checkpoint against the sizes and crc32s in its metadata.
+    """Run every check ``load`` runs, without loading: the metadata's schema and consistency
+    (chunks tile each tensor, byte ranges inside their files), every file's size, every
+    item's and every file's checksum (every byte is read once), and every JSON value decodes.
 
     Returns the metadata. Raises:
-        CheckpointError: uncommitted, or a file is missing, has the wrong size or checksum.
+        CheckpointError: names what is uncommitted, inconsistent, missing, truncated or corrupt.
     """
     metadata = read_checkpoint_metadata(checkpoint_dir)
-    for name, info in sorted(metadata.files.items()):
-        path = os.path.join(checkpoint_dir, name)
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {path} is missing") from None
-        if size != info.size:
-            raise CheckpointError(f"checkpoint file {path} has {size} bytes, metadata says {info.size}")
-        crc = 0
-        with open(path, "rb") as f:
-            while block := f.read(1 << 24):
-                crc = zlib.crc32(block, crc)
-        if crc != info.checksum:
-            raise CheckpointError(f"checkpoint file {path} fails its checksum: the file is corrupt")
+    for name in sorted(metadata.files):
+        verify_file(checkpoint_dir, name, metadata)
     return metadata

@@ -31,7 +31,6 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     MetadataIndex,
     StorageInfo,
     TensorStorageMetadata,
-    check_relative_path,
 )
 from hyper_parallel.core.distributed_checkpoint.planner import (
     LoadItemType,
@@ -49,6 +48,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
     RankWriteResult,
     StorageReader,
 )
+from hyper_parallel.core.distributed_checkpoint.validation import open_data_file
 from hyper_parallel.core.distributed_checkpoint.values import decode_value
 
 
@@ -171,18 +171,20 @@ class FileSystemReader(StorageReader):
 
     Args:
         checkpoint_dir: the checkpoint directory (or pass ``checkpoint_id`` to ``load``).
-        verify: check every chunk read (read whole) against its crc32 in the metadata.
+        verify: check every chunk read (read whole) against its crc32 in the metadata (the
+            default; ``load(..., verify=False)`` or ``verify=False`` here turns it off).
         allow_pickle: accept pickled values (only for checkpoints you trust).
         thread_count: tensor reads in flight at once on this rank.
     """
 
-    def __init__(self, checkpoint_dir: Optional[str] = None, *, verify: bool = False,
+    def __init__(self, checkpoint_dir: Optional[str] = None, *, verify: bool = True,
                  allow_pickle: bool = False, thread_count: int = 1) -> None:
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.verify, self.allow_pickle, self.thread_count = verify, allow_pickle, thread_count
         self.metadata: Optional[Metadata] = None
+        self._verifying = verify
 
     def initialize_reader(self, checkpoint_id: Optional[str]) -> None:
         if checkpoint_id is not None:
@@ -199,7 +201,7 @@ class FileSystemReader(StorageReader):
 
     def configure_reader(self, metadata: Metadata, is_coordinator: bool, **kwargs: Any) -> None:
         self.metadata = metadata
-        self.verify = self.verify or bool(kwargs.get("verify", False))
+        self._verifying = self.verify and bool(kwargs.get("verify", True))
         self._chunk_sizes = {
             (fqn, c.offsets): c.sizes
             for fqn, md in metadata.state_dict_metadata.items()
@@ -207,19 +209,7 @@ class FileSystemReader(StorageReader):
         }
 
     def _open(self, name: str) -> int:
-        check_relative_path(name)
-        path = os.path.join(self.path, name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {path} is missing") from None
-        expected = self.metadata.files.get(name)
-        actual = os.fstat(fd).st_size
-        if expected is not None and actual != expected.size:
-            os.close(fd)
-            raise CheckpointError(f"checkpoint file {path} has {actual} bytes, metadata says {expected.size} "
-                                  "(truncated or replaced)")
-        return fd
+        return open_data_file(self.path, name, self.metadata)
 
     def _storage(self, index: MetadataIndex) -> StorageInfo:
         info = self.metadata.storage_data.get(index)
@@ -228,7 +218,7 @@ class FileSystemReader(StorageReader):
         return info
 
     def _check(self, data, info: StorageInfo, what: str) -> None:
-        if self.verify and zlib.crc32(data) != info.checksum:
+        if self._verifying and zlib.crc32(data) != info.checksum:
             raise CheckpointError(
                 f"checksum mismatch in {os.path.join(self.path, info.relative_path)} bytes "
                 f"{info.offset}..{info.offset + info.length} ({what}): the file is corrupt"
@@ -285,7 +275,7 @@ class FileSystemReader(StorageReader):
         itemsize = md.dtype.itemsize
         path = os.path.join(self.path, info.relative_path)
         dest = planner.acquire_tensor(item)
-        if self.verify:
+        if self._verifying:
             # The checksum covers the whole chunk, so read it whole.
             chunk = torch.empty(numel(sizes), dtype=md.dtype)
             read_exact(fd, flat_bytes(chunk), info.offset, path)
