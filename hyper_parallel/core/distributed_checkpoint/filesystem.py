@@ -100,6 +100,8 @@ class FileSystemWriter(AsyncCommitWriter):
     def execute_write(self, plan: SavePlan, planner: SavePlanner) -> RankWriteResult:
         directory = self._target_dir(plan)
         os.makedirs(directory, exist_ok=True)
+        if self.use_collectives:  # lets async saves' waiting ranks notice if this process dies
+            commit.start_heartbeat(directory, self.rank, self.commit_timeout_s)
         tensors = [it for it in plan.items if it.type == WriteItemType.TENSOR]
         values: Dict[str, List[WriteItem]] = {}
         for it in plan.items:
