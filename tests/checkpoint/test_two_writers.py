@@ -115,3 +115,21 @@ def test_failed_async_save_on_one_of_two_ranks_removes_the_staging_dir(tmp_path)
     results = run_on_ranks(2, _async_fails_on_rank1, str(tmp_path / "ckpt"), timeout=T)
     assert [r[0] for r in results] == ["CheckpointError", "OSError"]
     assert all(r[1] == [] for r in results), results
+
+
+def test_file_system_without_flock_works_unlocked_with_a_warning(tmp_path, caplog, monkeypatch):
+    import errno
+    import fcntl
+
+    def no_flock(fd, op):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(fcntl, "flock", no_flock)
+    folder = str(tmp_path / "ckpts")
+    with caplog.at_level(logging.WARNING):
+        manager = hdcp.CheckpointManager(folder)
+    assert any("cannot lock" in r.getMessage() for r in caplog.records)
+    manager.save(1, {"w": torch.ones(3)})
+    state = {"w": torch.zeros(3)}
+    assert manager.load_latest(state) == 1 and torch.equal(state["w"], torch.ones(3))
+    manager.close()

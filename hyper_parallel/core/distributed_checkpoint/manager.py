@@ -37,7 +37,11 @@ def _lock_folder(folder: str) -> Optional[str]:
     if held is not None:
         held[1] += 1
         return None
-    fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:  # e.g. a read-only folder, used only to resume from
+        _log.warning("cannot lock %s (%s): a second job on this folder would not be detected", folder, exc)
+        return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -45,6 +49,10 @@ def _lock_folder(folder: str) -> Optional[str]:
         os.close(fd)
         return (f"{folder} is in use by another job ({holder}); two jobs must not write checkpoints "
                 "into one folder: use another folder, or stop the other job")
+    except OSError as exc:  # a file system without flock (ENOLCK, ENOSYS): work unlocked
+        os.close(fd)
+        _log.warning("cannot lock %s (%s): a second job on this folder would not be detected", folder, exc)
+        return None
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
     _HELD_LOCKS[key] = [fd, 1]
@@ -109,8 +117,11 @@ class CheckpointManager:
         self._unlock: Optional[weakref.finalize] = None
         refusal = None
         if get_platform().rank == 0:
-            os.makedirs(self.folder, exist_ok=True)
-            refusal = _lock_folder(self.folder)
+            try:
+                os.makedirs(self.folder, exist_ok=True)
+                refusal = _lock_folder(self.folder)
+            except OSError as exc:  # told to every rank below instead of leaving them waiting
+                refusal = f"cannot use checkpoint folder {self.folder}: {exc}"
             if refusal is None:  # held until close(), the manager is collected, or the process ends
                 self._unlock = weakref.finalize(self, _unlock_folder, self.folder)
             if refusal is None:
