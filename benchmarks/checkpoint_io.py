@@ -1,7 +1,8 @@
 """Checkpoint save/load throughput: hyper_parallel.checkpoint vs torch.distributed.checkpoint.
 
-Runs on 2 gloo ranks (spawned here) with a sharded state of about ``--gb`` GB: parameters plus
-AdamW ``exp_avg``/``exp_avg_sq`` as ``Shard(0)`` DTensors. Per repetition, in alternating order:
+Runs on 2 gloo CPU ranks (spawned here; ``--device cuda``: one nccl rank per GPU, or
+``--world N``, with the whole state in GPU memory) with a sharded state of about ``--gb`` GB:
+parameters plus AdamW ``exp_avg``/``exp_avg_sq`` as ``Shard(0)`` DTensors. Per repetition, in alternating order:
 torch DCP save/load (``FileSystemWriter(sync_files=True)``) and ours (fsync on), each save and
 load from a synced, cold page cache when ``/proc/sys/vm/drop_caches`` is writable (reported), so
 no run inherits the previous one's cached or dirty pages. Then a resharding
@@ -9,7 +10,8 @@ load (saved ``Shard(0)`` -> loaded ``Shard(1)``) with the bytes each rank read (
 ``async_save``'s blocking time vs a sync save, and the disk's own fsynced write / cold read
 bandwidth on the same file system (the ceiling; measured before and after, best counts).
 
-    python benchmarks/checkpoint_io.py [--gb 1.0] [--reps 3] [--dir /tmp/hp_ckpt_bench]
+    python benchmarks/checkpoint_io.py [--device cpu|cuda] [--world N] [--gb 1.0] [--reps 3]
+        [--dir /tmp/hp_ckpt_bench]
 
 Prints a Markdown report on rank 0. Everything written under ``--dir`` is deleted at the end.
 """
@@ -34,9 +36,8 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import hyper_parallel.checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint._fileio import start_writeback
-from hyper_parallel.platform import free_port
+from hyper_parallel.platform import free_port, get_platform, reset_platform
 
-WORLD = 2
 ROWS, COLS = 4096, 1024  # one parameter: 16 MiB in fp32
 
 
@@ -73,14 +74,25 @@ def _timed(fn: Callable[[], object], cold: bool = False) -> tuple[float, Dict[st
     before = _io_counters()
     start = time.perf_counter()
     fn()
+    _sync_device()
     _barrier()
     elapsed = time.perf_counter() - start
     after = _io_counters()
     return elapsed, {k: after[k] - before[k] for k in ("rchar", "read_bytes", "wchar", "write_bytes")}
 
 
+def _device() -> torch.device:
+    """Where this rank's state lives (and where nccl wants collective tensors)."""
+    return get_platform().current_device()
+
+
+def _sync_device() -> None:
+    """Finish queued device work, so a timing covers it (no-op on CPU)."""
+    get_platform().synchronize()
+
+
 def _sum_over_ranks(value: float) -> float:
-    t = torch.tensor([value], dtype=torch.float64)
+    t = torch.tensor([value], dtype=torch.float64, device=_device())
     dist.all_reduce(t)
     return float(t.item())
 
@@ -158,7 +170,7 @@ def _disk_ceiling(directory: str, nbytes_per_rank: int) -> tuple[float, float]:
         finally:
             os.close(fd)
 
-    total = nbytes_per_rank * WORLD
+    total = nbytes_per_rank * dist.get_world_size()
     write_s = min(_timed(lambda: write(early), cold=True)[0] for early in (False, True))
     read_s, _ = _timed(read, cold=True)
     os.remove(path)
@@ -169,11 +181,16 @@ def _disk_ceiling(directory: str, nbytes_per_rank: int) -> tuple[float, float]:
 
 
 def _run(rank: int, port: int, args) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank), HYPER_PARALLEL_DEVICE="cpu")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(minutes=10))
-    mesh = init_device_mesh("cpu", (WORLD,))
+    world = args.world
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), HYPER_PARALLEL_DEVICE=args.device)
+    reset_platform()
+    platform = get_platform()
+    platform.set_device()
+    if not platform.is_accelerator:
+        torch.set_num_threads(1)
+    dist.init_process_group(platform.backend, rank=rank, world_size=world, timeout=datetime.timedelta(minutes=10))
+    mesh = init_device_mesh(platform.device_type, (world,))
     n_params = max(1, round(args.gb * 1e9 / (3 * ROWS * COLS * 4)))
     state = _state(mesh, n_params, Shard(0), seed=0)
     total = _tensor_bytes(state)
@@ -206,7 +223,7 @@ def _run(rank: int, port: int, args) -> None:
     }
     times: Dict[str, Dict[str, List[float]]] = {name: {"save": [], "load": []} for name in impls}
     read_bytes: Dict[str, List[float]] = {name: [] for name in impls}
-    ceilings = [_disk_ceiling(root, total // WORLD)]  # before and after the runs; best counts
+    ceilings = [_disk_ceiling(root, total // world)]  # before and after the runs; best counts
     for name, (save_fn, _, path) in impls.items():  # warm-up: first-call costs are not I/O
         fresh(path)
         save_fn(state)
@@ -232,8 +249,8 @@ def _run(rank: int, port: int, args) -> None:
         seconds, io = _timed(lambda: load_fn(target), cold=cold)
         expected = _state(mesh, n_params, Shard(1), seed=0)
         assert _equal(expected, target), f"{name} resharding load returned different values"
-        per_rank = [torch.zeros(2, dtype=torch.float64) for _ in range(WORLD)]
-        dist.all_gather(per_rank, torch.tensor([io["rchar"], io["read_bytes"]], dtype=torch.float64))
+        per_rank = [torch.zeros(2, dtype=torch.float64, device=_device()) for _ in range(world)]
+        dist.all_gather(per_rank, torch.tensor([io["rchar"], io["read_bytes"]], dtype=torch.float64, device=_device()))
         reshard[name] = {"seconds": seconds, "rchar": [float(t[0]) for t in per_rank],
                          "read_bytes": [float(t[1]) for t in per_rank]}
         del target, expected
@@ -268,7 +285,7 @@ def _run(rank: int, port: int, args) -> None:
 
     fresh(torch_dir)
     fresh(ours_dir)
-    ceilings.append(_disk_ceiling(root, total // WORLD))
+    ceilings.append(_disk_ceiling(root, total // world))
     write_gbs, read_gbs = (max(c[i] for c in ceilings) for i in (0, 1))
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
@@ -283,10 +300,14 @@ def _report(args, total, cold, times, read_bytes, reshard, async_results, write_
         return gb / pick(times[name][op])
 
     print(f"\n## checkpoint I/O run: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
-    print(f"command: python benchmarks/checkpoint_io.py --gb {args.gb} --reps {args.reps} --dir {args.dir}")
+    print(f"command: python benchmarks/checkpoint_io.py --device {args.device} --world {args.world} "
+          f"--gb {args.gb} --reps {args.reps} --dir {args.dir}")
     print(f"machine: {host_platform.node()} {host_platform.machine()}, {os.cpu_count()} CPUs, "
-          f"torch {torch.__version__}, {WORLD} gloo ranks, 1 thread each")
-    print(f"state: {gb:.3f} GB of fp32 DTensors (params + exp_avg + exp_avg_sq), Shard(0) over {WORLD} ranks")
+          f"torch {torch.__version__}, {args.world} {args.device} rank(s) "
+          f"({'nccl' if args.device == 'cuda' else 'gloo, 1 thread each'})"
+          + (f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""))
+    print(f"state: {gb:.3f} GB of fp32 DTensors (params + exp_avg + exp_avg_sq) in {args.device} memory, "
+          f"Shard(0) over {args.world} rank(s)")
     print(f"saves and loads start {'COLD (synced, page cache dropped before each)' if cold else 'WARM (drop_caches not permitted)'}")
     print(f"disk ceiling (same file system, both ranks, fsync, best of before/after and of two write methods): "
           f"write {write_gbs:.2f} GB/s, "
@@ -308,7 +329,7 @@ def _report(args, total, cold, times, read_bytes, reshard, async_results, write_
               f"ours vs disk ceiling: save {rate(ours, 'save', pick) / write_gbs:.0%} of write, "
               f"load {rate(ours, 'load', pick) / read_gbs:.0%} of read (goal >= 70%)")
     print()
-    print("resharding load (saved Shard(0) -> loaded Shard(1), 2 ranks):\n")
+    print(f"resharding load (saved Shard(0) -> loaded Shard(1), {args.world} rank(s)):\n")
     print("| | seconds | GB/s | bytes read per rank (rchar) | total read / stored | from disk (read_bytes) / stored |")
     print("|---|---|---|---|---|---|")
     for name, r in reshard.items():
@@ -328,8 +349,18 @@ def main() -> None:
     parser.add_argument("--gb", type=float, default=1.0, help="total state size in GB")
     parser.add_argument("--reps", type=int, default=3, help="save+load repetitions per implementation")
     parser.add_argument("--dir", default="/tmp/hp_ckpt_bench", help="scratch directory (deleted afterwards)")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the state lives: cpu (gloo ranks) or cuda (nccl, one rank per GPU)")
+    parser.add_argument("--world", type=int, default=None,
+                        help="ranks (default: 2 on cpu, every visible GPU on cuda)")
     args = parser.parse_args()
-    mp.spawn(_run, args=(free_port(), args), nprocs=WORLD, join=True)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is visible to this torch build")
+    if args.world is None:
+        args.world = torch.cuda.device_count() if args.device == "cuda" else 2
+    if args.device == "cuda" and args.world > torch.cuda.device_count():
+        parser.error(f"--world {args.world} needs that many GPUs; {torch.cuda.device_count()} visible")
+    mp.spawn(_run, args=(free_port(), args), nprocs=args.world, join=True)
 
 
 if __name__ == "__main__":

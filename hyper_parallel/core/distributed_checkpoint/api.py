@@ -22,9 +22,14 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     StandardLoadPlanner,
     StandardSavePlanner,
 )
-from hyper_parallel.core.distributed_checkpoint.staging import StagedData, StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.staging import StagedSave, StagingBuffers
 from hyper_parallel.core.distributed_checkpoint.stateful import resolve_stateful
-from hyper_parallel.core.distributed_checkpoint.storage import AsyncCommitWriter, StorageReader, StorageWriter
+from hyper_parallel.core.distributed_checkpoint.storage import (
+    AsyncCommitWriter,
+    RankWriteResult,
+    StorageReader,
+    StorageWriter,
+)
 
 __all__ = ["save", "async_save", "load"]
 
@@ -117,8 +122,13 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     job = _SaveJob(state_dict, checkpoint_id, storage_writer, planner, no_dist, use_collectives,
                    remove_redundancy, save_to_minimum_rank)
     planned = job.plan()
+    staged = _SAVER.staging.stage(planned.plan, job.planner, snapshot=False)
+
+    def write() -> RankWriteResult:  # the async pipeline, waited on
+        return _SAVER.write_while_staging(lambda: staged.write_with(job.writer, planned.plan), staged).result()
+
     if not use_collectives:
-        job.writer.finalize_checkpoint(planned.metadata, [job.writer.execute_write(planned.plan, job.planner)])
+        job.writer.finalize_checkpoint(planned.metadata, [write()])
         return planned.metadata
 
     def commit(results):
@@ -126,8 +136,7 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
         return planned.metadata
 
     try:
-        metadata = job.dw.gather_then_broadcast(
-            "save", lambda: job.writer.execute_write(planned.plan, job.planner), commit)
+        metadata = job.dw.gather_then_broadcast("save", write, commit)
     except BaseException:
         _PLANS.forget(job.key)
         if job.dw.is_coordinator:
@@ -137,17 +146,17 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     return metadata
 
 
-def _write_rank_local(writer: StorageWriter, planned: PlannedSave, staged: StagedData) -> Metadata:
-    writer.finalize_checkpoint(planned.metadata, [writer.execute_write(planned.plan, staged)])
+def _write_rank_local(writer: StorageWriter, planned: PlannedSave, staged: StagedSave) -> Metadata:
+    writer.finalize_checkpoint(planned.metadata, [staged.write_with(writer, planned.plan)])
     return planned.metadata
 
 
-def _write_then_commit(writer: AsyncCommitWriter, planned: PlannedSave, staged: StagedData,
+def _write_then_commit(writer: AsyncCommitWriter, planned: PlannedSave, staged: StagedSave,
                        is_coordinator: bool) -> Metadata:
     """Background thread of a collective async save: write, then commit through the writer's
     marker protocol (no collectives off the main thread)."""
     try:
-        writer.publish_result(planned.plan, writer.execute_write(planned.plan, staged))
+        writer.publish_result(planned.plan, staged.write_with(writer, planned.plan))
         if is_coordinator:
             writer.finalize_checkpoint(planned.metadata, writer.collect_results(planned.plan))
             return planned.metadata
@@ -182,15 +191,17 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = Non
     job = _SaveJob(state_dict, checkpoint_id, writer, planner, no_dist, use_collectives,
                    remove_redundancy, save_to_minimum_rank)
     planned = job.plan()
-    staged = _SAVER.staging.stage(planned.plan, job.planner)
+    staged = _SAVER.staging.stage(planned.plan, job.planner, snapshot=True)
     if not use_collectives:
-        return _SAVER.submit(_write_rank_local, writer, planned, staged)
+        return _SAVER.write_while_staging(lambda: _write_rank_local(writer, planned, staged), staged)
     _PLANS.remember(planned)
-    return _SAVER.submit(_write_then_commit, writer, planned, staged, job.dw.is_coordinator)
+    return _SAVER.write_while_staging(
+        lambda: _write_then_commit(writer, planned, staged, job.dw.is_coordinator), staged)
 
 
 def staging_buffers() -> StagingBuffers:
-    """The process's async-save staging buffers (``nbytes``, ``allocations``), for monitoring."""
+    """The process's staging buffers: ``configure(...)`` their sizes, ``release()`` their
+    memory, read ``nbytes`` / ``allocations`` (see docs/checkpoint.md)."""
     return _SAVER.staging
 
 

@@ -1,21 +1,21 @@
-"""The background side of ``async_save``: one save in flight per owner, its thread and buffers."""
+"""The background side of saves: one write in flight per owner, its thread and staging buffers."""
 
 from __future__ import annotations
 
 import concurrent.futures
 import threading
-from typing import Any, Callable, Optional
+from typing import Any, Callable, List, Optional
 
-from hyper_parallel.core.distributed_checkpoint.staging import StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.staging import StagedSave, process_staging_buffers
 
 
 class AsyncSaver:
-    """Runs async saves' writes on one background thread, one at a time, from reusable
-    staging buffers. Callers wait for the previous save (:meth:`wait`) before staging the
-    next one, so the buffers are never overwritten while being written."""
+    """Runs saves' writes on one background thread, one at a time, fed by the staging
+    pipeline (staging.py) from reusable buffers. Callers wait for the previous save
+    (:meth:`wait`) before staging the next one."""
 
     def __init__(self) -> None:
-        self.staging = StagingBuffers()
+        self.staging = process_staging_buffers()
         self._lock = threading.Lock()
         self._pending: Optional[concurrent.futures.Future] = None
         self._executor: Optional[concurrent.futures.ThreadPoolExecutor] = None
@@ -35,3 +35,32 @@ class AsyncSaver:
                     1, thread_name_prefix="hyper_parallel-async-save")
             self._pending = self._executor.submit(fn, *args)
             return self._pending
+
+    def write_while_staging(self, write: Callable[[], Any], staged: StagedSave) -> concurrent.futures.Future:
+        """Stage every chunk of ``staged`` from this thread and run ``write`` (which consumes
+        them) on the background thread; returns the write's Future once all is staged.
+
+        A synchronous save's write starts at once. A snapshot's (async save) starts when the
+        staging window first fills (it then drains it while the next chunks are copied), else
+        right after staging, so that ``async_save`` does not share the CPU between copying and
+        writing before it returns.
+
+        Raises:
+            what staging raised, once the write (which fails with it) has stopped.
+        """
+        started: List[concurrent.futures.Future] = []
+
+        def start() -> None:
+            if not started:
+                started.append(self.submit(write))
+
+        if not staged.snapshot:
+            start()
+        try:
+            staged.produce(start)
+        except BaseException:
+            start()  # the write fails on the staging error too (an async one tells the other ranks)
+            concurrent.futures.wait(started)
+            raise
+        start()
+        return started[0]

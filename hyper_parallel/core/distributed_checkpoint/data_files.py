@@ -9,12 +9,13 @@ import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Tuple
 
-from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, start_writeback
+from hyper_parallel.core.distributed_checkpoint._fileio import start_writeback
 from hyper_parallel.core.distributed_checkpoint.checksum import crc32_combine
 from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, FileInfo, StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner, WriteItem
 from hyper_parallel.core.distributed_checkpoint.resharding import numel
 from hyper_parallel.core.distributed_checkpoint.safetensors_format import encode_header, tensor_name
+from hyper_parallel.core.distributed_checkpoint.staging import ChunkSource
 from hyper_parallel.core.distributed_checkpoint.storage import WriteResult
 
 
@@ -24,40 +25,48 @@ def chunk_nbytes(item: WriteItem) -> int:
     return numel(td.chunk.sizes) * td.dtype.itemsize
 
 
-def write_safetensors(path: str, items: List[WriteItem], planner: SavePlanner, name: str,
+def write_safetensors(path: str, items: List[WriteItem], source: ChunkSource, name: str,
                       sync: bool) -> Tuple[List[WriteResult], FileInfo]:
-    """Write ``items`` (TENSOR) as one safetensors file named ``name`` at ``path``."""
-    # The header comes from the plan, so each chunk is fetched (and copied to CPU) only when written.
+    """Write ``items`` (TENSOR) as one safetensors file named ``name`` at ``path``, taking
+    their bytes piece by piece from ``source`` (each checksummed once, as it is written)."""
+    # The header comes from the plan, so the data can stream in after it.
     entries = [(tensor_name(it.index), it.tensor_data.dtype, it.tensor_data.chunk.sizes, chunk_nbytes(it))
                for it in items]
     header = encode_header(entries)
     results, offset = [], len(header)
     file_crc = zlib.crc32(header)
-    # zlib.crc32 and file writes both release the GIL: checksum each chunk on a helper
+    # zlib.crc32 and file writes both release the GIL: checksum each piece on a helper
     # thread while this one writes it, so the checksum costs no extra wall time.
     with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-crc") as crc_pool:
-        f.write(header)
-        for item, (_, _, shape, nbytes) in zip(items, entries):
-            tensor = planner.get_data(item).detach().cpu().contiguous()
-            if tuple(tensor.shape) != tuple(shape) or tensor.dtype != item.tensor_data.dtype:
-                raise CheckpointError(f"{item.index.fqn!r} changed shape or dtype between planning and writing")
-            data = flat_bytes(tensor)
-            crc = planner.known_checksum(item)
-            pending = crc_pool.submit(zlib.crc32, data) if crc is None else None
-            f.write(data)
+        try:
+            f.write(header)
+            for item, (_, _, _, nbytes) in zip(items, entries):
+                known = source.known_checksum(item)
+                crc, written = 0, 0
+                for piece in source.chunks(item):
+                    data = piece.numpy()
+                    pending = crc_pool.submit(zlib.crc32, data, crc) if known is None else None
+                    f.write(data)
+                    if sync:
+                        # Disk writes overlap the staging of the next pieces instead of all
+                        # waiting for the final fsync.
+                        f.flush()
+                        start_writeback(f.fileno(), offset + written, len(data))
+                    written += len(data)
+                    if pending is not None:
+                        crc = pending.result()
+                if written != nbytes:
+                    raise CheckpointError(f"{item.index.fqn!r}: {written} bytes staged, the plan says {nbytes}")
+                crc = known if known is not None else crc
+                file_crc = crc32_combine(file_crc, crc, nbytes)
+                results.append(WriteResult(item.index, StorageInfo(name, offset, nbytes, crc)))
+                offset += nbytes
+            f.flush()
             if sync:
-                # Disk writes overlap the copying of the next chunks instead of all waiting
-                # for the final fsync.
-                f.flush()
-                start_writeback(f.fileno(), offset, nbytes)
-            if pending is not None:
-                crc = pending.result()
-            file_crc = crc32_combine(file_crc, crc, nbytes)
-            results.append(WriteResult(item.index, StorageInfo(name, offset, nbytes, crc)))
-            offset += nbytes
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
+                os.fsync(f.fileno())
+        except BaseException as exc:
+            source.abort(exc)  # stop the producer and the other files' writers
+            raise
     return results, FileInfo(offset, file_crc)
 
 
@@ -89,11 +98,12 @@ def write_values(path: str, items: List[WriteItem], planner: SavePlanner, name: 
 
 
 def split_by_bytes(items: List[WriteItem], parts: int) -> List[List[WriteItem]]:
-    """At most ``parts`` non-empty groups of TENSOR items with balanced bytes, each in fqn order."""
-    buckets: List[List[WriteItem]] = [[] for _ in range(parts)]
+    """At most ``parts`` non-empty groups of TENSOR items with balanced bytes, each in the
+    order of ``items`` (the order the staging pipeline produces them in)."""
+    buckets: List[List[int]] = [[] for _ in range(parts)]
     loads = [0] * parts
-    for item in sorted(items, key=chunk_nbytes, reverse=True):
+    for position in sorted(range(len(items)), key=lambda p: chunk_nbytes(items[p]), reverse=True):
         i = loads.index(min(loads))
-        buckets[i].append(item)
-        loads[i] += chunk_nbytes(item)
-    return [sorted(b, key=lambda it: it.index.fqn) for b in buckets if b]
+        buckets[i].append(position)
+        loads[i] += chunk_nbytes(items[position])
+    return [[items[p] for p in sorted(b)] for b in buckets if b]

@@ -23,6 +23,7 @@ import torch
 
 from hyper_parallel.core.distributed_checkpoint import commit
 from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, fsync_dir, read_exact
+from hyper_parallel.core.distributed_checkpoint.bounce import BounceReads, read_box
 from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.data_files import split_by_bytes, write_safetensors, write_values
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -43,6 +44,7 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     WriteItemType,
 )
 from hyper_parallel.core.distributed_checkpoint.resharding import BoxGeometry, numel
+from hyper_parallel.core.distributed_checkpoint.staging import ChunkSource, DirectChunks, process_staging_buffers
 from hyper_parallel.core.distributed_checkpoint.storage import (
     AsyncCommitWriter,
     RankWriteResult,
@@ -109,20 +111,22 @@ class FileSystemWriter(AsyncCommitWriter):
                 values.setdefault(it.bytes_io_data.encoding, []).append(it)
         if "pickle" in values and not self.allow_pickle:
             raise ValueError(f"{values['pickle'][0].index.fqn!r} needs pickling; pass allow_pickle=True")
+        # Staged saves stream tensor bytes from the staging pipeline (staging.py).
+        source = planner if isinstance(planner, ChunkSource) else DirectChunks(planner)
         jobs = []
         for i, bucket in enumerate(split_by_bytes(tensors, self.thread_count)):
-            jobs.append((write_safetensors, f"__{self.rank}_{i}.safetensors", bucket, ()))
+            jobs.append((write_safetensors, f"__{self.rank}_{i}.safetensors", bucket, source, ()))
         for encoding, items in values.items():
             name = f"__{self.rank}.values.{'json' if encoding == 'json' else 'pkl'}"
-            jobs.append((write_values, name, items, (encoding,)))
+            jobs.append((write_values, name, items, planner, (encoding,)))
         result = RankWriteResult([], {})
 
         def run(job):
-            fn, name, items, extra = job
+            fn, name, items, data, extra = job
             # no-collective saves land in the live directory: write aside, then rename.
             final = os.path.join(directory, name)
             path = final if self.use_collectives else final + ".tmp"
-            out = fn(path, items, planner, name, *extra, self.sync_files)
+            out = fn(path, items, data, name, *extra, self.sync_files)
             if path != final:
                 os.replace(path, final)
             return out
@@ -132,7 +136,7 @@ class FileSystemWriter(AsyncCommitWriter):
                 outputs = list(pool.map(run, jobs))
         else:
             outputs = [run(job) for job in jobs]
-        for (_, name, _, _), (items, info) in zip(jobs, outputs):
+        for (_, name, _, _, _), (items, info) in zip(jobs, outputs):
             result.items.extend(items)
             result.files[name] = info
         if self.sync_files and not self.use_collectives:
@@ -267,16 +271,20 @@ class FileSystemReader(StorageReader):
                 else:
                     tensors.append((info, item))
 
-            def read(pair: Tuple[StorageInfo, ReadItem]) -> None:
-                self._read_tensor(fds[pair[0].relative_path], pair[0], pair[1], planner)
+            def read(group: List[Tuple[StorageInfo, ReadItem]]) -> None:
+                bounce = BounceReads(process_staging_buffers(), planner)
+                try:
+                    for info, item in group:
+                        self._read_tensor(fds[info.relative_path], info, item, planner, bounce)
+                finally:
+                    bounce.finish()
 
-            if self.thread_count > 1 and len(tensors) > 1:
-                with ThreadPoolExecutor(min(self.thread_count, len(tensors)),
-                                        thread_name_prefix="hyper_parallel-read") as pool:
-                    list(pool.map(read, tensors))
+            threads = min(self.thread_count, len(tensors))
+            if threads > 1:
+                with ThreadPoolExecutor(threads, thread_name_prefix="hyper_parallel-read") as pool:
+                    list(pool.map(read, [tensors[i::threads] for i in range(threads)]))
             else:
-                for pair in tensors:
-                    read(pair)
+                read(tensors)
         finally:
             for fd in fds.values():
                 os.close(fd)
@@ -290,14 +298,14 @@ class FileSystemReader(StorageReader):
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 
-    def _read_tensor(self, fd: int, info: StorageInfo, item: ReadItem, planner: LoadPlanner) -> None:
+    def _read_tensor(self, fd: int, info: StorageInfo, item: ReadItem, planner: LoadPlanner,
+                     bounce: BounceReads) -> None:
         key = item.storage_index.fqn
         md = self.metadata.state_dict_metadata[key]
         sizes = self._chunk_sizes.get((key, item.storage_index.offset))
         if sizes is None or numel(sizes) * md.dtype.itemsize != info.length:
             raise CheckpointError(f"checkpoint metadata of {key!r} chunk {item.storage_index.offset} is inconsistent")
         box = BoxGeometry(sizes, item.storage_offsets, item.lengths)
-        itemsize = md.dtype.itemsize
         path = os.path.join(self.path, info.relative_path)
         dest = planner.acquire_tensor(item)
         if self._verifying:
@@ -308,20 +316,8 @@ class FileSystemReader(StorageReader):
             chunk = dest if whole else torch.empty(numel(sizes), dtype=md.dtype)
             self._read_verified(fd, flat_bytes(chunk), info, path, f"{key} chunk {item.storage_index.offset}")
             planner.apply_tensor(item, dest if whole else chunk.as_strided(item.lengths, box.strides, box.first))
-        elif box.contiguous and dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == md.dtype:
-            # One byte range into plain memory: read straight into the destination.
-            read_exact(fd, flat_bytes(dest), info.offset + box.first * itemsize, path)
+        elif dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == md.dtype:
+            read_box(fd, dest, box, info.offset, md.dtype.itemsize, path)  # straight into plain memory
             planner.apply_tensor(item, dest)
         else:
-            # A box with gaps (e.g. a column block of a row-major chunk): read each of its
-            # contiguous runs, never the bytes between them, so ranks that split a chunk
-            # read each stored byte once in total. A syscall per run costs ~3 us; reading
-            # the gaps would cost their bytes on every rank that needs the chunk.
-            buffer = dest if dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == md.dtype \
-                else torch.empty(item.lengths, dtype=md.dtype)
-            view, run_bytes, pread = memoryview(flat_bytes(buffer)), box.run * itemsize, os.preadv
-            for i, start in enumerate(box.run_starts()):
-                part, at = view[i * run_bytes:(i + 1) * run_bytes], info.offset + start * itemsize
-                if pread(fd, [part], at) != run_bytes:
-                    read_exact(fd, part, at, path)  # a short read: finish it, or name the truncation
-            planner.apply_tensor(item, buffer)
+            bounce.read(fd, path, info.offset, sizes, item, dest, md.dtype)

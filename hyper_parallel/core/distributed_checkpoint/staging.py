@@ -1,23 +1,268 @@
-"""CPU snapshots of the data a save writes, so an async save records the state at call time."""
+"""Host staging: reusable slabs of host memory (pinned on accelerators) that saves copy the
+state through, chunk by chunk, and that loads bounce device-bound reads through.
+
+[Note: the save pipeline]
+One producer (the caller's thread, :meth:`StagedSave.produce`) walks the plan's tensor items
+in plan order and copies each chunk's bytes into slabs on a side stream, one piece at a time
+(a piece never spans two slabs; small chunks share one). The writer's threads consume each
+item's pieces in order (:meth:`StagedSave.chunks`): wait for the piece's copy, checksum and
+write it, and give its slab space back. The producer blocks while the save's window of slabs
+is full, so copying piece i+1 overlaps writing piece i and host memory stays bounded.
+
+- A synchronous save stages with a window of ``sync_window_bytes`` and waits for the write.
+  Chunks already in host memory are written from their own memory (no copy at all).
+- An async save is a snapshot: every chunk, host ones included, is copied, and ``async_save``
+  returns once the producer is done. With ``budget_bytes=None`` (the default) that is right
+  after the copies; with a budget smaller than the rank's state, once all but the budget has
+  been written.
+- Every byte crosses to the host at most once, and is checksummed once, by the writer, on
+  the staged bytes.
+"""
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Tuple
+import abc
+import queue
+import threading
+from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from hyper_parallel.core.distributed_checkpoint.resharding import numel
+from hyper_parallel.core.distributed_checkpoint.storage import RankWriteResult, StorageWriter
 from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.copy_stream import CopyStream, wait_event
+
+DEFAULT_SLAB_BYTES = 32 << 20
+DEFAULT_SYNC_WINDOW_BYTES = 256 << 20
 
 
-class StagedData(SavePlanner):
-    """The planner of a staged save: planning steps go to the original planner, ``get_data``
-    serves the snapshot taken at staging time."""
+class ChunkSource(abc.ABC):
+    """Where a writer gets the bytes of the tensor chunks it writes."""
 
-    def __init__(self, planner: SavePlanner, data: Dict[MetadataIndex, Any],
-                 checksums: Dict[MetadataIndex, int]) -> None:
-        self._planner, self._data, self._checksums = planner, data, checksums
+    @abc.abstractmethod
+    def chunks(self, item: WriteItem) -> Iterator[torch.Tensor]:
+        """The bytes of TENSOR ``item`` as consecutive host uint8 tensors, in order. Each is
+        valid until the next one is requested (its memory is then reused)."""
+
+    @abc.abstractmethod
+    def known_checksum(self, item: WriteItem) -> Optional[int]:
+        """crc32 of the item's bytes if already known, else None."""
+
+    @abc.abstractmethod
+    def abort(self, error: BaseException) -> None:
+        """A writer failed: stop producing and wake every consumer with ``error``."""
+
+
+class DirectChunks(ChunkSource):
+    """A planner's chunks used directly (a writer called without staging): each chunk is
+    fetched and moved to host memory when it is written."""
+
+    def __init__(self, planner: SavePlanner) -> None:
+        self._planner = planner
+
+    def chunks(self, item: WriteItem) -> Iterator[torch.Tensor]:
+        yield self._planner.get_data(item).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+    def known_checksum(self, item: WriteItem) -> Optional[int]:
+        return self._planner.known_checksum(item)
+
+    def abort(self, error: BaseException) -> None:
+        """Nothing runs ahead of the writer."""
+
+
+class Slab:
+    """One host buffer of the pool: ``used`` bytes handed out, ``pending`` pieces not yet
+    consumed (a save's bookkeeping; loads track their copies themselves)."""
+
+    def __init__(self, nbytes: int, pin: bool) -> None:
+        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+        self.used = 0
+        self.pending = 0
+
+
+class _Window:
+    """The slabs one save (or load) holds, at most ``limit`` of them (None: no limit)."""
+
+    def __init__(self, limit: Optional[int]) -> None:
+        self.limit, self.held = limit, 0
+        self.error: Optional[BaseException] = None
+
+
+class StagingBuffers:
+    """The process's pool of host slabs, allocated on first use and reused by later saves
+    and loads; :meth:`release` gives the memory back.
+
+    Args:
+        slab_bytes: size of one slab (the unit of allocation and of copy/write overlap).
+        budget_bytes: most host memory the slabs may take; None: what an async save of the
+            whole state needs (an async save larger than the budget blocks until the excess
+            has been written).
+        sync_window_bytes: most slab memory a synchronous save or a load uses at once.
+    """
+
+    def __init__(self, *, slab_bytes: int = DEFAULT_SLAB_BYTES, budget_bytes: Optional[int] = None,
+                 sync_window_bytes: int = DEFAULT_SYNC_WINDOW_BYTES) -> None:
+        self._cond = threading.Condition()
+        self._free: List[Slab] = []
+        self._allocated = 0  # slabs alive (free or held)
+        self.allocations = 0
+        self.slab_bytes = slab_bytes
+        self.configure(slab_bytes=slab_bytes, budget_bytes=budget_bytes, sync_window_bytes=sync_window_bytes)
+
+    def configure(self, *, slab_bytes: int, budget_bytes: Optional[int], sync_window_bytes: int) -> None:
+        """Set the sizes (see the class). Changing ``slab_bytes`` releases the free slabs.
+
+        Raises:
+            ValueError: ``slab_bytes < 1``, or a window or budget smaller than one slab.
+        """
+        if slab_bytes < 1 or sync_window_bytes < slab_bytes or (budget_bytes is not None and budget_bytes < slab_bytes):
+            raise ValueError(f"staging sizes need 1 <= slab_bytes <= sync_window_bytes and slab_bytes <= "
+                             f"budget_bytes; got slab_bytes={slab_bytes}, sync_window_bytes={sync_window_bytes}, "
+                             f"budget_bytes={budget_bytes}")
+        with self._cond:
+            if slab_bytes != self.slab_bytes:
+                self._drop_free()
+            self.slab_bytes, self.budget_bytes, self.sync_window_bytes = slab_bytes, budget_bytes, sync_window_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Host memory the slabs hold now."""
+        return self._allocated * self.slab_bytes
+
+    @property
+    def in_use(self) -> int:
+        """Slabs a save or load holds now (0 between saves)."""
+        with self._cond:
+            return self._allocated - len(self._free)
+
+    def release(self) -> None:
+        """Free every slab not in use (call after the last save; the next one allocates again)."""
+        with self._cond:
+            self._drop_free()
+
+    def _drop_free(self) -> None:
+        self._allocated -= len(self._free)
+        self._free = []
+
+    def window(self, snapshot: bool) -> _Window:
+        """A new save's or load's share: the whole budget for a snapshot, else the sync window."""
+        if snapshot:
+            limit = None if self.budget_bytes is None else self.budget_bytes // self.slab_bytes
+        else:
+            limit = self.sync_window_bytes // self.slab_bytes
+            if self.budget_bytes is not None:
+                limit = min(limit, self.budget_bytes // self.slab_bytes)
+        return _Window(limit)
+
+    def acquire(self, window: _Window, before_waiting: Callable[[], None]) -> Slab:
+        """A slab for ``window``; blocks while the window or the budget is used up, after
+        calling ``before_waiting()`` (which must start whatever frees slabs).
+
+        Raises:
+            the window's error, once it has one (the other side of the pipeline failed).
+        """
+        with self._cond:
+            waited = False
+            while True:
+                if window.error is not None:
+                    raise window.error
+                if window.limit is None or window.held < window.limit:
+                    if self._free:
+                        slab = self._free.pop()
+                        break
+                    if self.budget_bytes is None or (self._allocated + 1) * self.slab_bytes <= self.budget_bytes:
+                        self._allocated += 1
+                        self.allocations += 1
+                        slab = None
+                        break
+                if not waited:
+                    waited = True
+                    self._cond.release()
+                    try:
+                        before_waiting()
+                    finally:
+                        self._cond.acquire()
+                    continue
+                self._cond.wait()
+            window.held += 1
+        if slab is None:
+            try:
+                slab = Slab(self.slab_bytes, get_platform().pin_memory_available())
+            except BaseException:
+                with self._cond:
+                    self._allocated -= 1
+                    window.held -= 1
+                raise
+        slab.used = slab.pending = 0
+        return slab
+
+    def give_back(self, window: _Window, slab: Slab) -> None:
+        """Return ``slab`` (no piece of it still needed) to the pool."""
+        with self._cond:
+            window.held -= 1
+            self._free.append(slab)
+            self._cond.notify_all()
+
+    def fail(self, window: _Window, error: BaseException) -> None:
+        """Wake whoever waits on ``window`` with ``error``."""
+        with self._cond:
+            if window.error is None:
+                window.error = error
+            self._cond.notify_all()
+
+    def stage(self, plan: SavePlan, planner: SavePlanner, *, snapshot: bool) -> "StagedSave":
+        """A staging pipeline for ``plan``; nothing is copied until :meth:`StagedSave.produce`."""
+        return StagedSave(self, plan, planner, snapshot)
+
+
+_PROCESS_BUFFERS = StagingBuffers()
+
+
+def process_staging_buffers() -> StagingBuffers:
+    """The pool this process's saves and loads share (``hdcp.staging_buffers()``)."""
+    return _PROCESS_BUFFERS
+
+
+class _Piece(NamedTuple):
+    """Bytes of one item ready to be written once ``ready`` (the copy's event) completed."""
+
+    data: torch.Tensor  # host uint8 bytes
+    slab: Optional[Slab]  # None: ``data`` is the source's own host memory
+    ready: Any  # None: nothing in flight
+    source: Optional[torch.Tensor]  # keeps a device source alive until its copy has run
+
+
+class _End(NamedTuple):
+    """The item has no more pieces (``error`` set: it never will)."""
+
+    error: Optional[BaseException] = None
+
+
+class StagedSave(SavePlanner, ChunkSource):
+    """One save's staging pipeline (see [Note: the save pipeline]). It stands in for the
+    planner while writing: planning steps go to the original planner, tensor bytes come
+    from :meth:`chunks`, serialised values from planning.
+
+    Life cycle: the writer consumes (in any thread) while :meth:`produce` runs in the
+    caller's; the writer's owner calls :meth:`writer_finished` when the writer returned.
+    """
+
+    def __init__(self, pool: StagingBuffers, plan: SavePlan, planner: SavePlanner, snapshot: bool) -> None:
+        self._pool, self._planner, self.snapshot = pool, planner, snapshot
+        self._window = pool.window(snapshot)
+        self._tensors = [it for it in plan.items if it.type == WriteItemType.TENSOR]
+        self._values = {it.index: planner.get_data(it) for it in plan.items if it.type == WriteItemType.BYTE_IO}
+        self._queues: Dict[MetadataIndex, "queue.SimpleQueue"] = {it.index: queue.SimpleQueue() for it in self._tensors}
+        self._current: Optional[Slab] = None
+        self._lock = threading.Lock()
+        self._held: List[Slab] = []  # every slab this save took, until both sides finished
+        self._open_sides = 2  # producer and writer
+        self._start_writer: Callable[[], None] = lambda: None
+
+    # --- planning steps: the original planner's --------------------------------------
 
     def configure_planner(self, state_dict: Dict[str, Any], **kwargs: Any) -> None:
         self._planner.configure_planner(state_dict, **kwargs)
@@ -31,49 +276,135 @@ class StagedData(SavePlanner):
     def finalize_plan(self, plan: SavePlan) -> SavePlan:
         return self._planner.finalize_plan(plan)
 
-    def get_data(self, item: WriteItem) -> Any:
-        return self._data[item.index]
-
     def known_checksum(self, item: WriteItem) -> Optional[int]:
-        return self._checksums.get(item.index)
+        return self._planner.known_checksum(item)
 
+    def get_data(self, item: WriteItem) -> Any:
+        """Serialised values as planned; a tensor chunk assembled from its staged pieces
+        (for writers that do not stream :meth:`chunks`)."""
+        if item.type == WriteItemType.BYTE_IO:
+            return self._values[item.index]
+        data = torch.cat([piece.clone() for piece in self.chunks(item)])
+        td = item.tensor_data
+        return data.view(td.dtype).reshape(td.chunk.sizes)
 
-class StagingBuffers:
-    """Reusable CPU buffers (pinned on accelerators) for one plan structure.
+    # --- producer -------------------------------------------------------------------
 
-    Every tensor is copied, including those already on CPU, so that in-place changes after
-    ``async_save`` returns cannot leak into the checkpoint. A plan with the same structure as
-    the last one reuses its buffers, so repeated saves do not grow memory. Callers must make
-    sure the previous write from these buffers has finished before staging again.
-    """
+    def produce(self, start_writer: Callable[[], None]) -> None:
+        """Copy every tensor chunk into the pipeline, in plan order. ``start_writer()`` is
+        called the first time the window is full (the writer must drain it from another
+        thread); if it never fills, the caller starts the writer afterwards. A snapshot
+        returns once every copy has completed. Raises what failed; the writer then fails too."""
+        stream = CopyStream(get_platform())
+        stream.after_current_work()
+        self._start_writer = start_writer
+        try:
+            for item in self._tensors:
+                self._stage_item(item, stream)
+            if self.snapshot:
+                wait_event(stream.record())  # in-place updates after this cannot reach the copies
+        except BaseException as exc:
+            self.abort(exc)
+            raise
+        finally:
+            self._close_side()
 
-    def __init__(self) -> None:
-        self._signature: Tuple = ()
-        self._buffers: List[torch.Tensor] = []
-        self.allocations = 0
+    def _stage_item(self, item: WriteItem, stream: CopyStream) -> None:
+        td = item.tensor_data
+        source = self._planner.get_data(item).detach()
+        if tuple(source.shape) != tuple(td.chunk.sizes) or source.dtype != td.dtype:
+            raise CheckpointError(f"{item.index.fqn!r} changed shape or dtype between planning and writing")
+        flat = source.contiguous().reshape(-1).view(torch.uint8)
+        out = self._queues[item.index]
+        if flat.device.type == "cpu" and not self.snapshot:
+            out.put(_Piece(flat, None, None, None))  # host memory, written while the caller waits
+        else:
+            keep = None if flat.device.type == "cpu" else flat
+            done, total = 0, numel(td.chunk.sizes) * td.dtype.itemsize
+            while done < total:
+                slab, at, size = self._reserve(total - done)
+                target = slab.buffer[at:at + size]
+                with stream.active():
+                    target.copy_(flat[done:done + size], non_blocking=True)
+                out.put(_Piece(target, slab, stream.record(), keep))
+                done += size
+        out.put(_End())
 
-    @property
-    def nbytes(self) -> int:
-        return sum(b.numel() * b.element_size() for b in self._buffers)
+    def _reserve(self, wanted: int) -> Tuple[Slab, int, int]:
+        """Space for up to ``wanted`` bytes in the current slab, or in a new one."""
+        with self._lock:
+            slab = self._current
+            if slab is not None and slab.used < slab.buffer.numel():
+                at, size = slab.used, min(wanted, slab.buffer.numel() - slab.used)
+                slab.used += size
+                slab.pending += 1
+                return slab, at, size
+            self._current = None
+            if slab is not None and slab.pending == 0:
+                self._return(slab)
+        slab = self._pool.acquire(self._window, self._start_writer)  # may block: outside our lock
+        with self._lock:
+            self._held.append(slab)
+            self._current = slab
+            size = min(wanted, slab.buffer.numel())
+            slab.used, slab.pending = size, 1
+        return slab, 0, size
 
-    def stage(self, plan: SavePlan, planner: SavePlanner) -> StagedData:
-        platform = get_platform()
-        tensors = [it for it in plan.items if it.type == WriteItemType.TENSOR]
-        sources = [planner.get_data(it) for it in tensors]
-        signature = tuple((it.index, tuple(t.shape), t.dtype) for it, t in zip(tensors, sources))
-        if signature != self._signature:
-            self._buffers = []  # drop the old set before allocating the new one
-            self._buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=platform.pin_memory_available())
-                             for t in sources]
-            self._signature = signature
-            self.allocations += 1
-        for buffer, source in zip(self._buffers, sources):
-            buffer.copy_(source.detach(), non_blocking=True)
-        platform.synchronize()
-        data: Dict[MetadataIndex, Any] = {it.index: buf for it, buf in zip(tensors, self._buffers)}
-        for it in plan.items:
-            if it.type == WriteItemType.BYTE_IO:
-                data[it.index] = planner.get_data(it)  # bytes serialised at plan time: a snapshot
-        # Planning checksummed these bytes moments ago (same thread, before the copy).
-        checksums = {it.index: planner.known_checksum(it) for it in tensors}
-        return StagedData(planner, data, {index: crc for index, crc in checksums.items() if crc is not None})
+    # --- consumers ------------------------------------------------------------------
+
+    def chunks(self, item: WriteItem) -> Iterator[torch.Tensor]:
+        source = self._queues[item.index]
+        while True:
+            piece = source.get()
+            if isinstance(piece, _End):
+                if piece.error is not None:
+                    raise piece.error
+                return
+            try:
+                wait_event(piece.ready)
+                yield piece.data
+            finally:
+                self._consumed(piece)
+
+    def _consumed(self, piece: _Piece) -> None:
+        if piece.slab is None:
+            return
+        with self._lock:
+            piece.slab.pending -= 1
+            if piece.slab.pending == 0 and piece.slab is not self._current:
+                self._return(piece.slab)
+
+    def _return(self, slab: Slab) -> None:
+        """Under ``_lock``: hand a slab nobody needs back to the pool."""
+        if slab in self._held:
+            self._held.remove(slab)
+            self._pool.give_back(self._window, slab)
+
+    def abort(self, error: BaseException) -> None:
+        self._pool.fail(self._window, error)
+        for pending in self._queues.values():
+            pending.put(_End(error))
+
+    def write_with(self, writer: StorageWriter, plan: SavePlan) -> RankWriteResult:
+        """``writer.execute_write(plan, self)``, then mark the writer side finished."""
+        try:
+            result = writer.execute_write(plan, self)
+        except BaseException as exc:
+            self.writer_finished(exc)
+            raise
+        self.writer_finished()
+        return result
+
+    def writer_finished(self, error: Optional[BaseException] = None) -> None:
+        """The writer returned (``error``: it raised). A producer still running is stopped."""
+        self.abort(error or CheckpointError("the writer returned before consuming every staged chunk"))
+        self._close_side()
+
+    def _close_side(self) -> None:
+        with self._lock:
+            self._open_sides -= 1
+            if self._open_sides:
+                return
+            held, self._held, self._current = self._held, [], None
+        for slab in held:  # both sides are done: whatever is left is unused now
+            self._pool.give_back(self._window, slab)

@@ -1,0 +1,129 @@
+"""Reads into destinations the reader cannot fill in place: device memory, strided views,
+another dtype. Each box is read into a host slab of the staging pool (pinned on
+accelerators) and copied into its destination on the copy stream while the next box is
+read; ``apply_tensor`` runs once a box's copies have completed.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import deque
+from typing import Any, Deque, NamedTuple, Optional, Sequence
+
+import torch
+
+from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, ReadItem
+from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, read_exact
+from hyper_parallel.core.distributed_checkpoint.resharding import BoxGeometry, numel
+from hyper_parallel.core.distributed_checkpoint.staging import Slab, StagingBuffers
+from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.copy_stream import CopyStream, wait_event
+
+_ALIGN = 64  # boxes start cache-line aligned in a slab (and aligned for any dtype view)
+
+
+def read_box(fd: int, into: torch.Tensor, box: BoxGeometry, chunk_offset: int, itemsize: int, path: str) -> None:
+    """Read ``box`` of the row-major chunk stored at byte ``chunk_offset`` into the contiguous
+    host tensor ``into``: one read when the box is contiguous, else one per contiguous run.
+
+    Runs, never the bytes between them: ranks that split a chunk read each stored byte once
+    in total. A syscall per run costs ~3 us; reading the gaps would cost their bytes on every
+    rank that needs the chunk.
+    """
+    view = memoryview(flat_bytes(into))
+    if box.contiguous:
+        read_exact(fd, view, chunk_offset + box.first * itemsize, path)
+        return
+    run_bytes, pread = box.run * itemsize, os.preadv
+    for i, start in enumerate(box.run_starts()):
+        part, at = view[i * run_bytes:(i + 1) * run_bytes], chunk_offset + start * itemsize
+        if pread(fd, [part], at) != run_bytes:
+            read_exact(fd, part, at, path)  # a short read: finish it, or name the truncation
+
+
+class _Copy(NamedTuple):
+    """A copy in flight from ``slab`` (None: a buffer of its own) into a destination."""
+
+    done: Any  # the copy's event (None: completed)
+    slab: Optional[Slab]
+    buffer: torch.Tensor  # keeps the source bytes alive until the copy ran
+    apply: Optional[ReadItem]  # the box whose last copy this is: apply_tensor after it
+    dest: torch.Tensor
+
+
+class BounceReads:
+    """One reader thread's bounce buffers: at most the pool's sync window of slabs."""
+
+    def __init__(self, pool: StagingBuffers, planner: LoadPlanner) -> None:
+        self._pool, self._planner = pool, planner
+        self._window = pool.window(snapshot=False)
+        self._stream = CopyStream(get_platform())
+        self._stream.after_current_work()  # destinations may still be in use by queued work
+        self._pin = get_platform().pin_memory_available()
+        self._slabs: Deque[Slab] = deque()  # in order of use; the last one is being filled
+        self._copies: Deque[_Copy] = deque()
+
+    def read(self, fd: int, path: str, chunk_offset: int, sizes: Sequence[int], item: ReadItem, dest: torch.Tensor,
+             dtype: torch.dtype) -> None:
+        """Read box ``item`` of the chunk of ``sizes`` stored at ``chunk_offset`` into ``dest``,
+        in slab-sized groups of rows."""
+        lengths, offsets, itemsize = tuple(item.lengths), tuple(item.storage_offsets), dtype.itemsize
+        rows = lengths[0] if lengths else 1
+        row_bytes = numel(lengths[1:]) * itemsize
+        per_slab = max(1, self._pool.slab_bytes // max(row_bytes, 1))
+        for first in range(0, rows, per_slab):
+            n = min(per_slab, rows - first)
+            part = (n,) + lengths[1:] if lengths else ()
+            nbytes = numel(part) * itemsize
+            slab, buffer = self._space(nbytes)
+            box = BoxGeometry(sizes, ((offsets[0] + first,) + offsets[1:]) if lengths else (), part)
+            read_box(fd, buffer, box, chunk_offset, itemsize, path)
+            target = dest.narrow(0, first, n) if lengths else dest
+            with self._stream.active():
+                target.copy_(buffer.view(dtype).view(part), non_blocking=True)
+            last = first + n >= rows
+            self._copies.append(_Copy(self._stream.record(), slab, buffer, item if last else None, dest))
+
+    def _space(self, nbytes: int):
+        """``nbytes`` of host memory: the rest of the current slab, a new or the oldest slab,
+        or (bigger than a slab) a buffer of its own."""
+        if nbytes > self._pool.slab_bytes:
+            return None, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        slab = self._slabs[-1] if self._slabs else None
+        at = 0 if slab is None else -(-slab.used // _ALIGN) * _ALIGN
+        if slab is None or at + nbytes > slab.buffer.numel():
+            slab, at = self._next_slab(), 0
+        slab.used = at + nbytes
+        return slab, slab.buffer[at:at + nbytes]
+
+    def _next_slab(self) -> Slab:
+        if self._window.limit is not None and len(self._slabs) >= self._window.limit:
+            slab = self._slabs.popleft()  # the oldest: reuse it once its copies are done
+            while any(copy.slab is slab for copy in self._copies):
+                self._retire()
+        else:
+            slab = self._pool.acquire(self._window, self._drain)
+        slab.used = 0
+        self._slabs.append(slab)
+        return slab
+
+    def _retire(self) -> None:
+        copy = self._copies.popleft()
+        wait_event(copy.done)
+        if copy.apply is not None:
+            self._planner.apply_tensor(copy.apply, copy.dest)
+
+    def _drain(self) -> None:
+        while self._copies:
+            self._retire()
+
+    def finish(self) -> None:
+        """Wait for every copy, apply the remaining boxes, order later work after the copies
+        and give the slabs back."""
+        try:
+            self._drain()
+            self._stream.make_current_wait()
+        finally:
+            self._copies.clear()
+            while self._slabs:
+                self._pool.give_back(self._window, self._slabs.popleft())
