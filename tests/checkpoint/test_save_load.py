@@ -231,7 +231,7 @@ def _bytes_read_for_column_shard(path, cols):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     target = {"w": distribute_tensor(torch.zeros(8, cols), mesh, (Shard(1),))}
     with counting_reads() as read:
-        hdcp.load(target, checkpoint_id=path)
+        hdcp.load(target, checkpoint_id=path, verify=False)  # verification reads whole chunks
     assert torch.equal(target["w"].full_tensor(), torch.arange(8 * cols, dtype=torch.float32).view(8, cols))
     return sum(read)
 
@@ -247,7 +247,7 @@ def test_reads_fetch_only_the_overlapping_bytes(tmp_path, cols):
 def _hsdp_load_bytes(path):
     target = distribute_state(blank_state(), "hsdp")
     with counting_reads() as read:
-        hdcp.load(target, checkpoint_id=path)
+        hdcp.load(target, checkpoint_id=path, verify=False)  # verification reads whole chunks
     assert_state_equal(target, full_state())
     return sum(read)
 

@@ -163,6 +163,8 @@ def _write_then_commit(writer: AsyncCommitWriter, planned: PlannedSave, staged: 
         return writer.wait_committed(planned.plan)
     except BaseException as exc:
         writer.publish_failure(planned.plan, exc)
+        if is_coordinator:
+            writer.abort_checkpoint(planned.plan)  # a failed save must not keep its files (disk full)
         raise
 
 
@@ -216,7 +218,7 @@ def _broadcast_replicas(planner: LoadPlanner) -> None:
 
 def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
          storage_reader: Optional[StorageReader] = None, planner: Optional[LoadPlanner] = None,
-         no_dist: bool = False, use_collectives: bool = True, verify: bool = False) -> None:
+         no_dist: bool = False, use_collectives: bool = True, verify: bool = True) -> None:
     """Load a checkpoint into ``state_dict`` in place, resharding into its layout.
 
     Tensors (DTensor shards or plain) are filled in place from whatever chunks overlap them;
@@ -229,7 +231,8 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
         checkpoint_id: the checkpoint directory (or configure ``storage_reader`` with it).
         no_dist: load in this process alone.
         use_collectives: False: no communication; each rank reads what it needs itself.
-        verify: check every chunk read against its checksum.
+        verify: check every chunk read against its checksum (the default; False skips it,
+            as does a reader built with ``verify=False``).
 
     Raises:
         CheckpointError: not a committed checkpoint, corrupt or missing data (names the file),

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import List, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO
 
+from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
 from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step
@@ -13,6 +14,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     FORMAT_NAME,
     CheckpointError,
     Metadata,
+    MetadataIndex,
     TensorStorageMetadata,
     dtype_name,
 )
@@ -61,7 +63,15 @@ def inspect(directory: str, out: TextIO) -> None:
         shape = "x".join(str(s) for s in md.size) or "scalar"
         print(f"  {fqn:<{width}}  {dtype_name(md.dtype):<9} {shape:<16} {_human(nbytes):>11}  "
               f"{len(md.chunks)} chunk(s)  {_layout(metadata, fqn)}", file=out)
-    print(f"values ({len(values)}): {', '.join(values) if values else '-'}", file=out)
+    print(f"values ({len(values)}):{'' if values else ' -'}", file=out)
+    if values:
+        # Values are small JSON (or pickled, shown as such: the CLI never unpickles).
+        pickled = {k for k in values if metadata.storage_data[MetadataIndex(k)].encoding == "pickle"}
+        loaded: Dict[str, Any] = {k: None for k in values if k not in pickled}
+        api.load(loaded, checkpoint_id=directory, no_dist=True)
+        for key in values:
+            text = "<pickled>" if key in pickled else repr(loaded[key])
+            print(f"  {key} = {text if len(text) <= 120 else text[:117] + '...'}", file=out)
     file_bytes = sum(f.size for f in metadata.files.values())
     print(f"total tensor bytes: {total} ({_human(total)}); {len(metadata.files)} data file(s), "
           f"{file_bytes} bytes on disk", file=out)

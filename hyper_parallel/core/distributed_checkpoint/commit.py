@@ -18,8 +18,8 @@ import glob
 import json
 import os
 import re
+import threading
 import time
-import zlib
 from typing import Callable, Dict, List, Optional
 
 from hyper_parallel.core.distributed_checkpoint._fileio import fsync_dir, replace_dir, write_file_atomically
@@ -32,11 +32,15 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
+from hyper_parallel.core.distributed_checkpoint.validation import check_metadata, verify_file
 from hyper_parallel.core.distributed_checkpoint.storage import RankWriteResult, WriteResult
 
 RANK_METADATA = "metadata.rank{}.json"
 _DONE_MARKER = ".done.rank{}.json"
 _FAILED_MARKER = ".failed.rank{}"
+_ALIVE_MARKER = ".alive.rank{}"
+HEARTBEAT_S = 0.5  # how often a writing rank touches its alive marker
+DEAD_AFTER_S = 5.0  # a rank whose marker has not changed for this long is presumed dead
 # ``.old``: a checkpoint swapped out by a commit where the OS has no atomic exchange.
 _STAGING_DIR = re.compile(r"\.(?P<target>.+)\.staging-[0-9a-f]+(\.old)?")
 
@@ -62,6 +66,8 @@ def has_committed_metadata(path: str, rank: int) -> bool:
 
 def commit_staging_dir(staging: str, path: str, metadata: Metadata, sync: bool) -> None:
     """Coordinator: write ``metadata.json`` into ``staging`` and swap it into place at ``path``."""
+    for name in glob.glob(os.path.join(glob.escape(staging), _ALIVE_MARKER.format("*"))):
+        os.remove(name)  # (their heartbeat threads stop when they find them gone)
     write_file_atomically(os.path.join(staging, METADATA_FILE), metadata.to_json().encode(), sync)
     if sync:
         fsync_dir(staging)
@@ -117,13 +123,58 @@ def publish_failure(staging: str, rank: int, error: BaseException) -> None:
         pass
 
 
+def start_heartbeat(staging: str, rank: int, timeout_s: float) -> None:
+    """Touch ``rank``'s alive marker in ``staging`` every ``HEARTBEAT_S`` from a daemon thread,
+    so that ranks waiting for this one notice within ``DEAD_AFTER_S`` if its process dies.
+    The thread stops when the marker is gone (commit or abort) or after ``timeout_s``."""
+    marker = os.path.join(staging, _ALIVE_MARKER.format(rank))
+    with open(marker, "ab"):
+        pass
+
+    def beat() -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            time.sleep(HEARTBEAT_S)
+            try:
+                os.utime(marker)
+            except OSError:
+                return
+
+    threading.Thread(target=beat, name=f"hyper_parallel-heartbeat-{rank}", daemon=True).start()
+
+
+class _Liveness:
+    """Watches ranks' alive markers: a marker seen once whose mtime stops changing for
+    ``DEAD_AFTER_S`` (measured on this host's clock, so clock skew between hosts does not
+    matter) means its rank died. Ranks never seen are not judged (bounded by the timeout)."""
+
+    def __init__(self, staging: str) -> None:
+        self.staging = staging
+        self.seen: Dict[int, tuple] = {}  # rank -> (mtime, local time it was first seen)
+
+    def dead(self, ranks: List[int]) -> Optional[int]:
+        now = time.monotonic()
+        for rank in ranks:
+            try:
+                mtime = os.stat(os.path.join(self.staging, _ALIVE_MARKER.format(rank))).st_mtime_ns
+            except FileNotFoundError:
+                continue
+            last = self.seen.get(rank)
+            if last is None or last[0] != mtime:
+                self.seen[rank] = (mtime, now)
+            elif now - last[1] > DEAD_AFTER_S:
+                return rank
+        return None
+
+
 def _poll(staging: str, path: str, timeout_s: float, done: Callable[[List[str]], bool],
-          waiting_for: Callable[[], str]) -> None:
+          waiting_for: Callable[[], str], watched: Callable[[], List[int]]) -> None:
     """List ``staging`` until ``done(names)`` (or it is gone: names == []), raising on a
-    failure marker or after ``timeout_s``. Backs off to keep a shared file system's
-    metadata load low when thousands of ranks wait."""
+    failure marker, when a ``watched()`` rank stopped its heartbeat, or after ``timeout_s``.
+    Backs off to keep a shared file system's metadata load low when thousands of ranks wait."""
     deadline = time.monotonic() + timeout_s
     delay = 0.005
+    liveness = _Liveness(staging)
     while True:
         try:
             names = os.listdir(staging)
@@ -136,6 +187,10 @@ def _poll(staging: str, path: str, timeout_s: float, done: Callable[[List[str]],
             raise CheckpointError(f"async save to {path} failed on {failed[0][8:]}: {reason}")
         if done(names):
             return
+        dead = liveness.dead(watched())
+        if dead is not None:
+            raise CheckpointError(f"async save to {path}: rank {dead} stopped responding (no heartbeat for "
+                                  f"{DEAD_AFTER_S:.0f}s; its process presumably died); the checkpoint was not committed")
         if time.monotonic() > deadline:
             raise CheckpointError(f"async save to {path}: {waiting_for()} within "
                                   f"{timeout_s:.0f}s; the checkpoint was not committed")
@@ -152,7 +207,8 @@ def collect_results(staging: str, path: str, world_size: int, timeout_s: float) 
         missing.difference_update(names)
         return not missing
 
-    _poll(staging, path, timeout_s, all_done, lambda: f"ranks did not finish writing (missing {sorted(missing)[:8]})")
+    _poll(staging, path, timeout_s, all_done, lambda: f"ranks did not finish writing (missing {sorted(missing)[:8]})",
+          lambda: [int(m[len(".done.rank"):-len(".json")]) for m in missing])
     results = []
     for marker in markers:
         with open(os.path.join(staging, marker)) as f:
@@ -168,8 +224,13 @@ def wait_committed(staging: str, path: str, save_id: str, timeout_s: float) -> M
     Raises:
         CheckpointError: a rank failed, the wait timed out, or another save replaced this one.
     """
-    _poll(staging, path, timeout_s, lambda names: not os.path.exists(staging), lambda: "the coordinator did not commit")
-    metadata = read_checkpoint_metadata(path)
+    _poll(staging, path, timeout_s, lambda names: not os.path.exists(staging), lambda: "the coordinator did not commit",
+          lambda: [0])
+    try:
+        metadata = read_checkpoint_metadata(path)
+    except CheckpointError:
+        raise CheckpointError(f"async save to {path} was not committed: another rank failed and removed "
+                              "its staging directory") from None
     if metadata.save_id != save_id:
         raise CheckpointError(f"async save to {path} was replaced by another save before it committed")
     return metadata
@@ -223,12 +284,14 @@ def read_checkpoint_metadata(directory: str) -> Metadata:
     directory = os.fspath(directory)
     main = os.path.join(directory, METADATA_FILE)
     if os.path.exists(main):
-        return Metadata.from_json(_metadata_text(main), main)
-    rank_files = glob.glob(os.path.join(glob.escape(directory), RANK_METADATA.format("*")))
-    if not rank_files:
-        raise CheckpointError(f"{directory} is not a committed checkpoint: {METADATA_FILE} is missing")
-    parts = [Metadata.from_json(_metadata_text(p), p) for p in rank_files]
-    return _merge_rank_metadata(parts, directory)
+        metadata = Metadata.from_json(_metadata_text(main), main)
+    else:
+        rank_files = glob.glob(os.path.join(glob.escape(directory), RANK_METADATA.format("*")))
+        if not rank_files:
+            raise CheckpointError(f"{directory} is not a committed checkpoint: {METADATA_FILE} is missing")
+        metadata = _merge_rank_metadata([Metadata.from_json(_metadata_text(p), p) for p in rank_files], directory)
+    check_metadata(metadata, directory)
+    return metadata
 
 
 def is_checkpoint(path: str) -> bool:
@@ -245,24 +308,14 @@ def is_checkpoint(path: str) -> bool:
 
 
 def verify_checkpoint(checkpoint_dir: str) -> Metadata:
-    """Check every data file of a checkpoint against the sizes and crc32s in its metadata.
+    """Run every check ``load`` runs, without loading: the metadata's schema and consistency
+    (chunks tile each tensor, byte ranges inside their files), every file's size, every
+    item's and every file's checksum (every byte is read once), and every JSON value decodes.
 
     Returns the metadata. Raises:
-        CheckpointError: uncommitted, or a file is missing, has the wrong size or checksum.
+        CheckpointError: names what is uncommitted, inconsistent, missing, truncated or corrupt.
     """
     metadata = read_checkpoint_metadata(checkpoint_dir)
-    for name, info in sorted(metadata.files.items()):
-        path = os.path.join(checkpoint_dir, name)
-        try:
-            size = os.path.getsize(path)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {path} is missing") from None
-        if size != info.size:
-            raise CheckpointError(f"checkpoint file {path} has {size} bytes, metadata says {info.size}")
-        crc = 0
-        with open(path, "rb") as f:
-            while block := f.read(1 << 24):
-                crc = zlib.crc32(block, crc)
-        if crc != info.checksum:
-            raise CheckpointError(f"checkpoint file {path} fails its checksum: the file is corrupt")
+    for name in sorted(metadata.files):
+        verify_file(checkpoint_dir, name, metadata)
     return metadata

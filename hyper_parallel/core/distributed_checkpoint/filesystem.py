@@ -32,7 +32,6 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     MetadataIndex,
     StorageInfo,
     TensorStorageMetadata,
-    check_relative_path,
 )
 from hyper_parallel.core.distributed_checkpoint.planner import (
     LoadItemType,
@@ -51,6 +50,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
     RankWriteResult,
     StorageReader,
 )
+from hyper_parallel.core.distributed_checkpoint.validation import open_data_file
 from hyper_parallel.core.distributed_checkpoint.values import decode_value
 
 
@@ -102,6 +102,8 @@ class FileSystemWriter(AsyncCommitWriter):
     def execute_write(self, plan: SavePlan, planner: SavePlanner) -> RankWriteResult:
         directory = self._target_dir(plan)
         os.makedirs(directory, exist_ok=True)
+        if self.use_collectives:  # lets async saves' waiting ranks notice if this process dies
+            commit.start_heartbeat(directory, self.rank, self.commit_timeout_s)
         tensors = [it for it in plan.items if it.type == WriteItemType.TENSOR]
         values: Dict[str, List[WriteItem]] = {}
         for it in plan.items:
@@ -170,23 +172,28 @@ class FileSystemWriter(AsyncCommitWriter):
         return commit.wait_committed(self._target_dir(plan), self.path, plan.save_id, self.commit_timeout_s)
 
 
+_VERIFY_BLOCK = 8 << 20  # bytes per read while verifying
+
+
 class FileSystemReader(StorageReader):
     """Reads a checkpoint directory, fetching only the byte ranges each rank needs.
 
     Args:
         checkpoint_dir: the checkpoint directory (or pass ``checkpoint_id`` to ``load``).
-        verify: check every chunk read (read whole) against its crc32 in the metadata.
+        verify: check every chunk read (read whole) against its crc32 in the metadata (the
+            default; ``load(..., verify=False)`` or ``verify=False`` here turns it off).
         allow_pickle: accept pickled values (only for checkpoints you trust).
         thread_count: tensor reads in flight at once on this rank.
     """
 
-    def __init__(self, checkpoint_dir: Optional[str] = None, *, verify: bool = False,
+    def __init__(self, checkpoint_dir: Optional[str] = None, *, verify: bool = True,
                  allow_pickle: bool = False, thread_count: int = 1) -> None:
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
         self.path = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
         self.verify, self.allow_pickle, self.thread_count = verify, allow_pickle, thread_count
         self.metadata: Optional[Metadata] = None
+        self._verifying = verify
 
     def initialize_reader(self, checkpoint_id: Optional[str]) -> None:
         if checkpoint_id is not None:
@@ -203,7 +210,7 @@ class FileSystemReader(StorageReader):
 
     def configure_reader(self, metadata: Metadata, is_coordinator: bool, **kwargs: Any) -> None:
         self.metadata = metadata
-        self.verify = self.verify or bool(kwargs.get("verify", False))
+        self._verifying = self.verify and bool(kwargs.get("verify", True))
         self._chunk_sizes = {
             (fqn, c.offsets): c.sizes
             for fqn, md in metadata.state_dict_metadata.items()
@@ -211,19 +218,7 @@ class FileSystemReader(StorageReader):
         }
 
     def _open(self, name: str) -> int:
-        check_relative_path(name)
-        path = os.path.join(self.path, name)
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            raise CheckpointError(f"checkpoint file {path} is missing") from None
-        expected = self.metadata.files.get(name)
-        actual = os.fstat(fd).st_size
-        if expected is not None and actual != expected.size:
-            os.close(fd)
-            raise CheckpointError(f"checkpoint file {path} has {actual} bytes, metadata says {expected.size} "
-                                  "(truncated or replaced)")
-        return fd
+        return open_data_file(self.path, name, self.metadata)
 
     def _storage(self, index: MetadataIndex) -> StorageInfo:
         info = self.metadata.storage_data.get(index)
@@ -232,10 +227,30 @@ class FileSystemReader(StorageReader):
         return info
 
     def _check(self, data, info: StorageInfo, what: str) -> None:
-        if self.verify and zlib.crc32(data) != info.checksum:
+        if self._verifying and zlib.crc32(data) != info.checksum:
             raise CheckpointError(
                 f"checksum mismatch in {os.path.join(self.path, info.relative_path)} bytes "
                 f"{info.offset}..{info.offset + info.length} ({what}): the file is corrupt"
+            )
+
+    def _read_verified(self, fd: int, buffer, info: StorageInfo, path: str, what: str) -> None:
+        """Read a whole stored item into ``buffer`` and check its crc32; the crc of each block
+        runs on a helper thread while the next block is read (both release the GIL)."""
+        view = memoryview(buffer).cast("B")
+        crc, pending = 0, None
+        with ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-verify") as pool:
+            for start in range(0, len(view), _VERIFY_BLOCK):
+                block = view[start:start + _VERIFY_BLOCK]
+                read_exact(fd, block, info.offset + start, path)
+                if pending is not None:
+                    crc = pending.result()
+                pending = pool.submit(zlib.crc32, block, crc)
+            if pending is not None:
+                crc = pending.result()
+        if crc != info.checksum:
+            raise CheckpointError(
+                f"checksum mismatch in {path} bytes {info.offset}..{info.offset + info.length} ({what}): "
+                "the file is corrupt"
             )
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
@@ -293,12 +308,14 @@ class FileSystemReader(StorageReader):
         box = BoxGeometry(sizes, item.storage_offsets, item.lengths)
         path = os.path.join(self.path, info.relative_path)
         dest = planner.acquire_tensor(item)
-        if self.verify:
-            # The checksum covers the whole chunk, so read it whole.
-            chunk = torch.empty(numel(sizes), dtype=md.dtype)
-            read_exact(fd, flat_bytes(chunk), info.offset, path)
-            self._check(flat_bytes(chunk), info, f"{key} chunk {item.storage_index.offset}")
-            planner.apply_tensor(item, chunk.as_strided(item.lengths, box.strides, box.first))
+        if self._verifying:
+            # The checksum covers the whole chunk, so read it whole: straight into the
+            # destination when that is the whole chunk in plain memory.
+            whole = box.contiguous and numel(item.lengths) == numel(sizes) and dest.is_contiguous() \
+                and dest.device.type == "cpu" and dest.dtype == md.dtype
+            chunk = dest if whole else torch.empty(numel(sizes), dtype=md.dtype)
+            self._read_verified(fd, flat_bytes(chunk), info, path, f"{key} chunk {item.storage_index.offset}")
+            planner.apply_tensor(item, dest if whole else chunk.as_strided(item.lengths, box.strides, box.first))
         elif dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == md.dtype:
             read_box(fd, dest, box, info.offset, md.dtype.itemsize, path)  # straight into plain memory
             planner.apply_tensor(item, dest)

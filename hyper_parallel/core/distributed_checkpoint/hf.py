@@ -24,8 +24,10 @@ from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.metadata import (
+    MAX_DIMS,
     ChunkStorageMetadata,
     CheckpointError,
+    FileInfo,
     Metadata,
     MetadataIndex,
     StorageInfo,
@@ -35,6 +37,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 from hyper_parallel.core.distributed_checkpoint.resharding import numel
 from hyper_parallel.core.distributed_checkpoint.safetensors_format import DTYPE_BY_TAG, read_header
 from hyper_parallel.core.distributed_checkpoint.state_dict import copy_into, get_model_state_dict
+from hyper_parallel.core.distributed_checkpoint.validation import check_metadata
 
 __all__ = ["export_hf", "load_hf", "INDEX_FILE"]
 
@@ -106,6 +109,8 @@ def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.Pa
     stored = {name: metadata.state_dict_metadata[key] for name, key in names.items()}
     shards = _plan_shards({name: _nbytes(md) for name, md in stored.items()}, max_shard_bytes)
     os.makedirs(out_dir, exist_ok=True)
+    umask = os.umask(0)
+    os.umask(umask)
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
     weight_map: Dict[str, str] = {}
     total_size = 0
@@ -116,6 +121,7 @@ def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.Pa
         if convert is not None:
             written = dict(item for item in (convert(n, t) for n, t in written.items()) if item is not None)
         save_file(written, os.path.join(out_dir, file), metadata={"format": "pt"})
+        os.chmod(os.path.join(out_dir, file), 0o666 & ~umask)  # save_file leaves its temp file's 0600
         weight_map.update({name: file for name in written})
         total_size += sum(t.numel() * t.element_size() for t in written.values())
         del tensors, written
@@ -163,27 +169,42 @@ def hf_metadata(hf_dir: Union[str, os.PathLike]) -> Metadata:
         if not os.path.isfile(path):
             raise CheckpointError(f"{path} (listed in the index) is missing")
         header, data_start = read_header(path)
+        metadata.files[file] = FileInfo(os.path.getsize(path), 0)
         for key in keys:
             entry = header.get(key)
             if entry is None:
                 raise CheckpointError(f"{path} does not hold {key!r}, which the index places there")
-            dtype = DTYPE_BY_TAG.get(entry["dtype"])
-            if dtype is None:
-                raise CheckpointError(f"{key!r} in {path} has unsupported dtype {entry['dtype']}")
-            shape = tuple(int(s) for s in entry["shape"])
-            start, end = entry["data_offsets"]
+            dtype, shape, (start, end) = _header_entry(entry, key, path)
             origin = (0,) * len(shape)
             metadata.state_dict_metadata[key] = TensorStorageMetadata(
                 dtype, shape, [ChunkStorageMetadata(origin, shape)])
             metadata.storage_data[MetadataIndex(key, origin)] = StorageInfo(file, data_start + start, end - start, 0)
+    check_metadata(metadata, hf_dir)  # byte ranges inside their files and of the right length
     return metadata
+
+
+def _header_entry(entry: Any, key: str, path: str) -> Tuple[torch.dtype, Tuple[int, ...], Tuple[int, int]]:
+    """(dtype, shape, data_offsets) of a safetensors header entry, or CheckpointError."""
+    def ints(value: Any, n: Optional[int]) -> bool:
+        return (isinstance(value, list) and (n is None or len(value) == n) and len(value) <= MAX_DIMS
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value))
+
+    if not isinstance(entry, dict) or not ints(entry.get("shape"), None) or not ints(entry.get("data_offsets"), 2):
+        raise CheckpointError(f"{key!r} in {path} has a malformed header entry: {str(entry)[:200]}")
+    dtype = DTYPE_BY_TAG.get(entry.get("dtype"))
+    if dtype is None:
+        raise CheckpointError(f"{key!r} in {path} has unsupported dtype {entry.get('dtype')!r}")
+    start, end = entry["data_offsets"]
+    if end < start:
+        raise CheckpointError(f"{key!r} in {path} has data_offsets {entry['data_offsets']} that end before they start")
+    return dtype, tuple(entry["shape"]), (start, end)
 
 
 class HFSafetensorsReader(FileSystemReader):
     """Reads an HF safetensors directory through the checkpoint reader (no checksums: no verify)."""
 
     def __init__(self, hf_dir: Union[str, os.PathLike]):
-        super().__init__(os.fspath(hf_dir))
+        super().__init__(os.fspath(hf_dir), verify=False)
 
     def read_metadata(self) -> Metadata:
         return hf_metadata(self.path)

@@ -2,22 +2,71 @@
 
 from __future__ import annotations
 
+import fcntl
+import logging
 import os
 import re
 import shutil
+import socket
+import weakref
 from concurrent.futures import Future
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint.commit import is_checkpoint, staging_target
+from hyper_parallel.core.distributed_checkpoint.commit import is_checkpoint, staging_target, verify_checkpoint
+from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError
 from hyper_parallel.platform import get_platform
 
 __all__ = ["CheckpointManager", "checkpoint_step"]
 
 _STEP_DIR = re.compile(r"step-(\d+)")
+LOCK_FILE = ".hyper_parallel.lock"
+_log = logging.getLogger(__name__)
+# folder (real path) -> [lock fd, managers of this process using it]
+_HELD_LOCKS: Dict[str, List[int]] = {}
+
+
+def _lock_folder(folder: str) -> Optional[str]:
+    """Take ``folder``'s writer lock for this process (shared by its managers); None on
+    success, else a sentence naming the holder. The OS drops the lock when the process ends."""
+    key = os.path.realpath(folder)
+    held = _HELD_LOCKS.get(key)
+    if held is not None:
+        held[1] += 1
+        return None
+    try:
+        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    except OSError as exc:  # e.g. a read-only folder, used only to resume from
+        _log.warning("cannot lock %s (%s): a second job on this folder would not be detected", folder, exc)
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        return (f"{folder} is in use by another job ({holder}); two jobs must not write checkpoints "
+                "into one folder: use another folder, or stop the other job")
+    except OSError as exc:  # a file system without flock (ENOLCK, ENOSYS): work unlocked
+        os.close(fd)
+        _log.warning("cannot lock %s (%s): a second job on this folder would not be detected", folder, exc)
+        return None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
+    _HELD_LOCKS[key] = [fd, 1]
+    return None
+
+
+def _unlock_folder(folder: str) -> None:
+    key = os.path.realpath(folder)
+    held = _HELD_LOCKS.get(key)
+    if held is not None:
+        held[1] -= 1
+        if not held[1]:
+            del _HELD_LOCKS[key]
+            os.close(held[0])  # releases the flock
 
 
 def checkpoint_step(path: Union[str, os.PathLike]) -> Optional[int]:
@@ -34,6 +83,12 @@ class CheckpointManager:
     :class:`OptimizerState`). All ranks call every method; without a process group the
     manager works single-process. Rank 0 deletes old checkpoints (shared file system).
 
+    One job per folder: rank 0 holds an exclusive lock on ``folder/.hyper_parallel.lock``
+    (``flock``, released by :meth:`close`, when the manager is garbage-collected or when the
+    process ends), so a second job's
+    manager is refused instead of deleting the first's staging directories or replacing its
+    ``step-N``. Managers within one process share the lock.
+
     Args:
         folder: directory holding the ``step-{N}`` checkpoints (created if missing).
         interval: ``save(step, ...)`` writes when ``step % interval == 0``.
@@ -44,6 +99,7 @@ class CheckpointManager:
 
     Raises:
         ValueError: ``interval < 1`` or ``keep_last_n < 1``.
+        CheckpointError: another job's manager holds ``folder``.
     """
 
     def __init__(self, folder: Union[str, os.PathLike], *, interval: int = 1,
@@ -58,14 +114,31 @@ class CheckpointManager:
         self.async_save = async_save
         self._pending: Optional[Future] = None
         self._pending_step: Optional[int] = None
+        self._unlock: Optional[weakref.finalize] = None
+        refusal = None
         if get_platform().rank == 0:
-            os.makedirs(self.folder, exist_ok=True)
-            # Nothing of ours is being written yet: staging dirs of step-N now are from crashed runs.
-            for name in os.listdir(self.folder):
-                target = staging_target(name)
-                if target is not None and checkpoint_step(target) is not None:
-                    shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+            try:
+                os.makedirs(self.folder, exist_ok=True)
+                refusal = _lock_folder(self.folder)
+            except OSError as exc:  # told to every rank below instead of leaving them waiting
+                refusal = f"cannot use checkpoint folder {self.folder}: {exc}"
+            if refusal is None:  # held until close(), the manager is collected, or the process ends
+                self._unlock = weakref.finalize(self, _unlock_folder, self.folder)
+            if refusal is None:
+                # We hold the folder and write nothing yet: staging dirs of step-N are from crashed runs.
+                for name in os.listdir(self.folder):
+                    target = staging_target(name)
+                    if target is not None and checkpoint_step(target) is not None:
+                        shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        if self._agree(0 if refusal is None else None) is None:
+            raise CheckpointError(refusal or f"{self.folder} is in use by another job (see rank 0)")
         self._barrier()
+
+    def close(self) -> None:
+        """Wait for a pending save, then release the folder lock (another job may then use it)."""
+        self.wait()
+        if self._unlock is not None:
+            self._unlock()  # runs once
 
     # ------------------------------------------------------------------ queries
 
@@ -141,20 +214,48 @@ class CheckpointManager:
         """Load the latest committed checkpoint into ``state`` in place.
 
         Tensors are filled in place, Stateful objects get ``load_state_dict``, plain values
-        are replaced in the ``state`` dict. Every rank loads the step rank 0 found.
+        are replaced in the ``state`` dict. Every rank loads the step rank 0 found. A
+        checkpoint that fails to load and fails ``verify_checkpoint`` (corrupt) is skipped
+        for the previous one, with one warning line (logger ``hyper_parallel...manager``).
 
         Returns:
             The loaded step, or None when there is no committed checkpoint.
 
         Raises:
-            CheckpointError: the checkpoint does not fit ``state`` (see ``load``).
+            CheckpointError: a sound checkpoint does not fit ``state`` (see ``load``), or
+                every committed checkpoint is corrupt.
         """
         self.wait()
         step = self._agree(self.latest_step())
-        if step is None:
-            return None
-        api.load(state, checkpoint_id=self.checkpoint_path(step), no_dist=self._no_dist())
-        return step
+        newest_error: Optional[CheckpointError] = None
+        while step is not None:
+            try:
+                api.load(state, checkpoint_id=self.checkpoint_path(step), no_dist=self._no_dist())
+                return step
+            except CheckpointError as exc:
+                corrupt, previous = self._agree_pair(self._corrupt_and_previous(step))
+                if not corrupt:
+                    raise  # the checkpoint is sound: it does not fit ``state``
+                newest_error = newest_error or exc
+                if get_platform().rank == 0:
+                    _log.warning("checkpoint %s is corrupt (%s); resuming from %s instead", self.checkpoint_path(step),
+                                 exc, "scratch" if previous is None else self.checkpoint_path(previous))
+                step = previous
+        if newest_error is not None:
+            raise CheckpointError(f"no loadable checkpoint in {self.folder}; the newest failed with: "
+                                  f"{newest_error}") from None
+        return None
+
+    def _corrupt_and_previous(self, step: int) -> Tuple[bool, Optional[int]]:
+        """Rank 0: whether ``step`` fails ``verify_checkpoint``, and the committed step before it."""
+        if get_platform().rank != 0:
+            return False, None
+        try:
+            verify_checkpoint(self.checkpoint_path(step))
+        except CheckpointError:
+            earlier = [s for s in self.committed_steps() if s < step]
+            return True, earlier[-1] if earlier else None
+        return False, None
 
     # ------------------------------------------------------------------ process group
 
@@ -176,3 +277,9 @@ class CheckpointManager:
                              device=get_platform().current_device())
         dist.broadcast(value, src=0)
         return None if value.item() < 0 else int(value.item())
+
+    @classmethod
+    def _agree_pair(cls, pair: Tuple[bool, Optional[int]]) -> Tuple[bool, Optional[int]]:
+        """Rank 0's ``(flag, step)`` on every rank."""
+        flag, step = pair
+        return bool(cls._agree(int(flag))), cls._agree(step)

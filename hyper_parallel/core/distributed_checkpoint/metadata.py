@@ -157,43 +157,150 @@ class Metadata:
         """
         try:
             doc = json.loads(text)
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise CheckpointError(f"{source} is not valid checkpoint metadata JSON: {exc}") from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise CheckpointError(f"{source} is not valid checkpoint metadata JSON: "
+                                  f"{type(exc).__name__}: {exc}") from None
         if not isinstance(doc, dict) or doc.get("format") != FORMAT_NAME:
             raise CheckpointError(f"{source} is not {FORMAT_NAME} metadata")
-        if doc.get("version", 0) > FORMAT_VERSION:
+        version = doc.get("version", 0)
+        if _is_int(version) and version > FORMAT_VERSION:
             raise CheckpointError(
-                f"{source} has format version {doc['version']}; this build reads up to {FORMAT_VERSION}"
+                f"{source} has format version {version}; this build reads up to {FORMAT_VERSION}"
             )
-        try:
-            sd_md: Dict[str, StorageMetadata] = {}
-            for fqn, entry in doc["state_dict_metadata"].items():
-                if entry["type"] == "tensor":
-                    sd_md[fqn] = TensorStorageMetadata(
-                        dtype=dtype_from_name(entry["dtype"]),
-                        size=tuple(int(s) for s in entry["size"]),
-                        chunks=[ChunkStorageMetadata(tuple(c["offsets"]), tuple(c["sizes"]))
-                                for c in entry["chunks"]],
-                    )
-                else:
-                    sd_md[fqn] = BytesStorageMetadata()
-            storage = {}
-            for e in doc["storage_data"]:
-                check_relative_path(e["file"], source)
-                idx = MetadataIndex(e["fqn"], None if e["offset"] is None else tuple(e["offset"]), e["index"])
-                storage[idx] = StorageInfo(e["file"], int(e["byte_offset"]), int(e["length"]),
-                                           int(e["checksum"]), e["encoding"])
-            files = {}
-            for name, f in doc["files"].items():
-                check_relative_path(name, source)
-                files[name] = FileInfo(int(f["size"]), int(f["checksum"]))
-            return cls(
-                state_dict_metadata=sd_md, storage_data=storage, files=files,
-                layouts=doc.get("layouts", {}), world_size=int(doc["world_size"]),
-                rank=doc.get("rank"), save_id=doc.get("save_id", ""), version=doc["version"],
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{source} is malformed: {type(exc).__name__}: {exc}") from None
+        _check_document(doc, source)
+        # The schema check above makes every access below well-typed and in range.
+        sd_md: Dict[str, StorageMetadata] = {}
+        for fqn, entry in doc["state_dict_metadata"].items():
+            if entry["type"] == "tensor":
+                sd_md[fqn] = TensorStorageMetadata(
+                    dtype=dtype_from_name(entry["dtype"]), size=tuple(entry["size"]),
+                    chunks=[ChunkStorageMetadata(tuple(c["offsets"]), tuple(c["sizes"])) for c in entry["chunks"]],
+                )
+            else:
+                sd_md[fqn] = BytesStorageMetadata()
+        storage = {}
+        for e in doc["storage_data"]:
+            idx = MetadataIndex(e["fqn"], None if e["offset"] is None else tuple(e["offset"]), e["index"])
+            if idx in storage:
+                raise CheckpointError(f"{source} lists storage for {idx} twice")
+            storage[idx] = StorageInfo(e["file"], e["byte_offset"], e["length"], e["checksum"], e["encoding"])
+        files = {name: FileInfo(f["size"], f["checksum"]) for name, f in doc["files"].items()}
+        return cls(
+            state_dict_metadata=sd_md, storage_data=storage, files=files, layouts=doc.get("layouts", {}),
+            world_size=doc["world_size"], rank=doc.get("rank"), save_id=doc.get("save_id", ""),
+            version=version,
+        )
+
+
+# --------------------------------------------------------------- the metadata document's schema
+
+MAX_DIMS = 64  # tensor dimensions
+MAX_NESTING = 16  # depth of a layout entry (JSON lists/objects)
+_MAX_INT = 2**63 - 1
+_ENCODINGS = ("raw", "json", "pickle")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _Schema:
+    """Checks one parsed metadata document, naming the first field that is wrong."""
+
+    def __init__(self, source: str) -> None:
+        self.source = source
+
+    def fail(self, where: str, problem: str) -> None:
+        raise CheckpointError(f"{self.source} is malformed: {where} {problem}")
+
+    def obj(self, value: Any, where: str, keys: Tuple[str, ...] = ()) -> Dict[str, Any]:
+        if not isinstance(value, dict):
+            self.fail(where, f"must be an object, not {type(value).__name__}")
+        for key in keys:
+            if key not in value:
+                self.fail(where, f"lacks {key!r}")
+        return value
+
+    def seq(self, value: Any, where: str) -> List[Any]:
+        if not isinstance(value, list):
+            self.fail(where, f"must be a list, not {type(value).__name__}")
+        return value
+
+    def text(self, value: Any, where: str) -> str:
+        if not isinstance(value, str):
+            self.fail(where, f"must be a string, not {type(value).__name__}")
+        return value
+
+    def count(self, value: Any, where: str, low: int = 0, high: int = _MAX_INT) -> int:
+        if not _is_int(value) or not low <= value <= high:
+            self.fail(where, f"must be an integer in [{low}, {high}], not {value!r}")
+        return value
+
+    def dims(self, value: Any, where: str, ndim: Optional[int] = None) -> None:
+        self.seq(value, where)
+        if len(value) > MAX_DIMS or (ndim is not None and len(value) != ndim):
+            self.fail(where, f"has {len(value)} dimensions, expected {MAX_DIMS if ndim is None else ndim}")
+        for i, v in enumerate(value):
+            self.count(v, f"{where}[{i}]")
+
+    def plain(self, value: Any, where: str, depth: int = 0) -> None:
+        """JSON data nested at most MAX_NESTING deep."""
+        if depth > MAX_NESTING:
+            self.fail(where, f"nests deeper than {MAX_NESTING} levels")
+        if isinstance(value, list):
+            for v in value:
+                self.plain(v, where, depth + 1)
+        elif isinstance(value, dict):
+            for v in value.values():
+                self.plain(v, where, depth + 1)
+
+
+def _check_document(doc: Dict[str, Any], source: str) -> None:
+    """Types, ranges and nesting of every field, so that building the Metadata cannot fail
+    with anything but CheckpointError."""
+    s = _Schema(source)
+    s.obj(doc, "the document", ("version", "world_size", "state_dict_metadata", "storage_data", "files"))
+    s.count(doc["version"], "version", 1, FORMAT_VERSION)
+    world = s.count(doc["world_size"], "world_size", 1, 2**31)
+    if doc.get("rank") is not None:
+        s.count(doc["rank"], "rank", 0, world - 1)
+    s.text(doc.get("save_id", ""), "save_id")
+    for fqn, entry in s.obj(doc["state_dict_metadata"], "state_dict_metadata").items():
+        where = f"state_dict_metadata[{fqn!r}]"
+        s.obj(entry, where, ("type",))
+        if entry["type"] == "bytes":
+            continue
+        if entry["type"] != "tensor":
+            s.fail(where, f"has unknown type {entry['type']!r}")
+        s.obj(entry, where, ("dtype", "size", "chunks"))
+        dtype_from_name(s.text(entry["dtype"], f"{where}.dtype"))
+        s.dims(entry["size"], f"{where}.size")
+        for i, chunk in enumerate(s.seq(entry["chunks"], f"{where}.chunks")):
+            s.obj(chunk, f"{where}.chunks[{i}]", ("offsets", "sizes"))
+            s.dims(chunk["offsets"], f"{where}.chunks[{i}].offsets", len(entry["size"]))
+            s.dims(chunk["sizes"], f"{where}.chunks[{i}].sizes", len(entry["size"]))
+    for i, e in enumerate(s.seq(doc["storage_data"], "storage_data")):
+        where = f"storage_data[{i}]"
+        s.obj(e, where, ("fqn", "offset", "index", "file", "byte_offset", "length", "checksum", "encoding"))
+        s.text(e["fqn"], f"{where}.fqn")
+        if e["offset"] is not None:
+            s.dims(e["offset"], f"{where}.offset")
+        if e["index"] is not None:
+            s.count(e["index"], f"{where}.index", 1)
+        check_relative_path(e["file"], source)
+        s.count(e["byte_offset"], f"{where}.byte_offset")
+        s.count(e["length"], f"{where}.length")
+        s.count(e["checksum"], f"{where}.checksum", 0, 2**32 - 1)
+        if e["encoding"] not in _ENCODINGS:
+            s.fail(f"{where}.encoding", f"must be one of {_ENCODINGS}, not {e['encoding']!r}")
+    for name, f in s.obj(doc["files"], "files").items():
+        check_relative_path(name, source)
+        s.obj(f, f"files[{name!r}]", ("size", "checksum"))
+        s.count(f["size"], f"files[{name!r}].size")
+        s.count(f["checksum"], f"files[{name!r}].checksum", 0, 2**32 - 1)
+    for fqn, layout in s.obj(doc.get("layouts", {}), "layouts").items():
+        s.obj(layout, f"layouts[{fqn!r}]")
+        s.plain(layout, f"layouts[{fqn!r}]")
 
 
 def check_relative_path(name: str, source: str = "metadata") -> None:

@@ -329,7 +329,10 @@ class StandardSavePlanner(SavePlanner):
     def get_data(self, item: WriteItem) -> Any:
         if item.type == WriteItemType.BYTE_IO:
             return self._encoded[item.index.fqn]
-        return local_data(self.flat[item.index.fqn]).detach().contiguous()
+        data = local_data(self.flat[item.index.fqn]).detach()
+        if not data.numel():  # a zero-element tensor is recorded as one chunk of its global shape
+            return data.new_empty(item.tensor_data.chunk.sizes)
+        return data.contiguous()
 
     def known_checksum(self, item: WriteItem) -> Optional[int]:
         """Plain tensors were checksummed in planning (for the cross-rank agreement check)."""

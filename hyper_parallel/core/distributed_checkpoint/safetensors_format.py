@@ -20,6 +20,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
 )
 
 DTYPE_BY_TAG: Dict[str, torch.dtype] = {tag: dtype for dtype, tag in DTYPE_TO_SAFETENSORS.items()}
+MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit
 
 # (name, dtype, shape, nbytes) of one tensor, in file order.
 HeaderEntry = Tuple[str, torch.dtype, Tuple[int, ...], int]
@@ -49,7 +50,8 @@ def read_header(path: str) -> Tuple[Dict[str, Any], int]:
     """``(header, data_start)`` of a safetensors file.
 
     Raises:
-        CheckpointError: the file is too short or its header is not JSON.
+        CheckpointError: the file is too short, its header is longer than the file or than
+            ``MAX_HEADER_BYTES`` (checked before reading it), or not a JSON object.
     """
     with open(path, "rb") as f:
         prefix = f.read(8)
@@ -58,8 +60,13 @@ def read_header(path: str) -> Tuple[Dict[str, Any], int]:
         length = int.from_bytes(prefix, "little")
         if length > os.fstat(f.fileno()).st_size - 8:
             raise CheckpointError(f"{path} is not a safetensors file (header length {length})")
+        if length > MAX_HEADER_BYTES:
+            raise CheckpointError(f"{path} has a {length}-byte safetensors header; refusing headers over "
+                                  f"{MAX_HEADER_BYTES} bytes")
         try:
             header = json.loads(f.read(length))
-        except ValueError as exc:
+        except (ValueError, RecursionError) as exc:
             raise CheckpointError(f"{path} has a corrupt safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path} has a corrupt safetensors header: not a JSON object")
     return header, 8 + length

@@ -27,16 +27,22 @@ def _to_json_tree(value: Any, key: str) -> Any:
     )
 
 
-def _from_json_tree(node: Any) -> Any:
+MAX_VALUE_NESTING = 100  # lists/dicts inside a stored value
+
+
+def _from_json_tree(node: Any, depth: int = 0) -> Any:
+    if depth > MAX_VALUE_NESTING:
+        raise ValueError(f"it nests deeper than {MAX_VALUE_NESTING} levels")
+    depth += 1
     if isinstance(node, list):
-        return [_from_json_tree(v) for v in node]
+        return [_from_json_tree(v, depth) for v in node]
     if isinstance(node, dict):
         tag = node.get(_TAG)
         if tag == "tuple":
-            return tuple(_from_json_tree(v) for v in node["items"])
+            return tuple(_from_json_tree(v, depth) for v in node["items"])
         if tag == "dict":
-            return {_hashable(_from_json_tree(k)): _from_json_tree(v) for k, v in node["items"]}
-        return {k: _from_json_tree(v) for k, v in node.items()}
+            return {_hashable(_from_json_tree(k, depth)): _from_json_tree(v, depth) for k, v in node["items"]}
+        return {k: _from_json_tree(v, depth) for k, v in node.items()}
     return node
 
 
@@ -68,7 +74,7 @@ def decode_value(data: bytes, encoding: str, key: str, *, allow_pickle: bool) ->
     if encoding == "json":
         try:
             return _from_json_tree(json.loads(data))
-        except (UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
+        except (UnicodeDecodeError, ValueError, KeyError, TypeError, RecursionError) as exc:
             raise ValueError(f"stored value of {key!r} is not valid JSON: {exc}") from None
     if encoding == "pickle":
         if not allow_pickle:
