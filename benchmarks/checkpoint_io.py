@@ -44,7 +44,7 @@ ROWS, COLS = 4096, 1024  # one parameter: 16 MiB in fp32
 # ----------------------------------------------------------------------------- helpers
 
 
-def _drop_caches() -> bool:
+def drop_caches() -> bool:
     """Evict the page cache so the next read comes from disk; False where not permitted."""
     os.sync()
     try:
@@ -69,7 +69,7 @@ def _timed(fn: Callable[[], object], cold: bool = False) -> tuple[float, Dict[st
     _barrier()
     if cold:
         if dist.get_rank() == 0:
-            _drop_caches()
+            drop_caches()
         _barrier()
     before = _io_counters()
     start = time.perf_counter()
@@ -198,7 +198,7 @@ def _run(rank: int, port: int, args) -> None:
     if rank == 0:
         os.makedirs(root, exist_ok=True)
     _barrier()
-    cold = _drop_caches() if rank == 0 else False
+    cold = drop_caches() if rank == 0 else False
     cold = bool(_sum_over_ranks(float(cold)))
 
     torch_dir, ours_dir = os.path.join(root, "torch_dcp"), os.path.join(root, "ours")

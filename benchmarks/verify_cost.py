@@ -22,18 +22,9 @@ import zlib
 import torch
 
 import hyper_parallel.checkpoint as hdcp
+from checkpoint_io import drop_caches  # benchmarks/ is sys.path[0] when run as a script
 
 _TENSOR = 4 << 20  # fp32 elements per tensor: 16 MiB
-
-
-def _drop_caches() -> bool:
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3")
-        return True
-    except OSError:
-        return False
 
 
 def _hash_throughput(data: bytes) -> dict:
@@ -75,13 +66,13 @@ def main() -> None:
     shutil.rmtree(args.dir, ignore_errors=True)
     hdcp.save(state, checkpoint_id=path, no_dist=True)
     target = {k: torch.empty_like(v) for k, v in state.items()}
-    cold = _drop_caches()
+    cold = drop_caches()
     times = {}
     for rep in range(args.reps):
         for verify in ((True, False) if rep % 2 == 0 else (False, True)):
             for temperature in (("cold", "warm") if cold else ("warm",)):
                 if temperature == "cold":
-                    _drop_caches()
+                    drop_caches()
                 else:
                     hdcp.load(target, checkpoint_id=path, no_dist=True, verify=False)  # fill the cache
                 t = _timed(lambda: hdcp.load(target, checkpoint_id=path, no_dist=True, verify=verify))
