@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
 from hyper_parallel.checkpoint import CheckpointManager, ModelState, is_checkpoint
+from hyper_parallel.core.distributed_checkpoint.manager import LOCK_FILE
 from hyper_parallel.models.llama import LlamaConfig, Transformer
 from hyper_parallel.platform import free_port
 from hyper_parallel.trainer import compose_config
@@ -63,7 +64,7 @@ def test_loss_goes_down_with_progress_metrics_and_summary(reference):
     assert "mesh 2 (shard)" in stdout and f"floor {floor:.4f}" in stdout
     assert "done: steps 0 -> 12" in stdout
     folder = os.path.join(out, "checkpoints")
-    assert sorted(os.listdir(folder)) == ["step-12", "step-6"]
+    assert sorted(set(os.listdir(folder)) - {LOCK_FILE}) == ["step-12", "step-6"]
 
 
 def test_resume_on_hsdp_2x2_over_two_nodes_matches(reference, tmp_path):
@@ -145,7 +146,7 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_0(tmp_path):
     last = read_metrics(str(tmp_path))[-1]["step"]
     assert last < 400
     assert f"SIGTERM: saved a final checkpoint at step {last}" in output
-    assert os.listdir(tmp_path / "checkpoints") == [f"step-{last}"]
+    assert sorted(set(os.listdir(tmp_path / "checkpoints")) - {LOCK_FILE}) == [f"step-{last}"]
     assert is_checkpoint(str(tmp_path / "checkpoints" / f"step-{last}"))
     # ... and a 1-rank job continues from it.
     resumed = _ok(run([sys.executable, "recipes/train.py", *TINY, f"output_dir={tmp_path}",
