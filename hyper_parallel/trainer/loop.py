@@ -177,7 +177,8 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
 
 def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
     """Load what ``checkpoint`` says to start from (see :func:`operations.plan_load`): this
-    job's own latest checkpoint, a given step, or ``checkpoint.load_from``; None: nothing.
+    job's own latest checkpoint (or, if that is corrupt, the newest sound one before it), a
+    given step, or ``checkpoint.load_from``; None: nothing.
 
     Raises:
         JobFailed: on every rank, when the checkpoint does not fit this run (one line naming
@@ -190,10 +191,18 @@ def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
         if plan is None:
             return None
         try:
-            operations.load(plan, job.state)
+            if not plan.newest_own:
+                operations.load(plan, job.state)
+                return plan
+            # The manager skips a corrupt newest checkpoint for the previous one (one warning).
+            step = job.manager.load_latest({key: job.state[key] for key in plan.keys})
         except (CheckpointError, ValueError) as err:
             raise ConfigError(resume_mismatch(cfg, plan.path, err)) from None
-        return plan
+        if step == plan.start_step:
+            return plan
+        path = job.manager.checkpoint_path(step)
+        return plan._replace(path=path, start_step=step,
+                             description=f"resumed from {path} ({plan.path} is corrupt)")
 
     return together(job.device, load)
 

@@ -25,6 +25,7 @@ class LoadPlan(NamedTuple):
     keys: List[str]
     start_step: int
     description: str
+    newest_own: bool = False  # the job's own newest checkpoint: if corrupt, an older one stands in
 
 
 def _steps_in(folder: str) -> List[int]:
@@ -68,7 +69,7 @@ def plan_load(c: DictConfig, state_keys: Sequence[str]) -> Optional[LoadPlan]:
     own = _steps_in(c.folder) if c.resume else []
     if own:
         path = _pick(c.folder, own, c.load_step)
-        return LoadPlan(path, keys, checkpoint_step(path), f"resumed from {path}")
+        return LoadPlan(path, keys, checkpoint_step(path), f"resumed from {path}", newest_own=c.load_step is None)
     if not c.load_from:
         if c.load_step is not None and c.resume:
             _pick(c.folder, own, c.load_step)  # raises: the requested step is not there

@@ -110,3 +110,20 @@ def test_job_failed_reports():
     assert JobFailed(None, 1).report(0, 4) is None
     assert JobFailed(err, 4).report(0, 4) == "bad" and JobFailed(err, 4).report(2, 4) is None
     assert JobFailed(err, 1).report(0, 1) == "bad"
+
+
+def _train_steps(overrides):
+    """Run the recipe's training on this rank: (first step, last step) of the run."""
+    cfg = compose_config([*TINY, *overrides])
+    summary = run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+    return summary.start_step, summary.end_step
+
+
+def test_a_corrupt_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
+    out = [f"output_dir={tmp_path}/out", "checkpoint.interval=2"]
+    assert run_on_ranks(2, _train_steps, [*out, "training.steps=4"], timeout=120) == [(0, 4)] * 2
+    data = tmp_path / "out" / "checkpoints" / "step-4" / "__0_0.safetensors"
+    corrupt = bytearray(data.read_bytes())
+    corrupt[-1] ^= 0xFF  # a flipped bit in the last tensor's data
+    data.write_bytes(bytes(corrupt))
+    assert run_on_ranks(2, _train_steps, [*out, "training.steps=6"], timeout=120) == [(2, 6)] * 2
