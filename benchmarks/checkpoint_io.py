@@ -217,7 +217,7 @@ def _run(rank: int, port: int, args) -> None:
         ),
         "hyper_parallel": (
             lambda sd: hdcp.save(sd, checkpoint_id=ours_dir),
-            lambda sd: hdcp.load(sd, checkpoint_id=ours_dir),
+            lambda sd: hdcp.load(sd, checkpoint_id=ours_dir, verify=args.verify == "on"),
             ours_dir,
         ),
     }
@@ -301,7 +301,7 @@ def _report(args, total, cold, times, read_bytes, reshard, async_results, write_
 
     print(f"\n## checkpoint I/O run: {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M UTC}")
     print(f"command: python benchmarks/checkpoint_io.py --device {args.device} --world {args.world} "
-          f"--gb {args.gb} --reps {args.reps} --dir {args.dir}")
+          f"--gb {args.gb} --reps {args.reps} --verify {args.verify} --dir {args.dir}")
     print(f"machine: {host_platform.node()} {host_platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {args.world} {args.device} rank(s) "
           f"({'nccl' if args.device == 'cuda' else 'gloo, 1 thread each'})"
@@ -348,6 +348,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gb", type=float, default=1.0, help="total state size in GB")
     parser.add_argument("--reps", type=int, default=3, help="save+load repetitions per implementation")
+    parser.add_argument("--verify", choices=("on", "off"), default="on",
+                        help="our loads check every crc32 (on: load's default; DCP checks none)")
     parser.add_argument("--dir", default="/tmp/hp_ckpt_bench", help="scratch directory (deleted afterwards)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                         help="where the state lives: cpu (gloo ranks) or cuda (nccl, one rank per GPU)")
