@@ -15,14 +15,7 @@ import torch
 
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.cli import main as cli_main
-from tests.checkpoint.helpers import blank_state, save_layout
-
-
-@pytest.fixture
-def ckpt(tmp_path):
-    path = str(tmp_path / "ckpt")
-    save_layout(path, None, no_dist=True)
-    return path
+from tests.checkpoint.helpers import blank_state
 
 
 def _doc(path):

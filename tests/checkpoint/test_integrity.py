@@ -21,13 +21,6 @@ from tests.checkpoint.helpers import assert_state_equal, blank_state, full_state
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-@pytest.fixture
-def ckpt(tmp_path):
-    path = str(tmp_path / "ckpt")
-    save_layout(path, None, no_dist=True)
-    return path
-
-
 def _data_file(path):
     return sorted(glob.glob(os.path.join(path, "*.safetensors")))[0]
 
