@@ -37,6 +37,9 @@ class TokenSource(Protocol):
             ValueError: the data cannot feed the model (e.g. a token id >= vocab_size).
         """
 
+    def loss_floor(self) -> Optional[float]:
+        """The best achievable mean next-token loss (nats/token), or None where it is unknown."""
+
 
 class MarkovSource:
     """Sequences from a fixed, seeded, sparse first-order Markov chain over ``vocab_size`` tokens.
@@ -129,6 +132,10 @@ class TokenWindows:
                 i = start + int(bad[0])
                 raise ValueError(f"{self.name}: token id {int(chunk[bad[0]])} is outside the model's "
                                  f"vocab_size={self.vocab_size} (token {i:,} of {n:,})")
+
+    def loss_floor(self) -> Optional[float]:
+        """Unknown for real text: None."""
+        return None
 
     def samples(self, indices: Sequence[int]) -> torch.Tensor:
         rows = [np.asarray(self.tokens[i * self.seq_len : i * self.seq_len + self.seq_len + 1], dtype=np.int64)

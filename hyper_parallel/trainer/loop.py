@@ -168,7 +168,7 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
         cfg=cfg, dims=dims, platform=platform, device=device, mesh=mesh, model=model,
         optimizer=optimizer, schedule=schedule, loader=loader, manager=manager,
         state=training_state(model, optimizer, schedule, loader, RNGState(platform.device_module)),
-        log=log, loss_floor=getattr(loader.source, "loss_floor", lambda: None)(),
+        log=log, loss_floor=loader.source.loss_floor(),
         throughput=Throughput(llama_config(cfg.model), seq_len=t.seq_len,
                               tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.dp_size,
                               peak=peak_tflops(platform, t.peak_tflops)),

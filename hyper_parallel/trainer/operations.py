@@ -28,16 +28,6 @@ class LoadPlan(NamedTuple):
     newest_own: bool = False  # the job's own newest checkpoint: if corrupt, an older one stands in
 
 
-def _steps_in(folder: str) -> List[int]:
-    from hyper_parallel.checkpoint import is_checkpoint
-    from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step
-
-    if not os.path.isdir(folder):
-        return []
-    steps = (checkpoint_step(name) for name in os.listdir(folder))
-    return sorted(s for s in steps if s is not None and is_checkpoint(os.path.join(folder, f"step-{s}")))
-
-
 def _pick(folder: str, steps: Sequence[int], load_step: Optional[int]) -> str:
     if load_step is None:
         return os.path.join(folder, f"step-{steps[-1]}")
@@ -59,14 +49,14 @@ def plan_load(c: DictConfig, state_keys: Sequence[str]) -> Optional[LoadPlan]:
         ConfigError: ``load_step`` not found, ``load_from`` not a checkpoint, a bad ``exclude``.
     """
     from hyper_parallel.checkpoint import is_checkpoint
-    from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step
+    from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, committed_steps
 
     exclude = list(c.exclude or [])
     unknown = [k for k in exclude if k not in EXCLUDABLE]
     if unknown:
         raise ConfigError(f"checkpoint.exclude={exclude}: {unknown} not among {list(EXCLUDABLE)}")
     keys = [k for k in state_keys if k not in exclude]
-    own = _steps_in(c.folder) if c.resume else []
+    own = committed_steps(c.folder) if c.resume else []
     if own:
         path = _pick(c.folder, own, c.load_step)
         return LoadPlan(path, keys, checkpoint_step(path), f"resumed from {path}", newest_own=c.load_step is None)
@@ -78,7 +68,7 @@ def plan_load(c: DictConfig, state_keys: Sequence[str]) -> Optional[LoadPlan]:
     if is_checkpoint(source):
         path = source
     else:
-        found = _steps_in(source)
+        found = committed_steps(source)
         if not found:
             raise ConfigError(f"checkpoint.load_from={source} is neither a committed checkpoint nor "
                               "a folder of step-N checkpoints")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterable, List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -60,9 +60,12 @@ def max_diff(a: Dict[str, torch.Tensor], b: Dict[str, torch.Tensor]) -> float:
 
 def train(model: nn.Module, batches: List[torch.Tensor], loss_fn: Callable = lm_loss,
           micro_batches: int = 1, before_micro: Optional[Callable[[nn.Module, int, int], None]] = None,
-          lr: float = 1e-2, eps: float = 1e-8) -> List[float]:
-    """AdamW steps; each batch is split into ``micro_batches`` accumulated micro-batches."""
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, weight_decay=0.1)
+          lr: float = 1e-2, eps: float = 1e-8,
+          make_optimizer: Optional[Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]] = None) -> List[float]:
+    """Optimizer steps (AdamW(lr, eps, weight_decay=0.1) unless ``make_optimizer`` is given); each
+    batch is split into ``micro_batches`` accumulated micro-batches."""
+    opt = (make_optimizer(model.parameters()) if make_optimizer is not None
+           else torch.optim.AdamW(model.parameters(), lr=lr, eps=eps, weight_decay=0.1))
     losses = []
     for batch in batches:
         for i, micro in enumerate(batch.chunk(micro_batches)):

@@ -19,7 +19,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import hyper_parallel as hp
 from hyper_parallel._torch_compat import lookup_compile_backend
 from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
-from tests.fully_shard._helpers import full_params, global_batch, max_diff, tiny_llama
+from tests.fully_shard._helpers import full_params, global_batch, max_diff, tiny_llama, train
 from tests.multirank import run_on_ranks
 
 TOL = 1e-10  # float64 everywhere: only summation order differs
@@ -110,7 +110,8 @@ def _run(order: str, impl: str, *, mesh=None, mixed_precision: bool = False, che
     trained = _compile_blocks(model, order, shard, backend)
     model.to_empty(device="cpu")
     model.init_weights(0)
-    losses = _train(trained, [global_batch(s, batch_size).chunk(dp_size)[dp_rank] for s in range(steps)], micro_batches)
+    losses = train(trained, [global_batch(s, batch_size).chunk(dp_size)[dp_rank] for s in range(steps)], loss_fn=_loss,
+                   micro_batches=micro_batches, before_micro=_sync_on_last_micro, make_optimizer=_sgd)
     return losses, _strip(full_params(model)), backend.calls - calls_before
 
 
@@ -130,30 +131,20 @@ def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.flatten(0, 1).to(torch.float64), tokens[:, 1:].flatten())
 
 
-def _train(model: nn.Module, batches: List[torch.Tensor], micro_batches: int) -> List[float]:
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    losses = []
-    for batch in batches:
-        for i, micro in enumerate(batch.chunk(micro_batches)):
-            model.set_requires_gradient_sync(i == micro_batches - 1)
-            loss = _loss(model, micro) / micro_batches
-            loss.backward()
-            losses.append(loss.item())
-        opt.step()
-        opt.zero_grad()
-    return losses
+def _sgd(params) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def _sync_on_last_micro(model: nn.Module, micro: int, micro_batches: int) -> None:
+    model.set_requires_gradient_sync(micro == micro_batches - 1)
 
 
 def _reference(steps: int = 2, micro_batches: int = 1, batch_size: int = 4) -> Dict[str, torch.Tensor]:
     """Single-process float64 training on the global batches."""
     model = tiny_llama().to(torch.float64)
     model.init_weights(0)
-    opt = torch.optim.SGD(model.parameters(), lr=0.5)
-    for step in range(steps):
-        for micro in global_batch(step, batch_size).chunk(micro_batches):
-            (_loss(model, micro) / micro_batches).backward()
-        opt.step()
-        opt.zero_grad()
+    train(model, [global_batch(s, batch_size) for s in range(steps)], loss_fn=_loss,
+          micro_batches=micro_batches, make_optimizer=_sgd)
     return _strip(full_params(model))
 
 

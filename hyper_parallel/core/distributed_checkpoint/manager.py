@@ -75,6 +75,14 @@ def checkpoint_step(path: Union[str, os.PathLike]) -> Optional[int]:
     return int(match.group(1)) if match else None
 
 
+def committed_steps(folder: Union[str, os.PathLike]) -> List[int]:
+    """Steps of the committed ``step-N`` checkpoints in ``folder``, ascending (staging/partial dirs ignored)."""
+    if not os.path.isdir(folder):
+        return []
+    steps = (checkpoint_step(name) for name in os.listdir(folder))
+    return sorted(s for s in steps if s is not None and is_checkpoint(os.path.join(folder, f"step-{s}")))
+
+
 class CheckpointManager:
     """Saves every ``interval`` steps into ``folder/step-{N}`` and keeps the newest ``keep_last_n``.
 
@@ -147,10 +155,7 @@ class CheckpointManager:
 
     def committed_steps(self) -> List[int]:
         """Steps of committed checkpoints in ``folder``, ascending (staging/partial dirs ignored)."""
-        if not os.path.isdir(self.folder):
-            return []
-        steps = (checkpoint_step(name) for name in os.listdir(self.folder))
-        return sorted(s for s in steps if s is not None and is_checkpoint(self.checkpoint_path(s)))
+        return committed_steps(self.folder)
 
     def latest_step(self) -> Optional[int]:
         """The highest step with a committed checkpoint, or None."""
