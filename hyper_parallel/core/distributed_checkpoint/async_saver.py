@@ -138,7 +138,7 @@ class AsyncSaver:
             staging.set_result(None)
             written.add_done_callback(lambda done: _resolve(future, done))
             with self._lock:
-                self._pending = future
+                self._pending, self._staging = future, None  # an unreported older error is stale now
             return future
         with self._lock:
             self._pending, self._staging = future, staging
