@@ -259,8 +259,8 @@ def _run(rank: int, port: int, args) -> None:
                          "read_bytes": [float(t[1]) for t in per_rank]}
         del target, expected
 
-    # async_save: time until it returns (the training loop is blocked) and until the state is
-    # staged, vs a sync save; each library's default (blocking) staging and its background one.
+    # async_save: time until it returns (the training loop is blocked) vs a sync save.
+    # Also until the state is staged; each library's default (blocking) staging and its background one.
     def torch_writer():
         return dcp.FileSystemWriter(torch_dir, sync_files=True)
 
@@ -367,8 +367,8 @@ def _report(args, total, cold, times, read_bytes, reshard, async_results, write_
         per_rank = ", ".join(f"{b / 1e9:.3f} GB" for b in r["rchar"])
         print(f"| {name} | {r['seconds']:.2f} | {gb / r['seconds']:.2f} | {per_rank} | "
               f"{sum(r['rchar']) / total:.2f}x | {sum(r['read_bytes']) / total:.2f}x |")
-    print("\nasync_save blocking time (until it returns; slowest rank) and time until the state is staged "
-          "(nothing else running), vs a sync save of the same state:\n")
+    print("\nasync_save blocking time (until it returns) vs a sync save of the same state:\n")
+    print("(slowest rank; also the time until the state is staged, with nothing else running)\n")
     print("| | async_save blocks, s (1st call; later calls) | staged after, s (1st; later) | sync save s, median of 3 "
           "| blocking / sync (median of later calls) |")
     print("|---|---|---|---|---|")
