@@ -160,8 +160,11 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
     optimizer = build_optimizer(model, cfg.optim)
     schedule = WarmupCosineSchedule(optimizer, peak_lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps,
                                     total_steps=t.steps, min_lr_ratio=cfg.optim.min_lr_ratio)
+    # Async checkpoints stage in the background: this loop changes the saved tensors in place
+    # only in optimizer.step(), which waits for staging (docs/checkpoint.md, "Async save").
     manager = CheckpointManager(cfg.checkpoint.folder, interval=cfg.checkpoint.interval,
-                                keep_last_n=cfg.checkpoint.keep_last_n, async_save=cfg.checkpoint.async_save)
+                                keep_last_n=cfg.checkpoint.keep_last_n, async_save=cfg.checkpoint.async_save,
+                                stage_in_background=cfg.checkpoint.async_save)
     log = MetricsLogger(cfg.output_dir, total_steps=t.steps, is_main=rank == 0,
                         log_every=cfg.logging.log_every, tensorboard=cfg.logging.tensorboard)
     return TrainingJob(

@@ -12,6 +12,7 @@ from hyper_parallel.core.distributed_checkpoint.api import (
     staging_buffers,
     wait_for_pending_save,
 )
+from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaveFuture
 from hyper_parallel.core.distributed_checkpoint.commit import is_checkpoint, read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.flatten import flatten_state_dict
@@ -55,6 +56,7 @@ __all__ = [
     "LoadItemType", "LoadPlan", "LoadPlanner", "ReadItem", "SavePlan", "SavePlanner",
     "StandardLoadPlanner", "StandardSavePlanner", "WriteItem", "WriteItemType",
     "RankWriteResult", "StorageReader", "StorageWriter", "WriteResult", "AsyncCommitWriter", "Stateful",
+    "AsyncSaveFuture",
 ]
 
 # --- state dict helpers, CheckpointManager and HF interop (state_dict.py, manager.py, hf.py) ---

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import os
 import uuid
 from typing import Any, Dict, Optional
@@ -10,7 +9,7 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaver
+from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaveFuture, AsyncSaver, optimizers_in
 from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
@@ -171,32 +170,50 @@ def _write_then_commit(writer: AsyncCommitWriter, planned: PlannedSave, staged: 
 def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
                storage_writer: Optional[StorageWriter] = None, planner: Optional[SavePlanner] = None,
                no_dist: bool = False, use_collectives: bool = True, remove_redundancy: bool = True,
-               save_to_minimum_rank: bool = False) -> concurrent.futures.Future:
-    """Like :func:`save`, but returns once the state is staged in CPU memory.
+               save_to_minimum_rank: bool = False, stage_in_background: bool = False) -> AsyncSaveFuture:
+    """Like :func:`save`, but returns once the state is staged in host memory, or, with
+    ``stage_in_background``, right after planning.
 
-    Planning (the only collectives) runs in the caller; a background thread then writes
-    the files, and the commit is coordinated through marker files in the staging directory
-    (no collectives off the main thread; the writer must be an :class:`AsyncCommitWriter`).
-    The Future resolves to the committed Metadata on every rank once the checkpoint is
-    committed, or raises. What is saved is the state at the moment of the call. The next
-    save or load in this process waits for this one.
+    Planning (the only collectives) runs in the caller; the staging copy then runs in the
+    caller (default) or on a staging thread, and a background thread writes the files; the
+    commit is coordinated through marker files in the staging directory (no collectives off
+    the main thread; the writer must be an :class:`AsyncCommitWriter`). What is saved is the
+    state at the moment of the call. The next save or load in this process waits for this one.
 
-    Raises (here): like :func:`save`'s planning; write errors are raised by the Future.
+    Args:
+        stage_in_background: return before the state is staged (docs/checkpoint.md, "Async
+            save"): ``optimizer.step()`` of the optimizers in ``state_dict`` (top-level
+            ``torch.optim.Optimizer`` or ``OptimizerState``-like wrappers) then waits for
+            staging through a step pre-hook installed here; any other in-place update of the
+            saved tensors must call ``wait_for_staging()`` on the returned Future first.
+
+    Returns:
+        An :class:`AsyncSaveFuture`: resolves to the committed Metadata on every rank (or
+        raises); ``wait_for_staging()`` / ``staging_completion`` for the staging copy.
+
+    Raises (here): like :func:`save`'s planning, and staging errors unless staged in the
+    background; write errors are raised by the Future.
     """
     _SAVER.wait()
     writer = storage_writer if storage_writer is not None else FileSystemWriter()
     if use_collectives and not isinstance(writer, AsyncCommitWriter):
         raise TypeError(f"{type(writer).__name__} cannot commit asynchronously: it is not an AsyncCommitWriter")
-    state_dict, _ = resolve_stateful(state_dict)
+    state_dict, stateful = resolve_stateful(state_dict)
     job = _SaveJob(state_dict, checkpoint_id, writer, planner, no_dist, use_collectives,
                    remove_redundancy, save_to_minimum_rank)
     planned = job.plan()
     staged = _SAVER.staging.stage(planned.plan, job.planner, snapshot=True)
-    if not use_collectives:
-        return _SAVER.write_while_staging(lambda: _write_rank_local(writer, planned, staged), staged)
-    _PLANS.remember(planned)
-    return _SAVER.write_while_staging(
-        lambda: _write_then_commit(writer, planned, staged, job.dw.is_coordinator), staged)
+    if use_collectives:
+        _PLANS.remember(planned)
+
+        def write() -> Metadata:
+            return _write_then_commit(writer, planned, staged, job.dw.is_coordinator)
+    else:
+        def write() -> Metadata:
+            return _write_rank_local(writer, planned, staged)
+    if stage_in_background:
+        _SAVER.guard(optimizers_in(stateful))
+    return _SAVER.start(write, staged, background=stage_in_background)
 
 
 def staging_buffers() -> StagingBuffers:

@@ -9,13 +9,13 @@ import re
 import shutil
 import socket
 import weakref
-from concurrent.futures import Future
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint import api
+from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaveFuture
 from hyper_parallel.core.distributed_checkpoint.commit import is_checkpoint, staging_target, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError
 from hyper_parallel.platform import get_platform
@@ -104,14 +104,20 @@ class CheckpointManager:
             after a new checkpoint committed; the newest one is never deleted.
         async_save: ``save`` returns a Future right after staging; the write runs in the
             background and ``wait()`` blocks until it committed.
+        stage_in_background: with ``async_save``, ``save`` returns right after planning and
+            the staging copy runs in the background (``hdcp.async_save``'s argument): the
+            optimizers in ``state`` wait for it in ``step()``; other in-place updates of the
+            saved tensors call :meth:`wait_for_staging` first.
 
     Raises:
-        ValueError: ``interval < 1`` or ``keep_last_n < 1``.
+        ValueError: ``interval < 1``, ``keep_last_n < 1``, or ``stage_in_background``
+            without ``async_save``.
         CheckpointError: another job's manager holds ``folder``.
     """
 
     def __init__(self, folder: Union[str, os.PathLike], *, interval: int = 1,
-                 keep_last_n: Optional[int] = None, async_save: bool = False):
+                 keep_last_n: Optional[int] = None, async_save: bool = False,
+                 stage_in_background: bool = False):
         if not isinstance(interval, int) or isinstance(interval, bool) or interval < 1:
             raise ValueError(f"interval must be an integer >= 1, got {interval!r}")
         if keep_last_n is not None and (not isinstance(keep_last_n, int) or keep_last_n < 1):
@@ -119,8 +125,11 @@ class CheckpointManager:
         self.folder = os.fspath(folder)
         self.interval = interval
         self.keep_last_n = keep_last_n
+        if stage_in_background and not async_save:
+            raise ValueError("stage_in_background=True needs async_save=True")
         self.async_save = async_save
-        self._pending: Optional[Future] = None
+        self.stage_in_background = stage_in_background
+        self._pending: Optional[AsyncSaveFuture] = None
         self._pending_step: Optional[int] = None
         self._unlock: Optional[weakref.finalize] = None
         refusal = None
@@ -164,7 +173,7 @@ class CheckpointManager:
 
     # ------------------------------------------------------------------ save
 
-    def save(self, step: int, state: Dict[str, Any], *, force: bool = False) -> Union[bool, Future]:
+    def save(self, step: int, state: Dict[str, Any], *, force: bool = False) -> Union[bool, AsyncSaveFuture]:
         """Checkpoint ``state`` as ``step`` if ``step % interval == 0`` or ``force``.
 
         Returns False when skipped; True after a synchronous save committed; for
@@ -183,12 +192,23 @@ class CheckpointManager:
         self.wait()  # one save in flight at a time; also applies retention for the previous one
         path = self.checkpoint_path(step)
         if self.async_save:
-            self._pending = api.async_save(state, checkpoint_id=path, no_dist=self._no_dist())
+            self._pending = api.async_save(state, checkpoint_id=path, no_dist=self._no_dist(),
+                                           stage_in_background=self.stage_in_background)
             self._pending_step = step
             return self._pending
         api.save(state, checkpoint_id=path, no_dist=self._no_dist())
         self._apply_retention(step)
         return True
+
+    def wait_for_staging(self) -> None:
+        """Block until the pending async save (if any) has staged its state; after this,
+        in-place updates cannot reach it.
+
+        Raises:
+            what its staging raised.
+        """
+        if self._pending is not None:
+            self._pending.wait_for_staging()
 
     def wait(self) -> None:
         """Block until the pending async save (if any) committed, then apply retention.

@@ -2,7 +2,8 @@
 state through, chunk by chunk, and that loads bounce device-bound reads through.
 
 [Note: the save pipeline]
-One producer (the caller's thread, :meth:`StagedSave.produce`) walks the plan's tensor items
+One producer (:meth:`StagedSave.produce`: the caller's thread, or the staging thread of an
+async save with ``stage_in_background``) walks the plan's tensor items
 in plan order and copies each chunk's bytes into slabs on a side stream, one piece at a time
 (a piece never spans two slabs; small chunks share one). The writer's threads consume each
 item's pieces in order (:meth:`StagedSave.chunks`): wait for the piece's copy, checksum and
@@ -11,10 +12,14 @@ is full, so copying piece i+1 overlaps writing piece i and host memory stays bou
 
 - A synchronous save stages with a window of ``sync_window_bytes`` and waits for the write.
   Chunks already in host memory are written from their own memory (no copy at all).
-- An async save is a snapshot: every chunk, host ones included, is copied, and ``async_save``
-  returns once the producer is done. With ``budget_bytes=None`` (the default) that is right
-  after the copies; with a budget smaller than the rank's state, once all but the budget has
-  been written.
+- An async save is a snapshot: every chunk, host ones included, is copied. Its staging is
+  complete once the producer is done: with ``budget_bytes=None`` (the default) right after
+  the copies; with a budget smaller than the rank's state, once all but the budget has been
+  written. ``async_save`` returns then, or right after planning with ``stage_in_background``
+  (async_saver.py: the producer then runs on a staging thread, and in-place updates wait
+  for it).
+- The copy stream is ordered after the caller's queued work when the pipeline is created
+  (:meth:`StagingBuffers.stage`, in the caller's thread: the current stream is per thread).
 - Every byte crosses to the host at most once, and is checksummed once, by the writer, on
   the staged bytes.
 """
@@ -261,6 +266,8 @@ class StagedSave(SavePlanner, ChunkSource):
         self._held: List[Slab] = []  # every slab this save took, until both sides finished
         self._open_sides = 2  # producer and writer
         self._start_writer: Callable[[], None] = lambda: None
+        self._stream = CopyStream(get_platform())
+        self._stream.after_current_work()  # the caller's queued work produces what we copy
 
     # --- planning steps: the original planner's --------------------------------------
 
@@ -294,15 +301,14 @@ class StagedSave(SavePlanner, ChunkSource):
         """Copy every tensor chunk into the pipeline, in plan order. ``start_writer()`` is
         called the first time the window is full (the writer must drain it from another
         thread); if it never fills, the caller starts the writer afterwards. A snapshot
-        returns once every copy has completed. Raises what failed; the writer then fails too."""
-        stream = CopyStream(get_platform())
-        stream.after_current_work()
+        returns once every copy has completed. Runs in any thread (the copies were ordered
+        after the creating thread's work). Raises what failed; the writer then fails too."""
         self._start_writer = start_writer
         try:
             for item in self._tensors:
-                self._stage_item(item, stream)
+                self._stage_item(item, self._stream)
             if self.snapshot:
-                wait_event(stream.record())  # in-place updates after this cannot reach the copies
+                wait_event(self._stream.record())  # in-place updates after this cannot reach the copies
         except BaseException as exc:
             self.abort(exc)
             raise
@@ -311,10 +317,11 @@ class StagedSave(SavePlanner, ChunkSource):
 
     def _stage_item(self, item: WriteItem, stream: CopyStream) -> None:
         td = item.tensor_data
-        source = self._planner.get_data(item).detach()
-        if tuple(source.shape) != tuple(td.chunk.sizes) or source.dtype != td.dtype:
-            raise CheckpointError(f"{item.index.fqn!r} changed shape or dtype between planning and writing")
-        flat = source.contiguous().reshape(-1).view(torch.uint8)
+        with stream.active():  # a copy get_data or contiguous() makes follows the caller's work too
+            source = self._planner.get_data(item).detach()
+            if tuple(source.shape) != tuple(td.chunk.sizes) or source.dtype != td.dtype:
+                raise CheckpointError(f"{item.index.fqn!r} changed shape or dtype between planning and writing")
+            flat = source.contiguous().reshape(-1).view(torch.uint8)
         out = self._queues[item.index]
         if flat.device.type == "cpu" and not self.snapshot:
             out.put(_Piece(flat, None, None, None))  # host memory, written while the caller waits
