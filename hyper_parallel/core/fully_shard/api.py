@@ -150,7 +150,8 @@ def fully_shard(
         module: the module, or a list of modules sharing one group (e.g. ``[model.norm,
             model.output]``: one all-gather when the first of them runs forward, reshard after
             the last); each one's class becomes a subclass of :class:`FSDPModule`.
-        mesh: 1-D (FSDP) or 2-D (HSDP: replicate, shard) data-parallel mesh; None = world.
+        mesh: 1-D (FSDP) or 2-D (HSDP: replicate, shard) data-parallel mesh; None = the
+            unnamed 1-D world mesh (torch's default).
         reshard_after_forward: free the unsharded parameters after forward (all-gather again
             in backward); None = True except for the root module. An int ``k`` dividing the
             shard world size keeps the parameters sharded over groups of ``k`` ranks after

@@ -62,12 +62,12 @@ class DataParallelMesh:
 
 
 def _world_mesh() -> DeviceMesh:
-    """A 1-D mesh over the default process group (one per default group)."""
+    """The default mesh: 1-D over the default process group, unnamed, so that it compares equal
+    to torch's default ``init_device_mesh(device_type, (world_size,))`` (one per default group)."""
     default_group = dist.distributed_c10d._get_default_group()
     mesh = _WORLD_MESH.get(default_group)
     if mesh is None:
-        mesh = init_device_mesh(get_platform().device_type, (dist.get_world_size(),),
-                                mesh_dim_names=("shard",))
+        mesh = init_device_mesh(get_platform().device_type, (dist.get_world_size(),))
         _WORLD_MESH[default_group] = mesh
     return mesh
 
