@@ -89,8 +89,8 @@ def resolve_mesh(mesh: Optional[DeviceMesh]) -> DataParallelMesh:
         raise ValueError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard needs a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh, got a "
-            f"{mesh.ndim}-D mesh {mesh}"
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} ({mesh.ndim}-D): 1-D for "
+            f"FSDP, 2-D (replicate, shard) for HSDP"
         )
     device_type = get_platform().device_type
     if mesh.device_type != device_type:
