@@ -56,6 +56,8 @@ COMPAT_REWRITES = (
     (r"\n    HardwareClassification,", "", "common_utils name newer than torch 2.13"),
     (r"\n    hw_classification = HardwareClassification\.ACCELERATOR\n", "\n",
      "test-selection tag newer than torch 2.13"),
+    (r"\bfrom torch\.distributed\._tensor\.debug import", "from torch.distributed.tensor.debug import",
+     "the old alias module is gone in torch 2.13 (same CommDebugMode)"),
 )
 # (pattern, replacement, why): applied with --cpu-port only.
 CPU_PORT_REWRITES = (

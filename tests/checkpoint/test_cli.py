@@ -33,7 +33,7 @@ def test_inspect_lists_tensors_layouts_and_totals(checkpoint):
     assert "step: 3" in out and "version 1" in out and "saved by 2 rank(s)" in out
     line = next(l for l in out.splitlines() if l.strip().startswith("model.tok_embeddings.weight "))
     assert "float32" in line and "256x64" in line and "64.00 KiB" in line
-    assert "mesh 2 (shard) placements [S(0)]" in line
+    assert "mesh 2 placements [S(0)]" in line  # fully_shard(mesh=None): torch's unnamed default mesh
     assert "optim.state.output.weight.exp_avg" in out
     assert "total tensor bytes:" in out and "values (" in out and "step" in out
 

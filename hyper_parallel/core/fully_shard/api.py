@@ -48,7 +48,11 @@ def _shard_dim(param: nn.Parameter, shard_placement_fn) -> int:
     return placement.dim
 
 
-def _check_device(name: str, param: nn.Parameter, dp: DataParallelMesh, offload: bool) -> None:
+def _check_param(name: str, param: nn.Parameter, dp: DataParallelMesh, offload: bool) -> None:
+    """Raise a ValueError naming ``name`` if the parameter cannot be sharded over ``dp``."""
+    if param.ndim == 0:
+        raise ValueError(f"fully_shard cannot shard the 0-dim parameter {name!r}. Change {name} to "
+                         "a 1D tensor with numel equal to 1, or pass it in ignored_params")
     device = param.device
     allowed = {dp.mesh.device_type, "meta"} | ({"cpu"} if offload else set())
     if device.type not in allowed:
@@ -150,7 +154,8 @@ def fully_shard(
         module: the module, or a list of modules sharing one group (e.g. ``[model.norm,
             model.output]``: one all-gather when the first of them runs forward, reshard after
             the last); each one's class becomes a subclass of :class:`FSDPModule`.
-        mesh: 1-D (FSDP) or 2-D (HSDP: replicate, shard) data-parallel mesh; None = world.
+        mesh: 1-D (FSDP) or 2-D (HSDP: replicate, shard) data-parallel mesh; None = the
+            unnamed 1-D world mesh (torch's default).
         reshard_after_forward: free the unsharded parameters after forward (all-gather again
             in backward); None = True except for the root module. An int ``k`` dividing the
             shard world size keeps the parameters sharded over groups of ``k`` ranks after
@@ -182,8 +187,11 @@ def fully_shard(
     own, foreign = _collect(modules, ignored)
     params = []
     for param, name, slots in own.values():
-        _check_device(name, param, dp, offload)
-        params.append(HSDPParam(param, slots, dp, _shard_dim(param, shard_placement_fn)))
+        _check_param(name, param, dp, offload)
+        try:
+            params.append(HSDPParam(param, slots, dp, _shard_dim(param, shard_placement_fn)))
+        except ValueError as err:
+            raise ValueError(f"parameter {name!r}: {err}") from err
     group = HSDPParamGroup(params, dp, mp_policy, offload_policy, reshard_after_forward, post_forward_group)
     for hsdp_param, (original, _, _) in zip(params, own.values()):
         _OWNERS[id(original)] = _OWNERS[id(hsdp_param.sharded_param)] = group

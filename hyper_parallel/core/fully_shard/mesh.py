@@ -62,12 +62,12 @@ class DataParallelMesh:
 
 
 def _world_mesh() -> DeviceMesh:
-    """A 1-D mesh over the default process group (one per default group)."""
+    """The default mesh: 1-D over the default process group, unnamed, so that it compares equal
+    to torch's default ``init_device_mesh(device_type, (world_size,))`` (one per default group)."""
     default_group = dist.distributed_c10d._get_default_group()
     mesh = _WORLD_MESH.get(default_group)
     if mesh is None:
-        mesh = init_device_mesh(get_platform().device_type, (dist.get_world_size(),),
-                                mesh_dim_names=("shard",))
+        mesh = init_device_mesh(get_platform().device_type, (dist.get_world_size(),))
         _WORLD_MESH[default_group] = mesh
     return mesh
 
@@ -89,8 +89,8 @@ def resolve_mesh(mesh: Optional[DeviceMesh]) -> DataParallelMesh:
         raise ValueError(f"mesh must be a DeviceMesh or None, got {type(mesh).__name__}")
     if mesh.ndim not in (1, 2):
         raise ValueError(
-            f"fully_shard needs a 1-D (FSDP) or 2-D (HSDP: replicate, shard) mesh, got a "
-            f"{mesh.ndim}-D mesh {mesh}"
+            f"fully_shard expects a 1D or 2D DeviceMesh but got {mesh} ({mesh.ndim}-D): 1-D for "
+            f"FSDP, 2-D (replicate, shard) for HSDP"
         )
     device_type = get_platform().device_type
     if mesh.device_type != device_type:
