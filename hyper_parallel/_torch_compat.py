@@ -11,7 +11,7 @@ fully_shard parameters re-point it at views of their flat shard buffer (``param.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401  (re-exported)
@@ -23,10 +23,12 @@ __all__ = [
     "chunk_cat",
     "compute_local_shape_and_global_offset",
     "current_graph_task_id",
+    "dump_cuda_memory_snapshot",
     "foreach_mul_",
     "lookup_compile_backend",
     "preserve_version_counter",
     "queue_autograd_callback",
+    "record_cuda_memory_history",
 ]
 
 # torch._chunk_cat(tensors, dim, num_chunks): the per-rank interleaving copy FSDP2 uses for
@@ -55,3 +57,16 @@ def lookup_compile_backend(name: str) -> Callable:
 
     return lookup_backend(name)
 
+
+
+def record_cuda_memory_history(max_entries: Optional[int]) -> None:
+    """Start recording CUDA allocator events (``None``: stop); torch has no public switch."""
+    if max_entries is None:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    else:
+        torch.cuda.memory._record_memory_history(max_entries=max_entries)
+
+
+def dump_cuda_memory_snapshot(path: str) -> None:
+    """Write the recorded CUDA allocator history to ``path`` (pickle, for pytorch.org/memory_viz)."""
+    torch.cuda.memory._dump_snapshot(path)

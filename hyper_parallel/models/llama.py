@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from hyper_parallel._torch_compat import compute_local_shape_and_global_offset
 
 
 @dataclass

@@ -7,6 +7,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from hyper_parallel._torch_compat import dump_cuda_memory_snapshot, record_cuda_memory_history
 from hyper_parallel.models.llama import LlamaConfig
 from hyper_parallel.platform import Platform
 
@@ -98,7 +99,7 @@ class ProfilerWindow:
         if self.platform.device_type == "cuda":
             activities.append(torch.profiler.ProfilerActivity.CUDA)
         if self.memory_snapshot:
-            torch.cuda.memory._record_memory_history(max_entries=200_000)
+            record_cuda_memory_history(200_000)
         self._profiler = torch.profiler.profile(activities=activities, record_shapes=True, with_stack=False)
         self._profiler.__enter__()
 
@@ -112,8 +113,8 @@ class ProfilerWindow:
         self._profiler.export_chrome_trace(path)
         self._profiler = None
         if self.memory_snapshot:
-            torch.cuda.memory._dump_snapshot(os.path.join(self.folder, f"memory_snapshot_rank{self.rank}.pickle"))
-            torch.cuda.memory._record_memory_history(enabled=None)
+            dump_cuda_memory_snapshot(os.path.join(self.folder, f"memory_snapshot_rank{self.rank}.pickle"))
+            record_cuda_memory_history(None)
         return path
 
     def close(self) -> None:

@@ -7,7 +7,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor
-from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+from hyper_parallel._torch_compat import compute_local_shape_and_global_offset
 
 from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata
 

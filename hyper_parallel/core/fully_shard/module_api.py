@@ -4,8 +4,9 @@
 from __future__ import annotations
 
 import functools
-from typing import Any, Iterable, List, Optional
+from typing import Any, Callable, Iterable, List, Optional
 
+import torch
 from torch import nn
 
 from hyper_parallel.core.fully_shard.param_group import UnshardHandle
@@ -113,6 +114,23 @@ class FSDPModule:
             RuntimeError: called on a module that is not the root.
         """
         self._state.reset_iter_state()
+
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream: Optional[Any] = None) -> None:
+        """Call ``hook(grad)`` on this module's group's reduced gradient before it becomes the
+        sharded ``.grad``: a flat tensor in the reduce dtype (this rank's shards, padded), after
+        the reduce-scatter (FSDP) or after the replicate all-reduce (HSDP), already divided by
+        the gradient divide factor. Modify it in place, e.g. all-reduce it over a group of your
+        own. Not recursive; with HSDP ``requires_all_reduce=False`` it does not run.
+
+        Args:
+            hook: ``hook(reduce_output: torch.Tensor) -> None``.
+            stream: accelerator stream to run the hook on (FSDP only; default: the
+                reduce-scatter stream).
+
+        Raises:
+            ValueError: ``stream`` given with HSDP.
+        """
+        self._state.group.set_all_reduce_hook(hook, stream)
 
     def set_modules_to_forward_prefetch(self, modules: List["FSDPModule"]) -> None:
         """Start these modules' all-gathers when this module's forward starts (replaces the

@@ -224,6 +224,8 @@ class HSDPParamGroup:
         self._hooked: Set[HSDPParam] = set()  # params whose unsharded param has the grad hook
         self._grads_seen = 0
         self.on_all_grads: Optional[Callable[[], None]] = None
+        self._all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
+        self._all_reduce_hook_stream: Optional[Any] = None  # None: the reduce-scatter stream
         self._unsharded_slots: List[tuple] = []
         override = mp_policy.param_dtype_override_fn  # sees the parameters before sharding
         self._compute_dtypes = [(override and override(p.original())) or mp_policy.param_dtype for p in params]
@@ -456,9 +458,27 @@ class HSDPParamGroup:
             item.work.wait()
             self._set_grads(item.bucket, item.output)
 
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], stream: Optional[Any]) -> None:
+        """Run ``hook`` in place on every reduced flat gradient (see FSDPModule.set_all_reduce_hook)."""
+        if stream is not None and self.dp.is_hsdp:
+            raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (a replicate mesh "
+                             "dim): the hook runs on the stream of the replicate all-reduce")
+        self._all_reduce_hook, self._all_reduce_hook_stream = hook, stream
+
+    def _run_all_reduce_hook(self, reduced: torch.Tensor) -> None:
+        streams = self._streams
+        stream = self._all_reduce_hook_stream or streams.reduce_scatter
+        streams.wait_for_current(stream)  # the gradient was divided on the compute stream
+        with record_function("hp::all_reduce_hook"), streams.use(stream):
+            self._all_reduce_hook(reduced)
+            done = streams.record_event()
+        streams.wait_event(done)
+
     def _set_grads(self, bucket: _Bucket, reduced: torch.Tensor) -> None:
         if self._post_factor != 1:
             reduced.div_(self._post_factor)
+        if self._all_reduce_hook is not None:
+            self._run_all_reduce_hook(reduced)
         if self.offload:
             reduced = reduced.to("cpu")
         bucket.assign_grads(reduced)
