@@ -11,6 +11,7 @@ fully_shard parameters re-point it at views of their flat shard buffer (``param.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable, Optional
 
 import torch
@@ -23,6 +24,7 @@ __all__ = [
     "chunk_cat",
     "compute_local_shape_and_global_offset",
     "current_graph_task_id",
+    "disable_functorch_if_active",
     "dump_cuda_memory_snapshot",
     "foreach_mul_",
     "lookup_compile_backend",
@@ -58,7 +60,6 @@ def lookup_compile_backend(name: str) -> Callable:
     return lookup_backend(name)
 
 
-
 def record_cuda_memory_history(max_entries: Optional[int]) -> None:
     """Start recording CUDA allocator events (``None``: stop); torch has no public switch."""
     if max_entries is None:
@@ -70,3 +71,21 @@ def record_cuda_memory_history(max_entries: Optional[int]) -> None:
 def dump_cuda_memory_snapshot(path: str) -> None:
     """Write the recorded CUDA allocator history to ``path`` (pickle, for pytorch.org/memory_viz)."""
     torch.cuda.memory._dump_snapshot(path)
+
+
+_functorch_transforms_active = torch._C._are_functorch_transforms_active
+_DisableFuncTorch = torch._C._DisableFuncTorch
+
+
+def disable_functorch_if_active(func: Callable) -> Callable:
+    """Run ``func`` outside functorch transforms (``torch.func.jvp``/``vmap``): fully_shard's
+    buffers and collectives must be plain tensors, never transform-level wrappers."""
+
+    @functools.wraps(func)
+    def wrapper(*args, **kwargs):
+        if _functorch_transforms_active():
+            with _DisableFuncTorch():
+                return func(*args, **kwargs)
+        return func(*args, **kwargs)
+
+    return wrapper

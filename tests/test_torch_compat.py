@@ -28,6 +28,7 @@ def test_every_name_resolves_and_behaves():
     assert len(seen) == 1 and seen[0] != -1
     assert callable(compat.lookup_compile_backend("aot_eager"))
     assert callable(compat.record_cuda_memory_history) and callable(compat.dump_cuda_memory_snapshot)
+    assert compat.disable_functorch_if_active(lambda x: x + 1)(1) == 2  # behaviour: test_transforms_and_recompute
 
 
 def test_package_imports_private_torch_names_only_through_compat():

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from hyper_parallel._torch_compat import chunk_cat, preserve_version_counter
+from hyper_parallel._torch_compat import chunk_cat, disable_functorch_if_active, preserve_version_counter
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh
 from hyper_parallel.core.fully_shard.param import HSDPParam
@@ -295,6 +295,7 @@ class HSDPParamGroup:
                 bucket.update_trainable()
             self._hook_grads()
 
+    @disable_functorch_if_active
     def lazy_init(self) -> None:
         """Bind shards to where the parameters now live (after ``to_empty``, ``to``, or a
         replacement), allocate the unsharded buffers and register the gradient hooks. Runs once."""
@@ -309,6 +310,7 @@ class HSDPParamGroup:
         self._bind_buckets([p.sharded_param._local_tensor.device for p in self.params], self.pin_memory)
 
     # -- unshard / reshard ----------------------------------------------------------------
+    @disable_functorch_if_active
     def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
         """All-gather this group's parameters (no-op when already (being) unsharded from
         up-to-date shards)."""
@@ -339,6 +341,7 @@ class HSDPParamGroup:
         self._gathers = [_InFlightGather(*item, event) for item in issued]
         self.state = ShardState.UNSHARDING
 
+    @disable_functorch_if_active
     def wait_for_unshard(self) -> None:
         if self.state != ShardState.UNSHARDING:
             return
@@ -368,6 +371,7 @@ class HSDPParamGroup:
         self.reshard()
         self._post_forward_pieces = pieces
 
+    @disable_functorch_if_active
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones on the modules."""
         self._post_forward_pieces = None

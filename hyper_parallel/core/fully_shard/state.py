@@ -155,12 +155,19 @@ class HSDPState:
                                "call fully_shard on a module containing them and run that")
         modules = self.modules[0].modules()
         states = list(dict.fromkeys(m.__dict__["_hsdp_state"] for m in modules if "_hsdp_state" in m.__dict__))
+        fqns = {param: name for name, param in self.modules[0].named_parameters(remove_duplicate=False)}
         ctx = _RootContext(states)
         ctx.is_last_backward = self.is_last_backward
         for state in states:
             state.ctx, state.is_root = ctx, state is self
             user_value = state.group.user_reshard_after_forward
             state.group.reshard_after_forward = (not state.is_root) if user_value is None else user_value
+            on_meta = [fqns[p.sharded_param] for p in state.group.params if p.sharded_param.device.type == "meta"]
+            if on_meta:
+                raise RuntimeError(
+                    "FSDP parameters should be materialized from meta device before training, but "
+                    f"the following were still on meta device: {on_meta}\nFor example, call "
+                    "module.to_empty(device=...) and initialise them (e.g. reset_parameters()).")
             state.group.lazy_init()
         for state in states:  # borrowed groups may live outside this subtree
             for group in state.borrowed:
@@ -239,6 +246,9 @@ class HSDPState:
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if _in_backward():  # recomputation (activation checkpointing): backward needs the params
+            # ... and the same output dtype as the original forward (checkpoint checks it)
+            if self.mp_policy.output_dtype is not None:
+                output = cast_floating(output, self.mp_policy.output_dtype)
             return output
         grad_enabled = torch.is_grad_enabled()
         self.to_run.discard(module)
