@@ -65,7 +65,7 @@ def _hsdp():
     grads, ref = _hooked_grads(mesh, _signed_square, dist.get_rank(), 4)
     for g in ref.values():
         _signed_square(g)
-    with pytest.raises(ValueError, match="stream cannot be set with HSDP"):
+    with pytest.raises(ValueError, match="stream cannot be set when using native HSDP"):
         hp.fully_shard(tiny_llama(), mesh=mesh).set_all_reduce_hook(_signed_square, stream=object())
     return max_diff(grads, ref)
 

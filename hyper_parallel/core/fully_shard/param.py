@@ -81,6 +81,9 @@ class HSDPParam:
         self.unsharded_param: Optional[nn.Parameter] = None
         # Plain tensor of the unsharded values (local over TP), viewing the unsharded buffer.
         self.unsharded_data: Optional[torch.Tensor] = None
+        # Unreduced gradient summed in the reduce dtype over backwards without gradient sync,
+        # when that dtype is wider than the compute dtype (FSDP2 accumulates there, not in bf16).
+        self.accumulated_grad: Optional[torch.Tensor] = None
 
     def _rows_shape(self, rows: int) -> Tuple[int, ...]:
         shape = list(self.unsharded_local_shape)
@@ -184,18 +187,35 @@ class HSDPParam:
         self.unsharded_param = nn.Parameter(full, requires_grad=self.requires_grad)
 
     def reduce_scatter_input(self, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """The unsharded gradient (local over TP; zeros if there is none) in a layout whose
-        ``_chunk_cat(dim=0, num_chunks=world)`` chunk ``r`` is rank ``r``'s shard slot; clears
-        the unsharded gradient."""
+        """The unsharded gradient (plus ``accumulated_grad``; local over TP; zeros if there is
+        none) in ``dtype``, in a layout whose ``_chunk_cat(dim=0, num_chunks=world)`` chunk ``r``
+        is rank ``r``'s shard slot; clears both."""
         grad = self.unsharded_param.grad
         self.unsharded_param.grad = None
+        if self.accumulated_grad is not None:
+            if grad is not None:
+                self.accumulated_grad += grad
+            grad, self.accumulated_grad = self.accumulated_grad, None
         if grad is None:
             grad = torch.zeros(self.unsharded_local_shape, dtype=dtype, device=device)
         elif isinstance(grad, DTensor):
             if tuple(grad.placements) != self.tp_placements:
                 grad = grad.redistribute(placements=self.tp_placements)
             grad = grad._local_tensor
+        grad = grad.to(dtype)
         return self.rank_rows(grad) if self.shard_dim else grad
+
+    def accumulate_unreduced_grad(self, reduce_dtype: torch.dtype) -> None:
+        """After a backward without gradient sync: move the unsharded gradient into
+        ``accumulated_grad`` (in ``reduce_dtype``) when that dtype differs from the gradient's."""
+        grad = self.unsharded_param.grad
+        if grad is None or (self.accumulated_grad is None and grad.dtype == reduce_dtype):
+            return
+        self.unsharded_param.grad = None
+        if self.accumulated_grad is None:
+            self.accumulated_grad = grad.to(reduce_dtype)
+        else:
+            self.accumulated_grad += grad
 
     def accumulate_sharded_grad(self, padded_flat: torch.Tensor) -> None:
         """Set (or add to) the sharded gradient from its slot of a reduced flat buffer, then run

@@ -148,12 +148,20 @@ class _Bucket:
     def gradient_input(self) -> Optional[torch.Tensor]:
         """Unsharded grads of the trainable parameters as one rank-major flat reduce-scatter
         input (None: no grads at all). Clears the unsharded grads."""
-        if all(p.unsharded_param.grad is None for p in self.trainable):
+        if all(p.unsharded_param.grad is None and p.accumulated_grad is None for p in self.trainable):
             return None
         device = self.unsharded_flat.device
-        grads = [p.reduce_scatter_input(self.compute_dtype, device) for p in self.trainable]
+        accumulated = any(p.accumulated_grad is not None for p in self.trainable)
+        dtype = self.reduce_dtype if accumulated else self.compute_dtype
+        grads = [p.reduce_scatter_input(dtype, device) for p in self.trainable]
         flat = chunk_cat(grads, dim=0, num_chunks=self.world)
         return flat.to(self.reduce_dtype).view(-1)
+
+    def accumulate_unreduced_grads(self) -> None:
+        """A backward without gradient sync: sum the unsharded grads in the reduce dtype."""
+        if self.reduce_dtype != self.compute_dtype:
+            for param in self.trainable:
+                param.accumulate_unreduced_grad(self.reduce_dtype)
 
     def assign_grads(self, reduced: torch.Tensor) -> None:
         reduced = reduced.to(self.dtype)
@@ -407,9 +415,16 @@ class HSDPParamGroup:
         for bucket in self.buckets:
             bucket.partial_grad = None
         for param in self.params:
+            param.accumulated_grad = None
             if param.unsharded_param is not None:
                 param.unsharded_param.grad = None
         self.reshard()
+
+    def accumulate_unreduced_grads(self) -> None:
+        """Gradient sync is off this backward: keep the unsharded grads summed in the reduce
+        dtype where it differs from the compute dtype (the next synced backward reduces them)."""
+        for bucket in self.buckets:
+            bucket.accumulate_unreduced_grads()
 
     def reduce_grads(self) -> None:
         """Issue the reduce-scatter of every bucket's unsharded gradients (async)."""
@@ -465,8 +480,8 @@ class HSDPParamGroup:
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], stream: Optional[Any]) -> None:
         """Run ``hook`` in place on every reduced flat gradient (see FSDPModule.set_all_reduce_hook)."""
         if stream is not None and self.dp.is_hsdp:
-            raise ValueError("set_all_reduce_hook: stream cannot be set with HSDP (a replicate mesh "
-                             "dim): the hook runs on the stream of the replicate all-reduce")
+            # torch's wording (its tests compare it): the hook runs on the all-reduce's stream
+            raise ValueError("stream cannot be set when using native HSDP")
         self._all_reduce_hook, self._all_reduce_hook_stream = hook, stream
 
     def _run_all_reduce_hook(self, reduced: torch.Tensor) -> None:

@@ -300,6 +300,8 @@ class HSDPState:
         if self.group.requires_gradient_sync:
             self.group.reduce_grads()
             self.ctx.reducing.append(self.group)
+        else:
+            self.group.accumulate_unreduced_grads()
         self._maybe_reshard_after_backward()
 
     def _on_input_grads(self, grads) -> None:
