@@ -9,6 +9,7 @@ is compared with a brute-force plan for DTensor layouts saved and loaded across 
 import math
 import pickle
 import random
+import tracemalloc
 
 import pytest
 import torch
@@ -69,6 +70,20 @@ def test_scalar_and_empty_tables():
     assert empty.sizes_at((0,)) == (0,) and empty.overlapping((0,), (0,)) == []
     with pytest.raises(ValueError, match="2-dim tensor"):
         ChunkTable(2).append_box((0,), (3,))
+
+
+def test_parsed_metadata_holds_chunks_compactly():
+    """A tensor's chunks parse into one table, not one object per chunk (FSDP over 4,096 ranks:
+    4,096 chunks of a (8192, 64) tensor); a list of chunks still compares equal."""
+    chunks = [hdcp.ChunkStorageMetadata((2 * i, 0), (2, 64)) for i in range(4096)]
+    text = hdcp.Metadata({"w": hdcp.TensorStorageMetadata(torch.bfloat16, (8192, 64), chunks)}).to_json()
+    tracemalloc.start()
+    parsed = hdcp.Metadata.from_json(text)
+    held = tracemalloc.get_traced_memory()[0]
+    tracemalloc.stop()
+    table = parsed.state_dict_metadata["w"].chunks
+    assert isinstance(table, ChunkTable) and table == chunks
+    assert held < 48 * len(chunks), f"{held / len(chunks):.0f} bytes per parsed chunk"
 
 
 # ---------------------------------------------------------------- the load planner on DTensors
