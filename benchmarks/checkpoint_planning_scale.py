@@ -88,14 +88,6 @@ def _init(world: int, rank: int, kind: str):
     return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names), placements
 
 
-def _init(world: int, rank: int, kind: str):
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
-    mesh_shape, placements, names = _layout(kind, world)
-    return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names), placements
-
-
 def _shard0(rows: int, parts: int, index: int) -> Tuple[int, int]:
     """(start, length) of piece ``index`` of ``rows`` split into ``parts`` by ``Shard(0)``."""
     step = -(-rows // parts)
@@ -167,8 +159,7 @@ def _traced(fn: Callable[[], object]) -> Tuple[object, int, int]:
 
 
 def _save_planner(shapes, kind: str, world: int, rank: int) -> Callable[[], hdcp.SavePlan]:
-    mesh, placements = _init(world, rank, kind)
-    state = _meta_state(shapes, mesh, placements)
+    state = _meta_state(shapes, *_init(world, rank, kind))
 
     def plan() -> hdcp.SavePlan:
         planner = hdcp.StandardSavePlanner()
@@ -179,8 +170,7 @@ def _save_planner(shapes, kind: str, world: int, rank: int) -> Callable[[], hdcp
 
 
 def _load_planner(shapes, kind: str, world: int, metadata: hdcp.Metadata) -> Callable[[], hdcp.LoadPlan]:
-    mesh, placements = _init(world, 0, kind)
-    state = _meta_state(shapes, mesh, placements)
+    state = _meta_state(shapes, *_init(world, 0, kind))
 
     def plan() -> hdcp.LoadPlan:
         planner = hdcp.StandardLoadPlanner()
