@@ -16,7 +16,7 @@ No collective runs; a fake process group (torch's ``fake`` backend) gives the me
 - **rank 0, resharding load planning**: the real ``StandardLoadPlanner`` loading the other
   layout's checkpoint (FSDP checkpoint -> HSDP state and back), ``use_collectives=False``.
 
-Times are measured untraced; memory figures come from a second, ``tracemalloc``-traced run of
+Times are this process's CPU seconds (``time.process_time``), measured untraced; memory figures come from a second, ``tracemalloc``-traced run of
 the same step (Python allocations): "peak" is the step's peak, "held" what stays allocated
 after it. Run:
 
@@ -140,10 +140,11 @@ def _record_storage(metadata: hdcp.Metadata, plans: List[hdcp.SavePlan]) -> None
 
 
 def _timed(fn: Callable[[], object]) -> Tuple[object, float]:
-    """(result, seconds) of ``fn``, untraced."""
-    start = time.perf_counter()
+    """(result, CPU seconds of this process) of ``fn``, untraced: CPU time, not wall time, so
+    that the time other processes of a loaded machine take is not counted."""
+    start = time.process_time()
     result = fn()
-    return result, time.perf_counter() - start
+    return result, time.process_time() - start
 
 
 def _traced(fn: Callable[[], object]) -> Tuple[object, int, int]:
