@@ -16,9 +16,9 @@ No collective runs; a fake process group (torch's ``fake`` backend) gives the me
 - **rank 0, resharding load planning**: the real ``StandardLoadPlanner`` loading the other
   layout's checkpoint (FSDP checkpoint -> HSDP state and back), ``use_collectives=False``.
 
-Times are this process's CPU seconds (``time.process_time``), measured untraced; memory figures come from a second, ``tracemalloc``-traced run of
-the same step (Python allocations): "peak" is the step's peak, "held" what stays allocated
-after it. Run:
+Times are this process's CPU seconds (``time.process_time``), measured untraced; memory
+figures come from a second, ``tracemalloc``-traced run of the same step (Python allocations):
+"peak" is the step's peak, "held" what stays allocated after it. Run:
 
     python benchmarks/checkpoint_planning_scale.py [--worlds 1024 4096 16384] [--kinds fsdp hsdp]
 """
