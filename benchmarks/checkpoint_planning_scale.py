@@ -7,26 +7,33 @@ No collective runs; a fake process group (torch's ``fake`` backend) gives the me
 - **rank 0, local save planning**: the real ``StandardSavePlanner`` on meta DTensors; time and
   the pickled plan it would send to the coordinator.
 - **coordinator, global save planning**: the real ``build_global_plan`` over all W local
-  plans. The other ranks' plans are built from torch's own placement math
-  (``_compute_local_shape_and_global_offset`` with each rank's coordinate) and the planner's
-  replica rule; the real planner's plans of ranks 0 and W-1 are checked equal to them.
-- **metadata**: the committed JSON every rank reads on load, and its in-memory size.
+  plans. The other ranks' plans are built from the ``Shard(0)`` arithmetic and the planner's
+  replica rule; the real planner's plans of ranks 0, W/2 - 1 and W - 1 are checked equal to them.
+- **metadata**: the committed JSON (chunks, one storage location per chunk in ``__{rank}_0``
+  files as the writer names them, the files' sizes); what the coordinator does with it on load
+  (``read_checkpoint_metadata``: parse and ``check_metadata``); what every rank then holds
+  (the parsed metadata, sent pickled by the coordinator).
 - **rank 0, resharding load planning**: the real ``StandardLoadPlanner`` loading the other
   layout's checkpoint (FSDP checkpoint -> HSDP state and back), ``use_collectives=False``.
 
-Memory figures are ``tracemalloc`` peaks of the step (Python allocations). Run:
+Times are this process's CPU seconds (``time.process_time``), measured untraced; memory
+figures come from a second, ``tracemalloc``-traced run of the same step (Python allocations):
+"peak" is the step's peak, "held" what stays allocated after it. Tracing the coordinator's
+steps (``--trace-coordinator``) triples their cost at 16,384 ranks, so it is optional. Run:
 
-    python benchmarks/checkpoint_planning_scale.py [--worlds 1024 4096 16384]
+    python benchmarks/checkpoint_planning_scale.py [--worlds 1024 4096 16384] [--kinds fsdp hsdp]
+        [--trace-coordinator]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import pickle
 import time
 import tracemalloc
 from collections import defaultdict
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -37,6 +44,7 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hyper_parallel.checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.planner import TensorWriteData
+from hyper_parallel.core.distributed_checkpoint.validation import check_metadata
 
 HSDP_SHARD = 8  # ranks per shard group (one node)
 DTYPE = torch.bfloat16
@@ -61,10 +69,6 @@ def _layout(kind: str, world: int):
     return (world // HSDP_SHARD, HSDP_SHARD), (Replicate(), Shard(0)), ("replicate", "shard")
 
 
-def _coordinate(rank: int, mesh_shape) -> List[int]:
-    return [rank] if len(mesh_shape) == 1 else [rank // mesh_shape[1], rank % mesh_shape[1]]
-
-
 def _meta_state(shapes, mesh, placements) -> Dict[str, DTensor]:
     """Meta DTensors of this rank's shards (no memory)."""
     state = {}
@@ -86,103 +90,159 @@ def _init(world: int, rank: int, kind: str):
     return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names), placements
 
 
+def _shard0(rows: int, parts: int, index: int) -> Tuple[int, int]:
+    """(start, length) of piece ``index`` of ``rows`` split into ``parts`` by ``Shard(0)``."""
+    step = -(-rows // parts)
+    start = min(index * step, rows)
+    return start, min(rows, start + step) - start
+
+
 def _synthesized_plans(shapes, kind: str, world: int) -> List[hdcp.SavePlan]:
-    """Every rank's local save plan from torch's placement math and the planner's rule: a
-    chunk is written by one of its holders, balanced by bytes in key order."""
+    """Every rank's local save plan from the ``Shard(0)`` arithmetic and the planner's rule: a
+    replicated chunk is written by the first of its least loaded holders, by bytes in key order."""
     mesh_shape, placements, names = _layout(kind, world)
     items: List[list] = [[] for _ in range(world)]
     layouts: List[dict] = [{} for _ in range(world)]
-    replica_load: Dict[tuple, Dict[int, int]] = defaultdict(lambda: defaultdict(int))
     layout = {"mesh_shape": list(mesh_shape), "mesh_dim_names": list(names or ()),
               "placements": [str(p) for p in placements]}
+    parts = world if kind == "fsdp" else HSDP_SHARD
+    loads = [defaultdict(int) for _ in range(parts)]
     for name in sorted(shapes, key=lambda k: "model." + k):  # the planner's order: flattened keys
         key, shape = "model." + name, shapes[name]
-        for rank in range(world):
-            coord = _coordinate(rank, mesh_shape)
-            sizes, offsets = _compute_local_shape_and_global_offset(shape, mesh_shape, coord, placements)
-            if 0 in sizes:
+        rest = tuple(shape[1:])
+        for piece in range(parts):
+            start, rows = _shard0(shape[0], parts, piece)
+            if rows == 0:
                 continue
-            holders = [rank] if kind == "fsdp" else [r * mesh_shape[1] + coord[1] for r in range(mesh_shape[0])]
-            load = replica_load[tuple(holders)]
-            if rank == holders[0]:  # every holder computes the same owner; do it once
-                owner = min(holders, key=lambda r: (load[r], holders.index(r)))
-                load[owner] += torch.Size(sizes).numel() * DTYPE.itemsize
-                chunk = hdcp.ChunkStorageMetadata(tuple(offsets), tuple(sizes))
-                items[owner].append(hdcp.WriteItem(hdcp.MetadataIndex(key, chunk.offsets), hdcp.WriteItemType.TENSOR,
-                                                   TensorWriteData(chunk, DTYPE, tuple(shape))))
-                layouts[owner][key] = layout
+            if kind == "fsdp":
+                owner = piece
+            else:
+                owner = min(range(piece, world, HSDP_SHARD), key=loads[piece].__getitem__)
+                loads[piece][owner] += rows * torch.Size(rest).numel() * DTYPE.itemsize
+            chunk = hdcp.ChunkStorageMetadata((start,) + (0,) * len(rest), (rows,) + rest)
+            items[owner].append(hdcp.WriteItem(hdcp.MetadataIndex(key, chunk.offsets), hdcp.WriteItemType.TENSOR,
+                                               TensorWriteData(chunk, DTYPE, tuple(shape))))
+            layouts[owner][key] = layout
     return [hdcp.SavePlan(items[r], layouts=layouts[r]) for r in range(world)]
 
 
-def _timed(fn: Callable[[], object]) -> Tuple[object, float, int]:
-    """(result, seconds, tracemalloc peak bytes) of ``fn``."""
-    tracemalloc.start()
-    start = time.perf_counter()
+def _record_storage(metadata: hdcp.Metadata, plans: List[hdcp.SavePlan]) -> None:
+    """The storage locations the writer would record: rank r's chunks back to back in
+    ``__{r}_0.safetensors`` after its header, with a crc32 each."""
+    for rank, plan in enumerate(plans):
+        if not plan.items:
+            continue
+        name, position = f"__{rank}_0.safetensors", 8 + 96 * len(plan.items)
+        for item in plan.items:
+            length = torch.Size(item.tensor_data.chunk.sizes).numel() * DTYPE.itemsize
+            crc = (position * 2654435761) & 0xFFFFFFFF
+            metadata.storage_data[item.index] = hdcp.StorageInfo(name, position, length, crc)
+            position += length
+        metadata.files[name] = hdcp.FileInfo(position, (position * 40503) & 0xFFFFFFFF)
+
+
+def _timed(fn: Callable[[], object]) -> Tuple[object, float]:
+    """(result, CPU seconds of this process) of ``fn``, untraced: CPU time, not wall time, so
+    that the time other processes of a loaded machine take is not counted."""
+    start = time.process_time()
     result = fn()
-    seconds = time.perf_counter() - start
-    peak = tracemalloc.get_traced_memory()[1]
+    return result, time.process_time() - start
+
+
+def _traced(fn: Callable[[], object]) -> Tuple[object, int, int]:
+    """(result, peak bytes, bytes still held after) of ``fn`` under ``tracemalloc``."""
+    gc.collect()
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    result = fn()
+    gc.collect()
+    held, peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
-    return result, seconds, peak
+    return result, peak - before, held - before
 
 
-def _local_save_plan(shapes, kind: str, world: int, rank: int):
-    mesh, placements = _init(world, rank, kind)
-    state = _meta_state(shapes, mesh, placements)
-    planner = hdcp.StandardSavePlanner()
+def _save_planner(shapes, kind: str, world: int, rank: int) -> Callable[[], hdcp.SavePlan]:
+    state = _meta_state(shapes, *_init(world, rank, kind))
 
-    def plan():
+    def plan() -> hdcp.SavePlan:
+        planner = hdcp.StandardSavePlanner()
         planner.configure_planner(state, rank=rank)
         return planner.build_local_plan()
 
-    return _timed(plan)
+    return plan
 
 
-def _load_plan(shapes, kind: str, world: int, metadata: hdcp.Metadata):
-    mesh, placements = _init(world, 0, kind)
-    state = _meta_state(shapes, mesh, placements)
-    planner = hdcp.StandardLoadPlanner()
+def _load_planner(shapes, kind: str, world: int, metadata: hdcp.Metadata) -> Callable[[], hdcp.LoadPlan]:
+    state = _meta_state(shapes, *_init(world, 0, kind))
 
-    def plan():
+    def plan() -> hdcp.LoadPlan:
+        planner = hdcp.StandardLoadPlanner()
         planner.configure_planner(state, metadata, rank=0, use_collectives=False)
         return planner.build_local_plan()
 
-    return _timed(plan)
+    return plan
 
 
-def _mb(nbytes: float) -> str:
+def _read_metadata(text: str) -> hdcp.Metadata:
+    """What ``read_checkpoint_metadata`` does with the file's text on the coordinator."""
+    metadata = hdcp.Metadata.from_json(text, "bench")
+    check_metadata(metadata, "bench")
+    return metadata
+
+
+def _mb(nbytes: Optional[float]) -> str:
+    if nbytes is None:
+        return "-"
     return f"{nbytes / 1e6:.1f} MB" if nbytes >= 1e5 else f"{nbytes / 1e3:.1f} KB"
+
+
+def _row(shapes, kind: str, world: int, trace_coordinator: bool) -> str:
+    plans = _synthesized_plans(shapes, kind, world)
+    gc.collect()
+    local, local_s = _timed(_save_planner(shapes, kind, world, 0))
+    for rank in (0, world // 2 - 1, world - 1):
+        real = local if rank == 0 else _save_planner(shapes, kind, world, rank)()
+        assert (real.items, real.layouts) == (plans[rank].items, plans[rank].layouts), f"rank {rank} differs"
+    coordinator = hdcp.StandardSavePlanner()
+    coordinator.configure_planner({}, rank=0)
+    (final, metadata), global_s = _timed(lambda: coordinator.build_global_plan(plans))
+    global_peak = _traced(lambda: coordinator.build_global_plan(plans))[1] if trace_coordinator else None
+    _record_storage(metadata, final)
+    chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values())
+    text = metadata.to_json()
+    del plans, final, metadata
+    parsed, read_s = _timed(lambda: _read_metadata(text))
+    read_peak = _traced(lambda: _read_metadata(text))[1] if trace_coordinator else None
+    sent = pickle.dumps(parsed)
+    del parsed
+    held_metadata, _, held = _traced(lambda: pickle.loads(sent))
+    other = "hsdp" if kind == "fsdp" else "fsdp"
+    plan = _load_planner(shapes, other, world, held_metadata)
+    load, load_s = _timed(plan)
+    _, load_peak, _ = _traced(plan)
+    return (f"| {world} | {kind} (load as {other}) | {chunks} | {local_s:.2f} s / {_mb(len(pickle.dumps(local)))} | "
+            f"{global_s:.2f} s / {_mb(global_peak)} | {_mb(len(text))} | {read_s:.2f} s / {_mb(read_peak)} | "
+            f"{_mb(len(sent))} / {_mb(held)} | {load_s:.2f} s / {_mb(load_peak)} / {len(load.items)} |")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--worlds", type=int, nargs="+", default=[1024, 4096, 16384])
+    parser.add_argument("--kinds", nargs="+", choices=("fsdp", "hsdp"), default=["fsdp", "hsdp"])
+    parser.add_argument("--trace-coordinator", action="store_true",
+                        help="also trace the coordinator's global plan and metadata read for their peak memory")
     args = parser.parse_args()
     shapes = llama8b_shapes()
     params = sum(torch.Size(s).numel() for s in shapes.values())
     print(f"state: {len(shapes)} bf16 tensors, {params / 1e9:.2f}e9 parameters (Llama-3-8B shapes); "
           f"HSDP = (world/{HSDP_SHARD}, {HSDP_SHARD}) mesh; torch {torch.__version__}\n")
-    print("| ranks | layout | rank 0 save plan: s / sent | coordinator global plan: s / peak mem "
-          "| chunks | metadata JSON | metadata in memory | rank 0 reshard load plan: s / peak mem |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| ranks | layout | chunks | rank 0 save plan: s / sent | coordinator global plan: s / peak "
+          "| metadata JSON | coordinator reads it: s / peak | every rank: received / held "
+          "| rank 0 reshard load plan: s / peak / reads |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for world in args.worlds:
-        for kind in ("fsdp", "hsdp"):
-            plans = _synthesized_plans(shapes, kind, world)
-            (local, local_s, _) = _local_save_plan(shapes, kind, world, 0)
-            last, _, _ = _local_save_plan(shapes, kind, world, world - 1)
-            assert local.items == plans[0].items and last.items == plans[-1].items, "synthesized plans differ"
-            assert local.layouts == plans[0].layouts
-            coordinator = hdcp.StandardSavePlanner()
-            coordinator.configure_planner({}, rank=0)
-            (global_plans, metadata), global_s, global_peak = _timed(lambda: coordinator.build_global_plan(plans))
-            text = metadata.to_json()
-            parsed, _, parse_peak = _timed(lambda: hdcp.Metadata.from_json(text))
-            chunks = sum(len(md.chunks) for md in metadata.state_dict_metadata.values())
-            other = "hsdp" if kind == "fsdp" else "fsdp"
-            _, load_s, load_peak = _load_plan(shapes, other, world, parsed)
-            print(f"| {world} | {kind} (load as {other}) | {local_s:.2f} s / {_mb(len(pickle.dumps(local)))} | "
-                  f"{global_s:.2f} s / {_mb(global_peak)} | {chunks} | {_mb(len(text))} | {_mb(parse_peak)} | "
-                  f"{load_s:.2f} s / {_mb(load_peak)} |", flush=True)
-            del plans, global_plans, metadata, parsed, text
+        for kind in args.kinds:
+            print(_row(shapes, kind, world, args.trace_coordinator), flush=True)
     dist.destroy_process_group()
 
 

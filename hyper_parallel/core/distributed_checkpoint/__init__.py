@@ -33,11 +33,11 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     ReadItem,
     SavePlan,
     SavePlanner,
-    StandardLoadPlanner,
-    StandardSavePlanner,
     WriteItem,
     WriteItemType,
 )
+from hyper_parallel.core.distributed_checkpoint.load_planner import StandardLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.save_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.stateful import Stateful
 from hyper_parallel.core.distributed_checkpoint.storage import (
     AsyncCommitWriter,

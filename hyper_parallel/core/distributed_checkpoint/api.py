@@ -14,13 +14,9 @@ from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.plan_cache import PlannedSave, SavePlanCache
-from hyper_parallel.core.distributed_checkpoint.planner import (
-    LoadPlanner,
-    SavePlan,
-    SavePlanner,
-    StandardLoadPlanner,
-    StandardSavePlanner,
-)
+from hyper_parallel.core.distributed_checkpoint.load_planner import StandardLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
+from hyper_parallel.core.distributed_checkpoint.save_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.staging import StagedSave, StagingBuffers
 from hyper_parallel.core.distributed_checkpoint.stateful import resolve_stateful
 from hyper_parallel.core.distributed_checkpoint.storage import (

@@ -211,11 +211,6 @@ class FileSystemReader(StorageReader):
     def configure_reader(self, metadata: Metadata, is_coordinator: bool, **kwargs: Any) -> None:
         self.metadata = metadata
         self._verifying = self.verify and bool(kwargs.get("verify", True))
-        self._chunk_sizes = {
-            (fqn, c.offsets): c.sizes
-            for fqn, md in metadata.state_dict_metadata.items()
-            if isinstance(md, TensorStorageMetadata) for c in md.chunks
-        }
 
     def _open(self, name: str) -> int:
         return open_data_file(self.path, name, self.metadata)
@@ -302,7 +297,7 @@ class FileSystemReader(StorageReader):
                      bounce: BounceReads) -> None:
         key = item.storage_index.fqn
         md = self.metadata.state_dict_metadata[key]
-        sizes = self._chunk_sizes.get((key, item.storage_index.offset))
+        sizes = md.chunks.sizes_at(item.storage_index.offset) if isinstance(md, TensorStorageMetadata) else None
         if sizes is None or numel(sizes) * md.dtype.itemsize != info.length:
             raise CheckpointError(f"checkpoint metadata of {key!r} chunk {item.storage_index.offset} is inconsistent")
         box = BoxGeometry(sizes, item.storage_offsets, item.lengths)

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
+
+from hyper_parallel.core.distributed_checkpoint.chunk_table import ChunkStorageMetadata, ChunkTable
+
+__all__ = [
+    "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "DTYPE_TO_SAFETENSORS", "MAX_DIMS", "MAX_NESTING",
+    "BytesStorageMetadata", "CheckpointError", "ChunkStorageMetadata", "ChunkTable", "FileInfo", "Metadata",
+    "MetadataIndex", "StorageInfo", "StorageMetadata", "TensorStorageMetadata", "check_relative_path",
+    "dtype_from_name", "dtype_name",
+]
 
 FORMAT_NAME = "hyper_parallel.checkpoint"
 FORMAT_VERSION = 1
@@ -38,21 +48,18 @@ def dtype_from_name(name: str) -> torch.dtype:
         raise CheckpointError(f"unknown dtype {name!r} in checkpoint metadata") from None
 
 
-@dataclass(frozen=True)
-class ChunkStorageMetadata:
-    """One stored box of a tensor: global ``offsets`` and ``sizes`` per dim."""
-
-    offsets: Tuple[int, ...]
-    sizes: Tuple[int, ...]
-
-
 @dataclass
 class TensorStorageMetadata:
-    """A tensor's global ``dtype`` and ``size`` and the chunks that together cover it."""
+    """A tensor's global ``dtype`` and ``size`` and the chunks that together cover it
+    (a list of :class:`ChunkStorageMetadata` given here is stored as a :class:`ChunkTable`)."""
 
     dtype: torch.dtype
     size: Tuple[int, ...]
-    chunks: List[ChunkStorageMetadata] = field(default_factory=list)
+    chunks: ChunkTable = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.chunks, ChunkTable):
+            self.chunks = ChunkTable(len(self.size), self.chunks)
 
 
 @dataclass
@@ -63,7 +70,7 @@ class BytesStorageMetadata:
 StorageMetadata = Union[TensorStorageMetadata, BytesStorageMetadata]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class MetadataIndex:
     """Names one stored item: ``fqn``, plus the chunk's global ``offset`` for tensors.
 
@@ -76,7 +83,7 @@ class MetadataIndex:
     index: Optional[int] = None
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class StorageInfo:
     """Where an item lives: file (relative to the checkpoint dir), byte range, crc32.
 
@@ -90,7 +97,7 @@ class StorageInfo:
     encoding: str = "raw"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class FileInfo:
     """Size in bytes and crc32 of a whole data file."""
 
@@ -127,7 +134,8 @@ class Metadata:
             if isinstance(md, TensorStorageMetadata):
                 entries[fqn] = {
                     "type": "tensor", "dtype": dtype_name(md.dtype), "size": list(md.size),
-                    "chunks": [{"offsets": list(c.offsets), "sizes": list(c.sizes)} for c in md.chunks],
+                    "chunks": [{"offsets": list(md.chunks.offsets_of(i)), "sizes": list(md.chunks.sizes_of(i))}
+                               for i in range(len(md.chunks))],
                 }
             else:
                 entries[fqn] = {"type": "bytes"}
@@ -155,6 +163,18 @@ class Metadata:
         Raises:
             CheckpointError: not JSON, another format, a newer version, or a field is wrong.
         """
+        # Parsing creates millions of objects at scale and no reference cycle: the cyclic
+        # collector's passes over them would only cost time.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return cls._from_json(text, source)
+        finally:
+            if collecting:
+                gc.enable()
+
+    @classmethod
+    def _from_json(cls, text: Union[str, bytes], source: str) -> "Metadata":
         try:
             doc = json.loads(text)
         except (UnicodeDecodeError, ValueError, RecursionError) as exc:
@@ -168,23 +188,26 @@ class Metadata:
                 f"{source} has format version {version}; this build reads up to {FORMAT_VERSION}"
             )
         _check_document(doc, source)
-        # The schema check above makes every access below well-typed and in range.
+        # The schema check above makes every access below well-typed and in range. Chunks go
+        # into one compact table per tensor; each name string is kept once (not per item).
         sd_md: Dict[str, StorageMetadata] = {}
         for fqn, entry in doc["state_dict_metadata"].items():
             if entry["type"] == "tensor":
-                sd_md[fqn] = TensorStorageMetadata(
-                    dtype=dtype_from_name(entry["dtype"]), size=tuple(entry["size"]),
-                    chunks=[ChunkStorageMetadata(tuple(c["offsets"]), tuple(c["sizes"])) for c in entry["chunks"]],
-                )
+                table = ChunkTable(len(entry["size"]))
+                for c in entry["chunks"]:
+                    table.append_box(c["offsets"], c["sizes"])
+                sd_md[fqn] = TensorStorageMetadata(dtype_from_name(entry["dtype"]), tuple(entry["size"]), table)
             else:
                 sd_md[fqn] = BytesStorageMetadata()
+        files = {name: FileInfo(f["size"], f["checksum"]) for name, f in doc["files"].items()}
+        names = {name: name for name in (*sd_md, *files)}
         storage = {}
         for e in doc["storage_data"]:
-            idx = MetadataIndex(e["fqn"], None if e["offset"] is None else tuple(e["offset"]), e["index"])
+            fqn, file = names.setdefault(e["fqn"], e["fqn"]), names.setdefault(e["file"], e["file"])
+            idx = MetadataIndex(fqn, None if e["offset"] is None else tuple(e["offset"]), e["index"])
             if idx in storage:
                 raise CheckpointError(f"{source} lists storage for {idx} twice")
-            storage[idx] = StorageInfo(e["file"], e["byte_offset"], e["length"], e["checksum"], e["encoding"])
-        files = {name: FileInfo(f["size"], f["checksum"]) for name, f in doc["files"].items()}
+            storage[idx] = StorageInfo(file, e["byte_offset"], e["length"], e["checksum"], e["encoding"])
         return cls(
             state_dict_metadata=sd_md, storage_data=storage, files=files, layouts=doc.get("layouts", {}),
             world_size=doc["world_size"], rank=doc.get("rank"), save_id=doc.get("save_id", ""),
@@ -200,8 +223,21 @@ _MAX_INT = 2**63 - 1
 _ENCODINGS = ("raw", "json", "pickle")
 
 
+_STORAGE_KEYS = ("fqn", "offset", "index", "file", "byte_offset", "length", "checksum", "encoding")
+
+
 def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _int_in(value: Any, low: int = 0, high: int = _MAX_INT) -> bool:
+    return type(value) is int and low <= value <= high
+
+
+def _dims_ok(value: Any, ndim: Optional[int] = None) -> bool:
+    """What :meth:`_Schema.dims` accepts, as a predicate (no message)."""
+    return (type(value) is list and len(value) <= MAX_DIMS and (ndim is None or len(value) == ndim)
+            and all(type(v) is int and 0 <= v <= _MAX_INT for v in value))
 
 
 class _Schema:
@@ -275,19 +311,30 @@ def _check_document(doc: Dict[str, Any], source: str) -> None:
         s.obj(entry, where, ("dtype", "size", "chunks"))
         dtype_from_name(s.text(entry["dtype"], f"{where}.dtype"))
         s.dims(entry["size"], f"{where}.size")
+        ndim = len(entry["size"])
         for i, chunk in enumerate(s.seq(entry["chunks"], f"{where}.chunks")):
+            if type(chunk) is dict and _dims_ok(chunk.get("offsets"), ndim) and _dims_ok(chunk.get("sizes"), ndim):
+                continue  # the common case, checked without building messages
             s.obj(chunk, f"{where}.chunks[{i}]", ("offsets", "sizes"))
-            s.dims(chunk["offsets"], f"{where}.chunks[{i}].offsets", len(entry["size"]))
-            s.dims(chunk["sizes"], f"{where}.chunks[{i}].sizes", len(entry["size"]))
+            s.dims(chunk["offsets"], f"{where}.chunks[{i}].offsets", ndim)
+            s.dims(chunk["sizes"], f"{where}.chunks[{i}].sizes", ndim)
+    files_ok = set()
     for i, e in enumerate(s.seq(doc["storage_data"], "storage_data")):
+        if (type(e) is dict and type(e.get("fqn")) is str
+                and "offset" in e and (e["offset"] is None or _dims_ok(e["offset"]))
+                and "index" in e and (e["index"] is None or _int_in(e["index"], 1))
+                and e.get("file") in files_ok and _int_in(e.get("byte_offset")) and _int_in(e.get("length"))
+                and _int_in(e.get("checksum"), 0, 2**32 - 1) and e.get("encoding") in _ENCODINGS):
+            continue  # the common case, checked without building messages
         where = f"storage_data[{i}]"
-        s.obj(e, where, ("fqn", "offset", "index", "file", "byte_offset", "length", "checksum", "encoding"))
+        s.obj(e, where, _STORAGE_KEYS)
         s.text(e["fqn"], f"{where}.fqn")
         if e["offset"] is not None:
             s.dims(e["offset"], f"{where}.offset")
         if e["index"] is not None:
             s.count(e["index"], f"{where}.index", 1)
         check_relative_path(e["file"], source)
+        files_ok.add(e["file"])
         s.count(e["byte_offset"], f"{where}.byte_offset")
         s.count(e["length"], f"{where}.length")
         s.count(e["checksum"], f"{where}.checksum", 0, 2**32 - 1)

@@ -17,7 +17,8 @@ from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Un
 
 from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
-from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, check_values_agree
+from hyper_parallel.core.distributed_checkpoint.global_save_plan import check_values_agree
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter
 
 

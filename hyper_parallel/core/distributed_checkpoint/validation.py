@@ -70,7 +70,7 @@ def _expected_location(metadata: Metadata, index: MetadataIndex, source: str) ->
     if md is None:
         raise CheckpointError(f"{source}: stored item {index} belongs to no entry of state_dict_metadata")
     if isinstance(md, TensorStorageMetadata):
-        sizes = {c.offsets: c.sizes for c in md.chunks}.get(index.offset)
+        sizes = md.chunks.sizes_at(index.offset)
         if sizes is None:
             raise CheckpointError(f"{source}: stored item {index} is not a chunk of {index.fqn!r}")
         return numel(sizes) * md.dtype.itemsize, ("raw",)
