@@ -5,7 +5,6 @@ from __future__ import annotations
 import abc
 import dataclasses
 import enum
-import zlib
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -14,6 +13,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.core.distributed_checkpoint.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.flatten import flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     DTYPE_TO_SAFETENSORS,
@@ -167,7 +167,7 @@ class LoadPlanner(abc.ABC):
 
 def _crc_of_tensor(tensor: torch.Tensor) -> int:
     data = tensor.detach().contiguous().cpu()
-    return zlib.crc32(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else 0
+    return crc32(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else 0
 
 
 def _check_savable_tensor(key: str, value: torch.Tensor) -> None:
@@ -246,7 +246,7 @@ class StandardSavePlanner(SavePlanner):
                                        TensorWriteData(chunk, value.dtype, tuple(value.shape))))
             else:
                 data, encoding = encode_value(value, key, allow_pickle=self.allow_pickle)
-                checksums[key] = zlib.crc32(data)
+                checksums[key] = crc32(data)
                 self._encoded[key] = data
                 items.append(WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO,
                                        bytes_io_data=BytesIOWriteData(len(data), encoding)))
