@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from hyper_parallel import checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint.checked_reads import CheckedReads
+from hyper_parallel.core.distributed_checkpoint.block_reads import BlockReads
 from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from hyper_parallel.core.distributed_checkpoint.verify_plan import assign_duties, duties_of, mark_local_plan
@@ -22,7 +22,9 @@ from tests.checkpoint.helpers import counting_reads
 from tests.multirank import run_on_ranks
 
 T = 120
-ROWS, COLS = 16, 256  # fp32: two stored chunks of 8 x 256 (8 KiB) when saved on 2 ranks
+# fp32: two stored chunks of 8 x 8192 (256 KiB) when saved on 2 ranks; a Shard(1) half-row is
+# 16 KiB, far enough from the next one to be read piece by piece (not as whole rows).
+ROWS, COLS = 16, 8192
 
 
 def _full() -> torch.Tensor:
@@ -75,7 +77,7 @@ def _corrupt(path, row, col):
         f.write(bytes([byte[0] ^ 0x40]))
 
 
-@pytest.mark.parametrize("row, col", [(1, 3), (1, 200), (12, 3), (12, 200)])
+@pytest.mark.parametrize("row, col", [(1, 3), (1, 6000), (12, 3), (12, 6000)])
 def test_corruption_in_any_rank_s_part_fails_the_load_everywhere(tmp_path, row, col):
     path = str(tmp_path / "ckpt")
     run_on_ranks(2, _save_on_ranks, path, timeout=T)
@@ -108,24 +110,33 @@ def test_assign_duties_checks_each_partly_read_chunk_once_by_a_verifying_reader(
 
 
 @pytest.mark.parametrize("block_bytes", [8, 7 * 8 * 2 + 3, 1 << 20])
-def test_checked_reads_copy_any_box_through_small_blocks(tmp_path, block_bytes):
+def test_block_reads_copy_any_box_through_small_blocks(tmp_path, block_bytes):
     chunk = torch.randn(13, 7, dtype=torch.float64)
     raw = chunk.numpy().tobytes()
     path = tmp_path / "data.bin"
     path.write_bytes(b"hdr.." + raw)
     item = ReadItem(LoadItemType.TENSOR, MetadataIndex("w", (0, 0)), (0, 0), MetadataIndex("w", (0, 0)), (2, 1), (9, 5))
     fd = os.open(path, os.O_RDONLY)
-    reads = CheckedReads(block_bytes)
+    reads = BlockReads(block_bytes)
+    crcs = []
     try:
         dest = torch.zeros(5, 9, dtype=torch.float64).t()  # strided destination
-        assert reads.read_box(fd, 5, (13, 7), item, dest, torch.float64, str(path)) == zlib.crc32(raw)
+        reads.read_box(fd, 5, (13, 7), item, dest, torch.float64, str(path), crcs.append)
         assert torch.equal(dest, chunk[2:11, 1:6])
         whole = bytearray(len(raw))
-        assert reads.read_into(fd, whole, 5, str(path)) == zlib.crc32(raw) and bytes(whole) == raw
+        reads.read_into(fd, whole, 5, str(path), crcs.append)
+        assert bytes(whole) == raw
         scalar = torch.zeros((), dtype=torch.float64)
         one = ReadItem(LoadItemType.TENSOR, MetadataIndex("s"), (), MetadataIndex("s"), (), ())
-        assert reads.read_box(fd, 5, (), one, scalar, torch.float64, str(path)) == zlib.crc32(raw[:8])
+        reads.read_box(fd, 5, (), one, scalar, torch.float64, str(path), crcs.append)
+        assert crcs == [zlib.crc32(raw)] * 2  # each chunk's check runs after the next one's first block
+        reads.settle()
+        assert crcs == [zlib.crc32(raw)] * 2 + [zlib.crc32(raw[:8])]
         assert scalar.item() == chunk[0, 0].item()
+        rows = torch.zeros(9, 5, dtype=torch.float64)
+        with counting_reads() as read:
+            reads.read_rows(fd, 5, (13, 7), item, rows, torch.float64, str(path))
+        assert torch.equal(rows, chunk[2:11, 1:6]) and sum(read) == 9 * 7 * 8  # rows 2..10 only
     finally:
         reads.close()
         os.close(fd)

@@ -22,7 +22,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 from hyper_parallel.core.distributed_checkpoint import commit
 from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, fsync_dir, read_exact
 from hyper_parallel.core.distributed_checkpoint.bounce import BounceReads, read_box
-from hyper_parallel.core.distributed_checkpoint.checked_reads import CheckedReads
+from hyper_parallel.core.distributed_checkpoint.block_reads import BlockReads
 from hyper_parallel.core.distributed_checkpoint.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.data_files import split_by_bytes, write_safetensors, write_values
@@ -178,6 +178,12 @@ class FileSystemWriter(AsyncCommitWriter):
         return commit.wait_committed(self._target_dir(plan), self.path, plan.save_id, self.commit_timeout_s)
 
 
+_SPAN_GAP_BYTES = 8 << 10
+"""A box whose pieces lie at most this many bytes apart (on average) is read as whole rows and
+copied out in memory: a syscall per piece (~3 us) costs more than copying that many bytes.
+The disk and the page cache read whole pages and readahead windows either way."""
+
+
 class FileSystemReader(StorageReader):
     """Reads a checkpoint directory, fetching only the byte ranges each rank needs.
 
@@ -272,12 +278,13 @@ class FileSystemReader(StorageReader):
             duties = duties_of(plan)
 
             def read(group: List[Tuple[StorageInfo, ReadItem]]) -> None:
-                bounce, checked = BounceReads(process_staging_buffers(), planner), CheckedReads()
+                bounce, blocks = BounceReads(process_staging_buffers(), planner), BlockReads()
                 try:
                     for info, item in group:
-                        self._read_tensor(fds[info.relative_path], info, item, planner, bounce, checked, duties)
+                        self._read_tensor(fds[info.relative_path], info, item, planner, bounce, blocks, duties)
+                    blocks.settle()
                 finally:
-                    checked.close()
+                    blocks.close()
                     bounce.finish()
 
             threads = min(self.thread_count, len(tensors))
@@ -301,7 +308,7 @@ class FileSystemReader(StorageReader):
             raise CheckpointError(str(exc)) from None
 
     def _read_tensor(self, fd: int, info: StorageInfo, item: ReadItem, planner: LoadPlanner,
-                     bounce: BounceReads, checked: CheckedReads, duties: Optional[FrozenSet[MetadataIndex]]) -> None:
+                     bounce: BounceReads, blocks: BlockReads, duties: Optional[FrozenSet[MetadataIndex]]) -> None:
         key = item.storage_index.fqn
         md = self.metadata.state_dict_metadata[key]
         sizes = self._chunk_sizes.get((key, item.storage_index.offset))
@@ -313,16 +320,22 @@ class FileSystemReader(StorageReader):
         whole = reads_whole(item, sizes)
         if self._verifying and (whole or duties is None or item.storage_index in duties):
             # The checksum covers the whole chunk, so read it whole: straight into the
-            # destination when that is the whole chunk in plain memory.
+            # destination when that is the whole chunk in plain memory. Checked (then applied)
+            # once its crc is known, while the next chunk is read.
+            def then(crc: int) -> None:
+                self._check(crc, info, f"{key} chunk {item.storage_index.offset}")
+                planner.apply_tensor(item, dest)
+
             if whole and plain:
-                crc = checked.read_into(fd, flat_bytes(dest), info.offset, path)
+                blocks.read_into(fd, flat_bytes(dest), info.offset, path, then)
             else:
-                crc = checked.read_box(fd, info.offset, sizes, item, dest, md.dtype, path)
-            self._check(crc, info, f"{key} chunk {item.storage_index.offset}")
-            planner.apply_tensor(item, dest)
+                blocks.read_box(fd, info.offset, sizes, item, dest, md.dtype, path, then)
         elif plain:  # not checked here: verify=False, or another rank checks this chunk
             box = BoxGeometry(sizes, item.storage_offsets, item.lengths)
-            read_box(fd, dest, box, info.offset, md.dtype.itemsize, path)  # straight into plain memory
+            if box.contiguous or (box.span - box.volume) * box.run * md.dtype.itemsize > _SPAN_GAP_BYTES * box.volume:
+                read_box(fd, dest, box, info.offset, md.dtype.itemsize, path)  # straight into plain memory
+            else:  # many pieces with small gaps: a few large reads of their rows beat a syscall each
+                blocks.read_rows(fd, info.offset, sizes, item, dest, md.dtype, path)
             planner.apply_tensor(item, dest)
         else:
             bounce.read(fd, path, info.offset, sizes, item, dest, md.dtype)
