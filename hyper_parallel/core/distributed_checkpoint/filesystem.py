@@ -179,9 +179,10 @@ class FileSystemWriter(AsyncCommitWriter):
 
 
 _SPAN_GAP_BYTES = 8 << 10
-"""A box whose pieces lie at most this many bytes apart (on average) is read as whole rows and
-copied out in memory: a syscall per piece (~3 us) costs more than copying that many bytes.
-The disk and the page cache read whole pages and readahead windows either way."""
+"""A box whose pieces lie less than this many bytes apart (on average) is read as whole rows and
+copied out in memory: a syscall per piece (~3 us) costs more than copying the gap (measured by
+``benchmarks/piece_reads.py``). The disk and the page cache read whole pages and readahead
+windows either way."""
 
 
 class FileSystemReader(StorageReader):
@@ -332,7 +333,7 @@ class FileSystemReader(StorageReader):
                 blocks.read_box(fd, info.offset, sizes, item, dest, md.dtype, path, then)
         elif plain:  # not checked here: verify=False, or another rank checks this chunk
             box = BoxGeometry(sizes, item.storage_offsets, item.lengths)
-            if box.contiguous or (box.span - box.volume) * box.run * md.dtype.itemsize > _SPAN_GAP_BYTES * box.volume:
+            if box.contiguous or (box.span - box.volume) * box.run * md.dtype.itemsize >= _SPAN_GAP_BYTES * box.volume:
                 read_box(fd, dest, box, info.offset, md.dtype.itemsize, path)  # straight into plain memory
             else:  # many pieces with small gaps: a few large reads of their rows beat a syscall each
                 blocks.read_rows(fd, info.offset, sizes, item, dest, md.dtype, path)
