@@ -245,19 +245,22 @@ def _run(rank: int, port: int, args) -> None:
             assert _equal(state, target), f"{name} load returned different values"
             del target
 
-    # Resharding load: the Shard(0) checkpoints into a Shard(1) layout.
-    reshard: Dict[str, Dict[str, object]] = {}
-    for name in impls:
-        _, load_fn, _ = impls[name]
-        target = _zeros_like(_state(mesh, n_params, Shard(1), seed=1))
-        seconds, io = _timed(lambda: load_fn(target), cold=cold)
-        expected = _state(mesh, n_params, Shard(1), seed=0)
-        assert _equal(expected, target), f"{name} resharding load returned different values"
-        per_rank = [torch.zeros(2, dtype=torch.float64, device=_device()) for _ in range(world)]
-        dist.all_gather(per_rank, torch.tensor([io["rchar"], io["read_bytes"]], dtype=torch.float64, device=_device()))
-        reshard[name] = {"seconds": seconds, "rchar": [float(t[0]) for t in per_rank],
-                         "read_bytes": [float(t[1]) for t in per_rank]}
-        del target, expected
+    # Resharding load: the Shard(0) checkpoints into a Shard(1) layout (reps, alternating order).
+    reshard: Dict[str, Dict[str, object]] = {name: {"seconds": []} for name in impls}
+    expected = _state(mesh, n_params, Shard(1), seed=0)
+    for rep in range(args.reps):
+        for name in (list(impls) if rep % 2 == 0 else list(reversed(impls))):
+            _, load_fn, _ = impls[name]
+            target = _zeros_like(expected)
+            seconds, io = _timed(lambda: load_fn(target), cold=cold)
+            assert _equal(expected, target), f"{name} resharding load returned different values"
+            per_rank = [torch.zeros(2, dtype=torch.float64, device=_device()) for _ in range(world)]
+            dist.all_gather(per_rank, torch.tensor([io["rchar"], io["read_bytes"]], dtype=torch.float64,
+                                                   device=_device()))
+            reshard[name]["seconds"].append(seconds)
+            reshard[name].update(rchar=[float(t[0]) for t in per_rank], read_bytes=[float(t[1]) for t in per_rank])
+            del target
+    del expected
 
     # async_save: time until it returns (the training loop is blocked) vs a sync save.
     # Also until the state is staged; each library's default (blocking) staging and its background one.
@@ -336,7 +339,8 @@ def _report(args, total, cold, times, read_bytes, reshard, async_results, write_
     print(f"machine: {host_platform.node()} {host_platform.machine()}, {os.cpu_count()} CPUs, "
           f"torch {torch.__version__}, {args.world} {args.device} rank(s) "
           f"({'nccl' if args.device == 'cuda' else 'gloo, 1 thread each'})"
-          + (f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else ""))
+          + (f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "")
+          + ", load average at the end {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     print(f"state: {gb:.3f} GB of fp32 DTensors (params + exp_avg + exp_avg_sq) in {args.device} memory, "
           f"Shard(0) over {args.world} rank(s)")
     print(f"saves and loads start {'COLD (synced, page cache dropped before each)' if cold else 'WARM (drop_caches not permitted)'}")
@@ -361,12 +365,15 @@ def _report(args, total, cold, times, read_bytes, reshard, async_results, write_
               f"load {rate(ours, 'load', pick) / read_gbs:.0%} of read (goal >= 70%)")
     print()
     print(f"resharding load (saved Shard(0) -> loaded Shard(1), {args.world} rank(s)):\n")
-    print("| | seconds | GB/s | bytes read per rank (rchar) | total read / stored | from disk (read_bytes) / stored |")
+    print("| | seconds (runs) | GB/s (median) | bytes read per rank (rchar) | total read / stored "
+          "| from disk (read_bytes) / stored |")
     print("|---|---|---|---|---|---|")
     for name, r in reshard.items():
         per_rank = ", ".join(f"{b / 1e9:.3f} GB" for b in r["rchar"])
-        print(f"| {name} | {r['seconds']:.2f} | {gb / r['seconds']:.2f} | {per_rank} | "
-              f"{sum(r['rchar']) / total:.2f}x | {sum(r['read_bytes']) / total:.2f}x |")
+        print(f"| {name} | {', '.join(f'{t:.2f}' for t in r['seconds'])} | {gb / statistics.median(r['seconds']):.2f} "
+              f"| {per_rank} | {sum(r['rchar']) / total:.2f}x | {sum(r['read_bytes']) / total:.2f}x |")
+    speedup = statistics.median(reshard[ref]["seconds"]) / statistics.median(reshard[ours]["seconds"])
+    print(f"\nresharding load, median: ours / torch DCP {speedup:.2f}x (goal >= 1.2x)")
     print("\nasync_save blocking time (until it returns) vs a sync save of the same state:\n")
     print("(slowest rank; also the time until the state is staged, with nothing else running)\n")
     print("| | async_save blocks, s (1st call; later calls) | staged after, s (1st; later) | sync save s, median of 3 "

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Tuple
 
 from hyper_parallel.core.distributed_checkpoint._fileio import start_writeback
-from hyper_parallel.core.distributed_checkpoint.checksum import crc32_combine
+from hyper_parallel.core.distributed_checkpoint.checksum import crc32, crc32_combine
 from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, FileInfo, StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner, WriteItem
 from hyper_parallel.core.distributed_checkpoint.resharding import numel
@@ -34,8 +33,8 @@ def write_safetensors(path: str, items: List[WriteItem], source: ChunkSource, na
                for it in items]
     header = encode_header(entries)
     results, offset = [], len(header)
-    file_crc = zlib.crc32(header)
-    # zlib.crc32 and file writes both release the GIL: checksum each piece on a helper
+    file_crc = crc32(header)
+    # crc32 and file writes both release the GIL: checksum each piece on a helper
     # thread while this one writes it, so the checksum costs no extra wall time.
     with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-crc") as crc_pool:
         try:
@@ -45,7 +44,7 @@ def write_safetensors(path: str, items: List[WriteItem], source: ChunkSource, na
                 crc, written = 0, 0
                 for piece in source.chunks(item):
                     data = piece.numpy()
-                    pending = crc_pool.submit(zlib.crc32, data, crc) if known is None else None
+                    pending = crc_pool.submit(crc32, data, crc) if known is None else None
                     f.write(data)
                     if sync:
                         # Disk writes overlap the staging of the next pieces instead of all
@@ -84,7 +83,7 @@ def write_values(path: str, items: List[WriteItem], planner: SavePlanner, name: 
             offset += len(prefix)
         data = planner.get_data(item)
         parts.append(data)
-        results.append(WriteResult(item.index, StorageInfo(name, offset, len(data), zlib.crc32(data), encoding)))
+        results.append(WriteResult(item.index, StorageInfo(name, offset, len(data), crc32(data), encoding)))
         offset += len(data)
     if json_file:
         parts.append(b"}")
@@ -94,7 +93,7 @@ def write_values(path: str, items: List[WriteItem], planner: SavePlanner, name: 
         f.flush()
         if sync:
             os.fsync(f.fileno())
-    return results, FileInfo(len(blob), zlib.crc32(blob))
+    return results, FileInfo(len(blob), crc32(blob))
 
 
 def split_by_bytes(items: List[WriteItem], parts: int) -> List[List[WriteItem]]:

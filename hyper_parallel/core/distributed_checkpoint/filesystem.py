@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import os
 import shutil
-import zlib
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
-import torch
 
 from hyper_parallel.core.distributed_checkpoint import commit
 from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, fsync_dir, read_exact
 from hyper_parallel.core.distributed_checkpoint.bounce import BounceReads, read_box
+from hyper_parallel.core.distributed_checkpoint.block_reads import BlockReads
+from hyper_parallel.core.distributed_checkpoint.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.data_files import split_by_bytes, write_safetensors, write_values
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -51,6 +51,12 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
     StorageReader,
 )
 from hyper_parallel.core.distributed_checkpoint.validation import open_data_file
+from hyper_parallel.core.distributed_checkpoint.verify_plan import (
+    assign_duties,
+    duties_of,
+    mark_local_plan,
+    reads_whole,
+)
 from hyper_parallel.core.distributed_checkpoint.values import decode_value
 
 
@@ -172,7 +178,11 @@ class FileSystemWriter(AsyncCommitWriter):
         return commit.wait_committed(self._target_dir(plan), self.path, plan.save_id, self.commit_timeout_s)
 
 
-_VERIFY_BLOCK = 8 << 20  # bytes per read while verifying
+_SPAN_GAP_BYTES = 8 << 10
+"""A box whose pieces lie less than this many bytes apart (on average) is read as whole rows and
+copied out in memory: a syscall per piece (~3 us) costs more than copying the gap (measured by
+``benchmarks/piece_reads.py``). The disk and the page cache read whole pages and readahead
+windows either way."""
 
 
 class FileSystemReader(StorageReader):
@@ -180,8 +190,10 @@ class FileSystemReader(StorageReader):
 
     Args:
         checkpoint_dir: the checkpoint directory (or pass ``checkpoint_id`` to ``load``).
-        verify: check every chunk read (read whole) against its crc32 in the metadata (the
-            default; ``load(..., verify=False)`` or ``verify=False`` here turns it off).
+        verify: check every stored chunk a rank uses against its crc32 in the metadata (the
+            default; ``load(..., verify=False)`` or ``verify=False`` here turns it off). A chunk
+            needed whole is checked as it is read; one that several ranks need parts of is read
+            whole and checked by one of them (``verify_plan.py``).
         allow_pickle: accept pickled values (only for checkpoints you trust).
         thread_count: tensor reads in flight at once on this rank.
     """
@@ -212,6 +224,19 @@ class FileSystemReader(StorageReader):
         self.metadata = metadata
         self._verifying = self.verify and bool(kwargs.get("verify", True))
 
+    def optimize_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return mark_local_plan(plan, self._verifying)
+
+    def optimize_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        """Coordinator: assign the checks of chunks that ranks read only parts of."""
+        chunk_bytes = {}
+        for plan in plans:
+            for item in plan.items:
+                if item.type == LoadItemType.TENSOR and item.storage_index not in chunk_bytes:
+                    md = self.metadata.state_dict_metadata[item.storage_index.fqn]
+                    chunk_bytes[item.storage_index] = (self._storage(item.storage_index).length, md.dtype.itemsize)
+        return assign_duties(plans, chunk_bytes)
+
     def _open(self, name: str) -> int:
         return open_data_file(self.path, name, self.metadata)
 
@@ -221,31 +246,11 @@ class FileSystemReader(StorageReader):
             raise CheckpointError(f"checkpoint metadata has no storage location for {index}")
         return info
 
-    def _check(self, data, info: StorageInfo, what: str) -> None:
-        if self._verifying and zlib.crc32(data) != info.checksum:
+    def _check(self, crc: int, info: StorageInfo, what: str) -> None:
+        if crc != info.checksum:
             raise CheckpointError(
                 f"checksum mismatch in {os.path.join(self.path, info.relative_path)} bytes "
                 f"{info.offset}..{info.offset + info.length} ({what}): the file is corrupt"
-            )
-
-    def _read_verified(self, fd: int, buffer, info: StorageInfo, path: str, what: str) -> None:
-        """Read a whole stored item into ``buffer`` and check its crc32; the crc of each block
-        runs on a helper thread while the next block is read (both release the GIL)."""
-        view = memoryview(buffer).cast("B")
-        crc, pending = 0, None
-        with ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-verify") as pool:
-            for start in range(0, len(view), _VERIFY_BLOCK):
-                block = view[start:start + _VERIFY_BLOCK]
-                read_exact(fd, block, info.offset + start, path)
-                if pending is not None:
-                    crc = pending.result()
-                pending = pool.submit(zlib.crc32, block, crc)
-            if pending is not None:
-                crc = pending.result()
-        if crc != info.checksum:
-            raise CheckpointError(
-                f"checksum mismatch in {path} bytes {info.offset}..{info.offset + info.length} ({what}): "
-                "the file is corrupt"
             )
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
@@ -266,12 +271,16 @@ class FileSystemReader(StorageReader):
                 else:
                     tensors.append((info, item))
 
+            duties = duties_of(plan)
+
             def read(group: List[Tuple[StorageInfo, ReadItem]]) -> None:
-                bounce = BounceReads(process_staging_buffers(), planner)
+                bounce, blocks = BounceReads(process_staging_buffers(), planner), BlockReads()
                 try:
                     for info, item in group:
-                        self._read_tensor(fds[info.relative_path], info, item, planner, bounce)
+                        self._read_tensor(fds[info.relative_path], info, item, planner, bounce, blocks, duties)
+                    blocks.settle()
                 finally:
+                    blocks.close()
                     bounce.finish()
 
             threads = min(self.thread_count, len(tensors))
@@ -287,32 +296,42 @@ class FileSystemReader(StorageReader):
     def _read_value(self, fd: int, info: StorageInfo, key: str) -> Any:
         data = bytearray(info.length)
         read_exact(fd, data, info.offset, os.path.join(self.path, info.relative_path))
-        self._check(data, info, key)
+        if self._verifying:
+            self._check(crc32(data), info, key)
         try:
             return decode_value(bytes(data), info.encoding, key, allow_pickle=self.allow_pickle)
         except ValueError as exc:
             raise CheckpointError(str(exc)) from None
 
     def _read_tensor(self, fd: int, info: StorageInfo, item: ReadItem, planner: LoadPlanner,
-                     bounce: BounceReads) -> None:
+                     bounce: BounceReads, blocks: BlockReads, duties: Optional[FrozenSet[MetadataIndex]]) -> None:
         key = item.storage_index.fqn
         md = self.metadata.state_dict_metadata[key]
         sizes = md.chunks.sizes_at(item.storage_index.offset) if isinstance(md, TensorStorageMetadata) else None
         if sizes is None or numel(sizes) * md.dtype.itemsize != info.length:
             raise CheckpointError(f"checkpoint metadata of {key!r} chunk {item.storage_index.offset} is inconsistent")
-        box = BoxGeometry(sizes, item.storage_offsets, item.lengths)
         path = os.path.join(self.path, info.relative_path)
         dest = planner.acquire_tensor(item)
-        if self._verifying:
+        plain = dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == md.dtype
+        whole = reads_whole(item, sizes)
+        if self._verifying and (whole or duties is None or item.storage_index in duties):
             # The checksum covers the whole chunk, so read it whole: straight into the
-            # destination when that is the whole chunk in plain memory.
-            whole = box.contiguous and numel(item.lengths) == numel(sizes) and dest.is_contiguous() \
-                and dest.device.type == "cpu" and dest.dtype == md.dtype
-            chunk = dest if whole else torch.empty(numel(sizes), dtype=md.dtype)
-            self._read_verified(fd, flat_bytes(chunk), info, path, f"{key} chunk {item.storage_index.offset}")
-            planner.apply_tensor(item, dest if whole else chunk.as_strided(item.lengths, box.strides, box.first))
-        elif dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == md.dtype:
-            read_box(fd, dest, box, info.offset, md.dtype.itemsize, path)  # straight into plain memory
+            # destination when that is the whole chunk in plain memory. Checked (then applied)
+            # once its crc is known, while the next chunk is read.
+            def then(crc: int) -> None:
+                self._check(crc, info, f"{key} chunk {item.storage_index.offset}")
+                planner.apply_tensor(item, dest)
+
+            if whole and plain:
+                blocks.read_into(fd, flat_bytes(dest), info.offset, path, then)
+            else:
+                blocks.read_box(fd, info.offset, sizes, item, dest, md.dtype, path, then)
+        elif plain:  # not checked here: verify=False, or another rank checks this chunk
+            box = BoxGeometry(sizes, item.storage_offsets, item.lengths)
+            if box.contiguous or (box.span - box.volume) * box.run * md.dtype.itemsize >= _SPAN_GAP_BYTES * box.volume:
+                read_box(fd, dest, box, info.offset, md.dtype.itemsize, path)  # straight into plain memory
+            else:  # many pieces with small gaps: a few large reads of their rows beat a syscall each
+                blocks.read_rows(fd, info.offset, sizes, item, dest, md.dtype, path)
             planner.apply_tensor(item, dest)
         else:
             bounce.read(fd, path, info.offset, sizes, item, dest, md.dtype)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import zlib
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.core.distributed_checkpoint.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.flatten import flatten_state_dict
 from hyper_parallel.core.distributed_checkpoint.global_save_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -31,7 +31,7 @@ from hyper_parallel.core.distributed_checkpoint.values import encode_value
 
 def _crc_of_tensor(tensor: torch.Tensor) -> int:
     data = tensor.detach().contiguous().cpu()
-    return zlib.crc32(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else 0
+    return crc32(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else 0
 
 
 def _check_savable_tensor(key: str, value: torch.Tensor) -> None:
@@ -110,7 +110,7 @@ class StandardSavePlanner(SavePlanner):
                                        TensorWriteData(chunk, value.dtype, tuple(value.shape))))
             else:
                 data, encoding = encode_value(value, key, allow_pickle=self.allow_pickle)
-                checksums[key] = zlib.crc32(data)
+                checksums[key] = crc32(data)
                 self._encoded[key] = data
                 items.append(WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO,
                                        bytes_io_data=BytesIOWriteData(len(data), encoding)))

@@ -16,10 +16,9 @@ The metadata document's field types, ranges and nesting are checked while parsin
 from __future__ import annotations
 
 import os
-import zlib
 from typing import Dict, List, Tuple
 
-from hyper_parallel.core.distributed_checkpoint.checksum import crc32_combine
+from hyper_parallel.core.distributed_checkpoint.checksum import crc32, crc32_combine
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     CheckpointError,
     ChunkStorageMetadata,
@@ -144,7 +143,7 @@ def _crc_range(fd: int, start: int, length: int, path: str, keep: bool) -> Tuple
         block = os.pread(fd, min(_BLOCK, end - start), start)
         if not block:
             raise CheckpointError(f"{path} is truncated at byte {start}")
-        crc = zlib.crc32(block, crc)
+        crc = crc32(block, crc)
         if keep:
             parts.append(block)
         start += len(block)
