@@ -60,6 +60,8 @@ class _Bucket:
         self.unsharded_flat: Optional[torch.Tensor] = None
         self._copy_out_views: List[torch.Tensor] = []
         self.partial_grad: Optional[torch.Tensor] = None  # HSDP: reduce-scattered, not all-reduced
+        # Which trainable parameters had a gradient on this rank since the last assign_grads.
+        self.local_grads: Optional[List[bool]] = None
         self.gathered_version = -1  # _shard_version() at the last all-gather
 
     def update_trainable(self) -> None:
@@ -67,6 +69,7 @@ class _Bucket:
         self.trainable = [p for p in self.params if p.requires_grad]
         self.grad_sizes = [p.shard_numel for p in self.trainable]
         self.grad_total = sum(self.grad_sizes)
+        self.reduced_numel = self.grad_total + len(self.trainable)  # + one presence flag each
 
     def _shard_version(self) -> int:
         # In-place updates of a DTensor bump the wrapper's version counter, not the local
@@ -148,13 +151,22 @@ class _Bucket:
     def gradient_input(self) -> Optional[torch.Tensor]:
         """Unsharded grads of the trainable parameters as one rank-major flat reduce-scatter
         input (None: no grads at all). Clears the unsharded grads."""
-        if all(p.unsharded_param.grad is None and p.accumulated_grad is None for p in self.trainable):
+        present = [p.unsharded_param.grad is not None or p.accumulated_grad is not None for p in self.trainable]
+        if not any(present):
             return None
+        if self.local_grads is not None:  # HSDP partial sum pending
+            present = [a or b for a, b in zip(self.local_grads, present)]
+        self.local_grads = present
         device = self.unsharded_flat.device
         accumulated = any(p.accumulated_grad is not None for p in self.trainable)
         dtype = self.reduce_dtype if accumulated else self.compute_dtype
         grads = [p.reduce_scatter_input(dtype, device) for p in self.trainable]
-        flat = chunk_cat(grads, dim=0, num_chunks=self.world)
+        # [Note: gradient presence flags] Every rank slot ends with one flag per parameter
+        # (1: this rank had a gradient). After the reduction a flag is > 0 iff some rank had
+        # one, so a rank without a gradient of its own still agrees with the others on whether
+        # the sharded gradient is set (FSDP2 leaves it None when no rank computed one).
+        flags = torch.tensor(present, dtype=dtype, device=device).repeat(self.world, 1)
+        flat = chunk_cat(grads + [flags], dim=0, num_chunks=self.world)
         return flat.to(self.reduce_dtype).view(-1)
 
     def accumulate_unreduced_grads(self) -> None:
@@ -164,9 +176,16 @@ class _Bucket:
                 param.accumulate_unreduced_grad(self.reduce_dtype)
 
     def assign_grads(self, reduced: torch.Tensor) -> None:
-        reduced = reduced.to(self.dtype)
-        for param, piece in zip(self.trainable, reduced.split(self.grad_sizes)):
-            param.accumulate_sharded_grad(piece)
+        """Set the sharded gradients from a reduced flat buffer (see [Note: gradient presence
+        flags]); parameters no rank computed a gradient for keep ``grad = None``."""
+        grads, flags = reduced.split([self.grad_total, len(self.trainable)])
+        local, self.local_grads = self.local_grads, None
+        # Only a parameter without a local gradient needs the flags (a device-to-host read).
+        agreed = (flags > 0).tolist() if not all(local) else local
+        grads = grads.to(self.dtype)
+        for param, piece, has_grad in zip(self.trainable, grads.split(self.grad_sizes), agreed):
+            if has_grad:
+                param.accumulate_sharded_grad(piece)
 
 
 class _InFlightGather(NamedTuple):
@@ -413,7 +432,7 @@ class HSDPParamGroup:
                 item.work.wait()
         self._pending, self._all_reducing = [], []
         for bucket in self.buckets:
-            bucket.partial_grad = None
+            bucket.partial_grad, bucket.local_grads = None, None
         for param in self.params:
             param.accumulated_grad = None
             if param.unsharded_param is not None:
@@ -437,7 +456,7 @@ class HSDPParamGroup:
             if self.dp.shard_size == 1:  # nothing to scatter: the input is this rank's result
                 self._pending.append(_PendingReduce(bucket, None, grad_input, grad_input))
                 continue
-            output = torch.empty(bucket.grad_total, dtype=bucket.reduce_dtype, device=grad_input.device)
+            output = torch.empty(bucket.reduced_numel, dtype=bucket.reduce_dtype, device=grad_input.device)
             streams = self._streams
             streams.wait_for_current(streams.reduce_scatter)  # the copy-in ran on the compute stream
             with record_function("hp::reduce_scatter"), streams.use(streams.reduce_scatter):
@@ -497,7 +516,7 @@ class HSDPParamGroup:
         if self._post_factor != 1:
             reduced.div_(self._post_factor)
         if self._all_reduce_hook is not None:
-            self._run_all_reduce_hook(reduced)
+            self._run_all_reduce_hook(reduced[:bucket.grad_total])
         if self.offload:
             reduced = reduced.to("cpu")
         bucket.assign_grads(reduced)
