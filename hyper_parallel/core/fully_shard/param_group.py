@@ -323,16 +323,24 @@ class HSDPParamGroup:
             self._hook_grads()
 
     @disable_functorch_if_active
-    def lazy_init(self) -> None:
+    def lazy_init(self, names: Optional[Dict[torch.Tensor, str]] = None) -> None:
         """Bind shards to where the parameters now live (after ``to_empty``, ``to``, or a
-        replacement), allocate the unsharded buffers and register the gradient hooks. Runs once."""
+        replacement), allocate the unsharded buffers and register the gradient hooks. Runs once.
+
+        Raises:
+            RuntimeError: parameters are still on the meta device (named from ``names``, a
+                map of parameter to qualified name, where given; torch's wording).
+        """
         if self._initialized:
             return
         self._adopt_replacements()
-        if any(p.sharded_param._local_tensor.is_meta for p in self.params):
+        on_meta = [(names or {}).get(p.sharded_param, "?") for p in self.params
+                   if p.sharded_param._local_tensor.is_meta]
+        if on_meta:
             raise RuntimeError(
-                "fully_shard parameters are still on the meta device at the first forward: "
-                "call module.to_empty(device=...) and initialise them first")
+                "FSDP parameters should be materialized from meta device before training, but the "
+                f"following were still on meta device: {on_meta}\nFor example, call "
+                "module.to_empty(device=...) and initialise them (e.g. reset_parameters()).")
         self._initialized = True
         self._bind_buckets([p.sharded_param._local_tensor.device for p in self.params], self.pin_memory)
 

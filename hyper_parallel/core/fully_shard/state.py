@@ -162,13 +162,7 @@ class HSDPState:
             state.ctx, state.is_root = ctx, state is self
             user_value = state.group.user_reshard_after_forward
             state.group.reshard_after_forward = (not state.is_root) if user_value is None else user_value
-            on_meta = [fqns[p.sharded_param] for p in state.group.params if p.sharded_param.device.type == "meta"]
-            if on_meta:
-                raise RuntimeError(
-                    "FSDP parameters should be materialized from meta device before training, but "
-                    f"the following were still on meta device: {on_meta}\nFor example, call "
-                    "module.to_empty(device=...) and initialise them (e.g. reset_parameters()).")
-            state.group.lazy_init()
+            state.group.lazy_init(fqns)
         for state in states:  # borrowed groups may live outside this subtree
             for group in state.borrowed:
                 group.lazy_init()
