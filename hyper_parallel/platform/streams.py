@@ -65,7 +65,8 @@ class CpuStreams(Streams):
     reduce_scatter = None
 
     def use(self, stream: Any) -> ContextManager[None]:
-        return contextlib.nullcontext()
+        # Ours are None; a user's torch.cpu.Stream (set_all_reduce_hook) becomes current.
+        return contextlib.nullcontext() if stream is None else torch.cpu.stream(stream)
 
     def wait_for_current(self, stream: Any) -> None:
         pass

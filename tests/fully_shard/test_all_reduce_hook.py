@@ -49,9 +49,16 @@ def _hooked_grads(mesh, hook, dp_rank: int, dp_size: int, stream=None) -> float:
 
 def _fsdp():
     mesh = hp.init_device_mesh("cpu", (2,))
-    grads, ref = _hooked_grads(mesh, _signed_square, dist.get_rank(), 2)
+    stream, streams_seen = torch.cpu.Stream(), []
+
+    def hook(grad: torch.Tensor) -> None:
+        streams_seen.append(torch.cpu.current_stream() == stream)
+        _signed_square(grad)
+
+    grads, ref = _hooked_grads(mesh, hook, dist.get_rank(), 2, stream=stream)
     for g in ref.values():
         _signed_square(g)
+    assert streams_seen and all(streams_seen), streams_seen  # the hook runs on the given stream
     return max_diff(grads, ref)
 
 
