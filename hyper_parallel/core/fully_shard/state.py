@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
@@ -11,6 +12,14 @@ from hyper_parallel._torch_compat import current_graph_task_id, queue_autograd_c
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.core.fully_shard.policy import MixedPrecisionPolicy
 from hyper_parallel.core.fully_shard.tree import cast_floating, iter_tensors
+
+
+class BackwardPhase(enum.Enum):
+    """Where one fully_shard module is in the current backward."""
+
+    IDLE = "idle"  # no backward of this step has reached the module yet
+    STARTED = "started"  # pre-backward ran: parameters unsharded, gradients arriving
+    REDUCED = "reduced"  # post-backward ran: gradients reduced (or issued), resharding pending
 
 
 def _eager(hook):
@@ -76,7 +85,7 @@ class _RootContext:
 
     def _final_callback(self) -> None:
         for state in self.states:
-            if state.backward_started and not state.post_backward_done:
+            if state.phase is BackwardPhase.STARTED:
                 state.post_backward()
         if self.is_last_backward:
             self.finish_reductions()
@@ -124,8 +133,7 @@ class HSDPState:
         self.forward_prefetch: Optional[List[HSDPState]] = None  # None: implicit
         self.backward_prefetch: Optional[List[HSDPState]] = None
         self.recorded = False
-        self.backward_started = False
-        self.post_backward_done = False
+        self.phase = BackwardPhase.IDLE
         # Forward calls whose inputs' gradients are still to come in this backward.
         self.input_grads_pending = 0
         self.input_grads_hooked = False
@@ -169,8 +177,7 @@ class HSDPState:
 
     def reset_backward(self) -> None:
         self.recorded = False
-        self.backward_started = False
-        self.post_backward_done = False
+        self.phase = BackwardPhase.IDLE
         self.input_grads_pending = 0
         self.input_grads_hooked = False
         self.to_run.clear()
@@ -271,9 +278,9 @@ class HSDPState:
                 group.reshard_after_forward_pass()
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self.backward_started:
+        if self.phase is not BackwardPhase.IDLE:
             return
-        self.backward_started = True
+        self.phase = BackwardPhase.STARTED
         self.ctx.ensure_final_callback()
         if self.unshard_in_backward:
             self._unshard()
@@ -286,9 +293,9 @@ class HSDPState:
     def post_backward(self) -> None:
         """All gradients of the group are accumulated: reduce them (async); reshard once the
         module's backward is complete too."""
-        if self.post_backward_done:
+        if self.phase is BackwardPhase.REDUCED:
             return
-        self.post_backward_done = True
+        self.phase = BackwardPhase.REDUCED
         self.ctx.ensure_final_callback()
         self.ctx.advance_reductions()  # overlap: at most one group per stage in flight
         if self.group.requires_gradient_sync:
@@ -307,6 +314,6 @@ class HSDPState:
         # parameters (or detached uses) are still read by the nodes that compute the input
         # gradients. So free only once the gradients w.r.t. every forward call's inputs are
         # done too; without such inputs, the end-of-backward callback reshards.
-        if (self.post_backward_done and self.input_grads_hooked and self.input_grads_pending == 0
+        if (self.phase is BackwardPhase.REDUCED and self.input_grads_hooked and self.input_grads_pending == 0
                 and self.group.reshard_after_backward):
             self.group.reshard()
