@@ -145,7 +145,10 @@ class FlatBucket:
         # (1: this rank had a gradient). After the reduction a flag is > 0 iff some rank had
         # one, so a rank without a gradient of its own still agrees with the others on whether
         # the sharded gradient is set (FSDP2 leaves it None when no rank computed one).
-        flags = torch.tensor(present, dtype=dtype, device=device).repeat(self.world, 1)
+        if all(present):  # the usual case: a fill, no host-to-device copy
+            flags = torch.ones(self.world, len(present), dtype=dtype, device=device)
+        else:
+            flags = torch.tensor(present, dtype=dtype, device=device).repeat(self.world, 1)
         flat = chunk_cat(grads + [flags], dim=0, num_chunks=self.world)
         return flat.to(self.reduce_dtype).view(-1)
 
