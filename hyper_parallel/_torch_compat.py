@@ -4,15 +4,12 @@ Each name below is used because torch has no public equivalent; when a torch rel
 renames one, this file is the only one to change (``tests/test_torch_compat.py`` imports
 every name, so such a release fails there first). Verified on the torch versions listed in
 the README (``make test-torch TORCH=<version>`` runs the suite on another one).
-
-DTensor's ``_local_tensor`` attribute is the one private access left outside this file: the
-fully_shard parameters re-point it at views of their flat shard buffer (``param.py``).
 """
 
 from __future__ import annotations
 
 import functools
-from typing import Callable, Optional
+from typing import Callable, Dict, Optional
 
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401  (re-exported)
@@ -25,12 +22,16 @@ __all__ = [
     "compute_local_shape_and_global_offset",
     "current_graph_task_id",
     "disable_functorch_if_active",
+    "dtensor_spec",
     "dump_cuda_memory_snapshot",
     "foreach_mul_",
+    "local_tensor",
     "lookup_compile_backend",
+    "module_parameters",
     "preserve_version_counter",
     "queue_autograd_callback",
     "record_cuda_memory_history",
+    "set_local_tensor",
 ]
 
 # torch._chunk_cat(tensors, dim, num_chunks): the per-rank interleaving copy FSDP2 uses for
@@ -41,6 +42,28 @@ foreach_mul_ = torch._foreach_mul_
 # Context manager: writes inside it do not bump a tensor's version counter (refilling the
 # unsharded parameters that autograd saved in forward).
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+
+
+def dtensor_spec(dtensor: torch.Tensor) -> DTensorSpec:
+    """A DTensor's spec (mesh, placements, global shape and stride) as one object."""
+    return dtensor._spec
+
+
+def module_parameters(module: torch.nn.Module) -> Dict[str, Optional[torch.nn.Parameter]]:
+    """The dict holding ``module``'s own parameters: fully_shard swaps its sharded and
+    unsharded parameters in there directly (as FSDP2 does), without ``nn.Module.__setattr__``."""
+    return module._parameters
+
+
+def local_tensor(dtensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local tensor itself (``to_local()`` returns an autograd view of it)."""
+    return dtensor._local_tensor
+
+
+def set_local_tensor(dtensor: torch.Tensor, local: torch.Tensor) -> None:
+    """Re-point a DTensor at ``local`` (same shape and dtype): fully_shard binds its sharded
+    parameters to views of the group's flat shard buffer, as FSDP2 does."""
+    dtensor._local_tensor = local
 
 
 def current_graph_task_id() -> int:

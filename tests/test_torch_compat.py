@@ -29,6 +29,8 @@ def test_every_name_resolves_and_behaves():
     assert callable(compat.lookup_compile_backend("aot_eager"))
     assert callable(compat.record_cuda_memory_history) and callable(compat.dump_cuda_memory_snapshot)
     assert compat.disable_functorch_if_active(lambda x: x + 1)(1) == 2  # behaviour: test_transforms_and_recompute
+    linear = torch.nn.Linear(2, 2)
+    assert compat.module_parameters(linear)["weight"] is linear.weight
 
 
 def test_package_imports_private_torch_names_only_through_compat():
@@ -36,7 +38,9 @@ def test_package_imports_private_torch_names_only_through_compat():
     import re
 
     root = pathlib.Path(compat.__file__).parent
-    private = re.compile(r"torch\._[a-zA-Z]|torch\.[a-z_.]+\._[a-z]|_execution_engine")
+    # private modules / functions of torch, and private attributes of torch objects
+    private = re.compile(r"torch\._[a-zA-Z]|torch\.[a-z_.]+\._[a-z]|_execution_engine"
+                         r"|\._(local_tensor|spec|parameters|register_[a-z_]+)\b")
     allowed = {"_torch_compat.py"}
     scope = [root]
     offenders = []

@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
+from hyper_parallel._torch_compat import module_parameters
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh, resolve_mesh
 from hyper_parallel.core.fully_shard.param import HSDPParam
 from hyper_parallel.core.fully_shard.module_api import FSDPModule
@@ -94,7 +95,7 @@ def _collect(modules: List[nn.Module], ignored: set) -> Tuple[Dict[int, Tuple[nn
     stack: List[Tuple[str, nn.Module]] = list(zip(prefixes, modules))[::-1]
     while stack:
         prefix, mod = stack.pop()
-        for name, param in mod._parameters.items():
+        for name, param in module_parameters(mod).items():
             if param is None or id(param) in ignored:
                 continue
             if _owner(param) is not None:
@@ -129,12 +130,12 @@ def _register_full_state_dict_loading(slots: List[Tuple[nn.Module, str, HSDPPara
     for mod, name, param in slots:
         by_module.setdefault(mod, []).append((name, param))
     for mod, entries in by_module.items():
-        def hook(state_dict, prefix, *_, entries=entries):
+        def hook(_module, state_dict, prefix, *_, entries=entries):
             for name, param in entries:
                 value = state_dict.get(prefix + name)
                 if isinstance(value, torch.Tensor) and not isinstance(value, DTensor):
                     state_dict[prefix + name] = param.shard_full(value)
-        mod._register_load_state_dict_pre_hook(hook)
+        mod.register_load_state_dict_pre_hook(hook)
 
 
 def fully_shard(

@@ -10,7 +10,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from hyper_parallel._torch_compat import DTensorSpec, TensorMeta
+from hyper_parallel._torch_compat import (DTensorSpec, TensorMeta, dtensor_spec, local_tensor, module_parameters,
+                                          set_local_tensor)
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh, sharded_layout
 
 
@@ -52,7 +53,7 @@ class HSDPParam:
         self.requires_grad = param.requires_grad
         if isinstance(param, DTensor):
             self.tp_mesh, self.tp_placements = param.device_mesh, tuple(param.placements)
-            local = param._local_tensor
+            local = local_tensor(param)
         else:
             self.tp_mesh, self.tp_placements = None, ()
             local = param.detach()
@@ -129,10 +130,11 @@ class HSDPParam:
             self.sharded_param = nn.Parameter(DTensor(local, self.spec, requires_grad=False),
                                               requires_grad=self.requires_grad)
         else:
-            current = self.sharded_param._local_tensor
+            current = local_tensor(self.sharded_param)
             if not current.is_meta and current.data_ptr() != local.data_ptr():
                 local.copy_(current)
-        self.sharded_param._local_tensor = self._bound_local = local
+        self._bound_local = local
+        set_local_tensor(self.sharded_param, local)
 
     def adopt_replacement(self) -> bool:
         """Pick up what replaced the sharded parameter since the last bind: a new parameter on
@@ -147,16 +149,16 @@ class HSDPParam:
             ValueError: the replacement is not a DTensor, or its shape or layout differs.
         """
         for module, name in self.slots:
-            new = module._parameters.get(name)
+            new = module_parameters(module).get(name)
             if new is not None and new is not self.sharded_param:
                 self.sharded_param = self._as_sharded(new, name)
                 self.use_sharded()
                 break
-        local = self.sharded_param._local_tensor
+        local = local_tensor(self.sharded_param)
         if local is self._bound_local:
             return False
         self.dtype = local.dtype
-        self.spec = self.sharded_param._spec
+        self.spec = dtensor_spec(self.sharded_param)
         return True
 
     def _as_sharded(self, new: torch.Tensor, name: str) -> nn.Parameter:
@@ -201,7 +203,7 @@ class HSDPParam:
         elif isinstance(grad, DTensor):
             if tuple(grad.placements) != self.tp_placements:
                 grad = grad.redistribute(placements=self.tp_placements)
-            grad = grad._local_tensor
+            grad = local_tensor(grad)
         grad = grad.to(dtype)
         return self.rank_rows(grad) if self.shard_dim else grad
 
@@ -225,7 +227,7 @@ class HSDPParam:
         if param.grad is None:
             param.grad = DTensor(local, self.spec, requires_grad=False)
         else:
-            param.grad._local_tensor.add_(local)
+            local_tensor(param.grad).add_(local)
         hooks = param._post_accumulate_grad_hooks  # private torch attribute: None or a dict
         if hooks:
             for hook in tuple(hooks.values()):
@@ -233,7 +235,7 @@ class HSDPParam:
 
     def use_sharded(self) -> None:
         for module, name in self.slots:
-            module._parameters[name] = self.sharded_param
+            module_parameters(module)[name] = self.sharded_param
 
     def shard_full(self, full: torch.Tensor) -> DTensor:
         """This rank's shard of a full (global) tensor as a DTensor like ``sharded_param``: a
@@ -251,7 +253,7 @@ class HSDPParam:
         if self.tp_mesh is not None:
             local = distribute_tensor(full, self.tp_mesh, self.tp_placements, src_data_rank=None).to_local()
         local = local.narrow(self.shard_dim, self.shard_offset, self.valid)
-        device = self.sharded_param._local_tensor.device
+        device = local_tensor(self.sharded_param).device
         local = local.to(device=full.device if device.type == "meta" else device, dtype=self.dtype,
                          copy=True, memory_format=torch.contiguous_format)
         return DTensor(local, self.spec, requires_grad=False)

@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from hyper_parallel._torch_compat import disable_functorch_if_active
+from hyper_parallel._torch_compat import disable_functorch_if_active, local_tensor, module_parameters
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh
@@ -118,10 +118,10 @@ class HSDPParamGroup:
     def add_slot(self, param: HSDPParam, module: torch.nn.Module, name: str) -> None:
         """Register another module attribute holding ``param`` (a tied parameter)."""
         param.slots.append((module, name))
-        module._parameters[name] = param.sharded_param
-        self._sharded_slots.append((module._parameters, name, param.sharded_param))
+        module_parameters(module)[name] = param.sharded_param
+        self._sharded_slots.append((module_parameters(module), name, param.sharded_param))
         if self._initialized:
-            self._unsharded_slots.append((module._parameters, name, param.unsharded_param))
+            self._unsharded_slots.append((module_parameters(module), name, param.unsharded_param))
 
     def _bind_buckets(self, devices: List[torch.device], pin: bool) -> None:
         """Bucket the parameters by their current dtype, bind their shards into flat buffers on
@@ -136,14 +136,14 @@ class HSDPParamGroup:
             device = entries[0][1]
             bucket.bind_shards(torch.device("cpu") if self.offload and device.type != "meta" else device, pin)
             self.buckets.append(bucket)
-        self._sharded_slots = [(m._parameters, n, p.sharded_param) for p in self.params for m, n in p.slots]
+        self._sharded_slots = [(module_parameters(m), n, p.sharded_param) for p in self.params for m, n in p.slots]
         if self._initialized:
             self._bind_unsharded()
 
     def _bind_unsharded(self) -> None:
         for bucket in self.buckets:
             bucket.bind_unsharded(self.device)
-        self._unsharded_slots = [(m._parameters, n, p.unsharded_param)
+        self._unsharded_slots = [(module_parameters(m), n, p.unsharded_param)
                                  for p in self.params for m, n in p.slots]
         self._hooked = set()
         self._hook_grads()
@@ -161,7 +161,7 @@ class HSDPParamGroup:
         ``load_state_dict(assign=True)``, ``module.to(dtype/device)``, ``to_empty``): buckets
         follow the parameters' new dtypes and devices. Call while sharded."""
         if any([p.adopt_replacement() for p in self.params]):
-            self._bind_buckets([p.sharded_param._local_tensor.device for p in self.params],
+            self._bind_buckets([local_tensor(p.sharded_param).device for p in self.params],
                                self.pin_memory and self._initialized)
 
     def _sync_requires_grad(self) -> None:
@@ -191,14 +191,14 @@ class HSDPParamGroup:
             return
         self._adopt_replacements()
         on_meta = [(names or {}).get(p.sharded_param, "?") for p in self.params
-                   if p.sharded_param._local_tensor.is_meta]
+                   if local_tensor(p.sharded_param).is_meta]
         if on_meta:
             raise RuntimeError(
                 "FSDP parameters should be materialized from meta device before training, but the "
                 f"following were still on meta device: {on_meta}\nFor example, call "
                 "module.to_empty(device=...) and initialise them (e.g. reset_parameters()).")
         self._initialized = True
-        self._bind_buckets([p.sharded_param._local_tensor.device for p in self.params], self.pin_memory)
+        self._bind_buckets([local_tensor(p.sharded_param).device for p in self.params], self.pin_memory)
 
     # -- unshard / reshard ----------------------------------------------------------------
     @disable_functorch_if_active
