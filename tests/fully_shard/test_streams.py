@@ -57,7 +57,9 @@ class _RecordingStreams(Streams):
         self.log.append(("record_stream", self.current))
 
 
-def _record_one_step(hsdp: bool):
+def _recorded(hsdp: bool, run, reshard_after_forward=None):
+    """Shard a tiny llama (root + 2 blocks) with a recording Streams and collectives that log
+    the stream they are issued on, and return the log of ``run(model, batch)``."""
     streams = _RecordingStreams()
     originals = {name: getattr(collectives, name) for name in ("all_gather", "reduce_scatter", "all_reduce")}
 
@@ -75,10 +77,14 @@ def _record_one_step(hsdp: bool):
         torch.manual_seed(0)
         model = tiny_llama()
         for block in model.layers:
-            hp.fully_shard(block, mesh=mesh)
+            hp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         hp.fully_shard(model, mesh=mesh)
-        lm_loss(model, global_batch(0).chunk(dist.get_world_size())[dist.get_rank()]).backward()
+        run(model, global_batch(0).chunk(dist.get_world_size())[dist.get_rank()])
     return streams.log
+
+
+def _train_step(model, batch):
+    lm_loss(model, batch).backward()
 
 
 def _check(log, hsdp: bool):
@@ -95,6 +101,14 @@ def _check(log, hsdp: bool):
         assert waits and waits[-1][2] == "compute", log
     # 3 groups: 5 all-gathers (2 blocks again in backward), 3 reduce-scatters (+3 all-reduces for HSDP)
     assert counts == {"all_gather": 5, "reduce_scatter": 3, **({"all_reduce": 3} if hsdp else {})}, counts
+    # The all-gather stream waits for the compute stream once, at the root's pre-forward before
+    # the first all-gather; the step's other all-gathers add no wait (no false dependency on
+    # the compute queued since). Each reduce-scatter / all-reduce waits (its input was just
+    # written on the compute stream).
+    ag_waits = [i for i, e in enumerate(log) if e[0] == "wait_for_current" and e[1] == "all_gather"]
+    first_ag = next(i for i, e in enumerate(log) if e[0] == "all_gather")
+    assert len(ag_waits) == 1 and ag_waits[0] < first_ag, log
+    assert sum(e[0] == "wait_for_current" and e[1] == "reduce_scatter" for e in log) == (6 if hsdp else 3), log
     # Each all-gather is followed by an event on its stream that the compute stream waits for
     # before the copy-out, and the gathered buffer is marked as used by the compute stream.
     assert [e for e in log if e[0] == "record_event" and e[1] == "all_gather"].__len__() == 5, log
@@ -108,11 +122,11 @@ def _check(log, hsdp: bool):
 
 
 def _fsdp():
-    return _check(_record_one_step(hsdp=False), hsdp=False)
+    return _check(_recorded(False, _train_step), hsdp=False)
 
 
 def _hsdp():
-    return _check(_record_one_step(hsdp=True), hsdp=True)
+    return _check(_recorded(True, _train_step), hsdp=True)
 
 
 def test_collectives_on_side_streams_fsdp():
@@ -121,6 +135,62 @@ def test_collectives_on_side_streams_fsdp():
 
 def test_collectives_on_side_streams_hsdp():
     assert all(run_on_ranks(4, _hsdp, timeout=120))
+
+
+def _ordering_of_each_step(log):
+    """Per step (split at the first all-gather after a reduce-scatter), what the all-gather
+    stream was last ordered after: ``("current",)`` (the compute stream) or ``("event", <stream
+    the event was recorded on>)``."""
+    orders, ordering, new_step = [], None, True
+    for entry in log:
+        if entry[0] == "wait_for_current" and entry[1] == "all_gather":
+            ordering = ("current",)
+        elif entry[0] == "wait_event" and entry[2] == "all_gather":
+            ordering = ("event", entry[1])
+        elif entry[0] == "reduce_scatter":
+            new_step = True
+        elif entry[0] == "all_gather" and new_step:
+            orders.append(ordering)
+            new_step = False
+    return orders
+
+
+def _post_optim_event():
+    def run(model, batch):
+        for step in range(3):
+            _train_step(model, batch)
+            if step == 0:  # an event recorded after the (here omitted) optimizer step
+                model.set_post_optim_event(("event", "post_optim", -1))
+    # step 1: the current stream; step 2: the user's event instead; step 3: used once, so the
+    # current stream again
+    assert _ordering_of_each_step(_recorded(False, run)) == [("current",), ("event", "post_optim"), ("current",)]
+    return True
+
+
+def test_post_optim_event_orders_the_next_steps_all_gathers_once():
+    assert all(run_on_ranks(2, _post_optim_event, timeout=120))
+
+
+def _explicit_unshard_and_post_forward_pieces():
+    def unshard_then_step(model, batch):
+        model.layers[0].unshard()  # outside a step: nothing has ordered the all-gather stream
+        model.layers[0].reshard()
+        _train_step(model, batch)
+    log = _recorded(False, unshard_then_step)
+    first_ag = next(i for i, e in enumerate(log) if e[0] == "all_gather")
+    assert log[first_ag - 1] == ("wait_for_current", "all_gather", "compute"), log
+    # reshard_after_forward=2 of 4 ranks: forward keeps pieces cut on the compute stream, and
+    # the backward all-gather of them waits for the event recorded after the cut
+    log = _recorded(False, _train_step, reshard_after_forward=2)
+    piece_events = [i for i, e in enumerate(log) if e == ("record_event", "compute")]
+    assert len(piece_events) == 2, log  # one per block
+    waits = [i for i, e in enumerate(log) if e == ("wait_event", "compute", "all_gather")]
+    assert len(waits) == 2 and all(w > p for w, p in zip(waits, piece_events)), log
+    return True
+
+
+def test_explicit_unshard_waits_and_post_forward_pieces_are_ordered():
+    assert all(run_on_ranks(4, _explicit_unshard_and_post_forward_pieces, timeout=120))
 
 
 def test_cpu_streams_are_no_ops():

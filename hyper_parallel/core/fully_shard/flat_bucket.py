@@ -80,15 +80,15 @@ class FlatBucket:
         self.free_unsharded()
 
     def all_gather(self, group: dist.ProcessGroup, device: torch.device, async_op: bool):
-        """Issue the all-gather of the flat shard; returns (work, rank-major result, copy-out
-        destinations) for :meth:`copy_out`. One rank: no collective, the shard is the result."""
+        """Issue the all-gather of the flat shard; returns (work, rank-major result) for
+        :meth:`copy_out`. One rank: no collective, the shard is the result."""
         self.gathered_version = self._shard_version()
         shard = self.shard_flat.to(device=device, dtype=self.compute_dtype, non_blocking=True)
         if self.world == 1:
-            return None, shard.view(1, self.total), self._destinations()
+            return None, shard.view(1, self.total)
         output = torch.empty(self.world * self.total, dtype=self.compute_dtype, device=device)
         work = collectives.all_gather(output, shard, group, async_op)
-        return work, output.view(self.world, self.total), self._destinations()
+        return work, output.view(self.world, self.total)
 
     def _destinations(self) -> List[torch.Tensor]:
         """Copy-out targets, ``(world, n)`` each: the unsharded segments for dim-0 parameters,
@@ -110,13 +110,18 @@ class FlatBucket:
         rows = self.world // size
         # Gathered row (j, m) is rank m * size + j's shard.
         gathered = output.view(size, rows, self.total).transpose(0, 1)
-        return work, gathered, [d.view(rows, size, -1) for d in self._destinations()]
+        return work, gathered
 
-    def copy_out(self, gathered: torch.Tensor, destinations: List[torch.Tensor]) -> None:
+    def copy_out(self, gathered: torch.Tensor) -> None:
+        """Fill the unsharded parameters from an all-gather result, ``(world, total)`` or
+        ``(world // size, size, total)`` (post-forward pieces); on the compute stream, which
+        also allocates the temporaries (an all-gather stream allocation freed here could be
+        handed to the next all-gather while this copy still runs)."""
         storage = self.unsharded_flat.untyped_storage()
         nbytes = self.unsharded_flat.numel() * self.unsharded_flat.element_size()
         if storage.nbytes() != nbytes:
             storage.resize_(nbytes)
+        destinations = [d.view(*gathered.shape[:-1], -1) for d in self._destinations()]
         # Autograd saved the unsharded params in forward; refilling the same storage before
         # backward is intended, so the version counter must not change.
         with torch.no_grad(), preserve_version_counter(self.unsharded_flat):

@@ -103,6 +103,21 @@ class FSDPModule:
         _check_bool("is_last_backward", is_last_backward)
         self._state.set_is_last_backward(is_last_backward)
 
+    def set_post_optim_event(self, event: Any) -> None:
+        """Order the next step's all-gathers after ``event`` instead of after everything queued
+        on the current stream. By default the root's pre-forward makes the all-gather stream
+        wait for the current stream, so that the optimizer step has written the shards; work
+        queued after the optimizer step that the parameters do not depend on is then a false
+        dependency. Record an event right after ``optimizer.step()`` and pass it here; it is
+        used by the next forward only, so set a new one every step. On CPU streams are in
+        order and the event changes nothing.
+
+        Args:
+            event: a ``torch.Event`` (or the device module's ``Event``) recorded after the
+                optimizer step.
+        """
+        self._state.set_post_optim_event(event)
+
     def reset_iter_state(self) -> None:
         """Recover after an exception in forward or backward: wait for and discard the
         collectives in flight, drop the failed step's gradients that are not yet reduced

@@ -52,7 +52,6 @@ class _InFlightGather(NamedTuple):
     # Rank-major result, allocated on the all-gather stream and read by the copy-out on the
     # compute stream (which then marks it as used there: see Streams.record_stream).
     gathered: torch.Tensor
-    destinations: List[torch.Tensor]  # copy-out targets
     event: Optional[Any]  # all-gather stream's work (the copy-in cast) done; the copy-out waits
 
 
@@ -93,6 +92,7 @@ class HSDPParamGroup:
         # reshard_after_forward=<int>: (size, group) of the smaller group kept after forward.
         self.post_forward_group = post_forward_group
         self._post_forward_pieces: Optional[List[torch.Tensor]] = None  # SHARDED_POST_FORWARD only
+        self._post_forward_event: Optional[Any] = None  # the pieces were written (compute stream)
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.state = ShardState.SHARDED
@@ -156,13 +156,15 @@ class HSDPParamGroup:
                 self._hooked.add(param)
         self._grads_expected = sum(p.requires_grad for p in self.params)
 
-    def _adopt_replacements(self) -> None:
+    def _adopt_replacements(self) -> bool:
         """Rebind after parameters were replaced on the modules or converted (``setattr``,
         ``load_state_dict(assign=True)``, ``module.to(dtype/device)``, ``to_empty``): buckets
-        follow the parameters' new dtypes and devices. Call while sharded."""
-        if any([p.adopt_replacement() for p in self.params]):
-            self._bind_buckets([local_tensor(p.sharded_param).device for p in self.params],
-                               self.pin_memory and self._initialized)
+        follow the parameters' new dtypes and devices. Call while sharded. True if it rebound."""
+        if not any([p.adopt_replacement() for p in self.params]):
+            return False
+        self._bind_buckets([local_tensor(p.sharded_param).device for p in self.params],
+                           self.pin_memory and self._initialized)
+        return True
 
     def _sync_requires_grad(self) -> None:
         """Take ``requires_grad`` changes made on the sharded parameters since the last forward."""
@@ -202,34 +204,48 @@ class HSDPParamGroup:
 
     # -- unshard / reshard ----------------------------------------------------------------
     @disable_functorch_if_active
-    def unshard(self, async_op: bool = False) -> Optional[UnshardHandle]:
+    def unshard(self, async_op: bool = False, ordered: bool = False) -> Optional[UnshardHandle]:
         """All-gather this group's parameters (no-op when already (being) unsharded from
-        up-to-date shards)."""
+        up-to-date shards).
+
+        Args:
+            async_op: return a handle instead of waiting for the result.
+            ordered: the all-gather stream is already ordered after the last writes to the
+                shards (the root's pre-forward did it for this step); otherwise it waits for
+                the compute stream first.
+        """
         if self.state == ShardState.UNSHARDED and any(b.stale for b in self.buckets):
             self.reshard()
         if self.state == ShardState.SHARDED_POST_FORWARD:
             size, group = self.post_forward_group
             pieces, self._post_forward_pieces = self._post_forward_pieces, None
-            self._issue_gathers(lambda b, piece: b.all_gather_pieces(piece, group, size, async_op), pieces)
+            # The pieces were cut on the compute stream after the root's ordering point.
+            self._issue_gathers(lambda b, piece: b.all_gather_pieces(piece, group, size, async_op), pieces,
+                                after=self._post_forward_event, wait_for_compute=not ordered)
         elif self.state == ShardState.SHARDED:
-            self._adopt_replacements()
+            rebound = self._adopt_replacements()  # a rebind copies shards on the compute stream
             self._sync_requires_grad()
             self._issue_gathers(lambda b, _: b.all_gather(self.dp.shard_group, self.device, async_op),
-                                [None] * len(self.buckets))
+                                [None] * len(self.buckets), wait_for_compute=rebound or not ordered)
         if async_op:
             return UnshardHandle(self)
         self.wait_for_unshard()
         return None
 
-    def _issue_gathers(self, gather: Callable[[FlatBucket, Any], tuple], inputs: List[Any]) -> None:
+    def _issue_gathers(self, gather: Callable[[FlatBucket, Any], tuple], inputs: List[Any],
+                       wait_for_compute: bool, after: Optional[Any] = None) -> None:
         """Run ``gather(bucket, input)`` for every bucket on the all-gather stream, after what
-        the compute stream has queued (the optimizer wrote the shards there)."""
+        the compute stream has queued (``wait_for_compute``) and after the event ``after``."""
         streams = self._streams
-        streams.wait_for_current(streams.all_gather)
+        if wait_for_compute:
+            streams.wait_for_current(streams.all_gather)
         with record_function("hp::all_gather"), streams.use(streams.all_gather):
+            if after is not None:
+                streams.wait_event(after)
             issued = [(b, *gather(b, x)) for b, x in zip(self.buckets, inputs)]
             event = streams.record_event()
         self._gathers = [_InFlightGather(*item, event) for item in issued]
+        self._post_forward_event = None
         self.state = ShardState.UNSHARDING
 
     @disable_functorch_if_active
@@ -242,7 +258,7 @@ class HSDPParamGroup:
                 if item.work is not None:
                     item.work.wait()
                 streams.wait_event(item.event)
-                item.bucket.copy_out(item.gathered, item.destinations)
+                item.bucket.copy_out(item.gathered)
                 streams.record_stream(item.gathered)
         self._gathers = []
         for slots, name, value in self._unsharded_slots:
@@ -261,12 +277,14 @@ class HSDPParamGroup:
         pieces = [b.post_forward_piece(size, self.dp.shard_rank % size) for b in self.buckets]
         self.reshard()
         self._post_forward_pieces = pieces
+        self._post_forward_event = self._streams.record_event()  # the backward all-gather reads them
         self.state = ShardState.SHARDED_POST_FORWARD
 
     @disable_functorch_if_active
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones on the modules."""
         self._post_forward_pieces = None
+        self._post_forward_event = None
         if self.state in (ShardState.SHARDED, ShardState.SHARDED_POST_FORWARD):
             self.state = ShardState.SHARDED
             return

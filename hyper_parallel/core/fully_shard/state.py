@@ -12,6 +12,7 @@ from hyper_parallel._torch_compat import current_graph_task_id, queue_autograd_c
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.core.fully_shard.policy import MixedPrecisionPolicy
 from hyper_parallel.core.fully_shard.tree import cast_floating, iter_tensors
+from hyper_parallel.platform import get_platform
 
 
 class BackwardPhase(enum.Enum):
@@ -47,6 +48,11 @@ class _RootContext:
         self.callback_queued = False
         # False: the end of backward leaves the last reductions in flight (set_is_last_backward).
         self.is_last_backward = True
+        # The user's event recorded after the optimizer step (set_post_optim_event), used once.
+        self.post_optim_event: Optional[Any] = None
+        # True from the root's pre-forward until the step ends: the all-gather stream is
+        # ordered after the last writes to the shards, so this step's all-gathers need no wait.
+        self.all_gathers_ordered = False
         self._final_callback_hook = _eager(self._final_callback)
 
     def begin_step(self) -> None:
@@ -58,6 +64,20 @@ class _RootContext:
         self.forward_order = []
         for state in self.states:
             state.reset_backward()
+
+    def order_all_gathers(self) -> None:
+        """Root pre-forward: order the all-gather stream after the optimizer step that wrote
+        the shards (the post-optimizer event if the user set one, else everything queued on
+        the compute stream), once for the step, as FSDP2 does: the step's all-gathers then
+        start as soon as they are issued, with no false dependency on queued compute."""
+        streams = get_platform().streams()
+        event, self.post_optim_event = self.post_optim_event, None
+        if event is None:
+            streams.wait_for_current(streams.all_gather)
+        else:
+            with streams.use(streams.all_gather):
+                streams.wait_event(event)
+        self.all_gathers_ordered = True
 
     def record_forward(self, state: "HSDPState") -> None:
         if not state.recorded:
@@ -94,10 +114,13 @@ class _RootContext:
                 state.group.reshard()
             state.reset_backward()
         self.callback_queued = False
+        self.all_gathers_ordered = False  # the optimizer step may write the shards next
 
-    def reshard_all(self) -> None:
+    def end_no_grad_forward(self) -> None:
+        """No backward follows: drop prefetched leftovers; the step is over."""
         for state in self.states:
             state.group.reshard()
+        self.all_gathers_ordered = False
 
     def reset_iter_state(self) -> None:
         """Discard a step aborted by an exception: wait for its collectives, drop its
@@ -108,6 +131,7 @@ class _RootContext:
         self.reducing, self.all_reducing = [], []
         self.forward_order = []
         self.callback_queued = False
+        self.all_gathers_ordered = False
 
 
 class HSDPState:
@@ -140,6 +164,7 @@ class HSDPState:
         self.to_run: Set[nn.Module] = set()  # modules of this group yet to run in this forward
         self.unshard_in_backward = True
         self.is_last_backward = True  # copied to the root context at lazy init
+        self.post_optim_event: Optional[Any] = None  # likewise
         # Every entry point called by nn.Module or autograd, wrapped once (see _eager);
         # pre_forward_hook/post_forward_hook also run custom forward methods.
         self._pre_backward_hook = _eager(self._pre_backward)
@@ -166,6 +191,7 @@ class HSDPState:
         fqns = {param: name for name, param in self.modules[0].named_parameters(remove_duplicate=False)}
         ctx = _RootContext(states)
         ctx.is_last_backward = self.is_last_backward
+        ctx.post_optim_event = next((s.post_optim_event for s in states if s.post_optim_event is not None), None)
         for state in states:
             state.ctx, state.is_root = ctx, state is self
             user_value = state.group.user_reshard_after_forward
@@ -193,6 +219,12 @@ class HSDPState:
         if self.ctx is not None:
             self.ctx.is_last_backward = value
 
+    def set_post_optim_event(self, event: Any) -> None:
+        if self.ctx is None:
+            self.post_optim_event = event
+        else:
+            self.ctx.post_optim_event = event
+
     def reset_iter_state(self) -> None:
         if self.ctx is None:
             return  # never ran: nothing to reset
@@ -202,14 +234,14 @@ class HSDPState:
 
     # -- hooks ----------------------------------------------------------------------------
     def _unshard(self) -> None:
-        self.group.unshard()
+        ordered = self.ctx.all_gathers_ordered
+        self.group.unshard(ordered=ordered)
         for group in self.borrowed:
-            group.unshard()
+            group.unshard(ordered=ordered)
 
-    @staticmethod
-    def _prefetch(states: List["HSDPState"]) -> None:
+    def _prefetch(self, states: List["HSDPState"]) -> None:
         for state in states:
-            state.group.unshard(async_op=True)
+            state.group.unshard(async_op=True, ordered=self.ctx.all_gathers_ordered)
 
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
         if self.ctx is None:
@@ -218,6 +250,7 @@ class HSDPState:
         training = not in_backward and torch.is_grad_enabled()
         if not in_backward and self.is_root:
             self.ctx.begin_step()
+            self.ctx.order_all_gathers()
         if training:
             self.ctx.record_forward(self)
         if not in_backward and not self.to_run:
@@ -261,7 +294,7 @@ class HSDPState:
                         state.to_run.clear()
                         state._finish_forward(grad_enabled)
                 if not grad_enabled:
-                    self.ctx.reshard_all()  # no backward follows: drop prefetched leftovers too
+                    self.ctx.end_no_grad_forward()
         if self.mp_policy.output_dtype is not None:
             output = cast_floating(output, self.mp_policy.output_dtype)
         if grad_enabled:
