@@ -1,4 +1,5 @@
-"""Run test functions on N gloo ranks on CPU, reusing the worker processes between tests.
+"""Run test functions on N ranks (gloo on CPU; nccl on CUDA, one GPU per rank), reusing the
+worker processes between tests.
 
 A pool of N spawned processes joins one gloo process group on loopback once; each
 ``run(fn, *args)`` ships ``fn`` (a module-level function, pickled by reference) to every
@@ -27,7 +28,7 @@ class RankError(AssertionError):
     """A rank raised; the message holds its traceback."""
 
 
-def _worker(rank: int, world_size: int, port: int, conn) -> None:
+def _worker(rank: int, world_size: int, port: int, conn, device: str = "cpu") -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -35,7 +36,7 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(world_size),
         LOCAL_WORLD_SIZE=str(world_size),
-        HYPER_PARALLEL_DEVICE="cpu",
+        HYPER_PARALLEL_DEVICE=device,
     )
     import datetime
 
@@ -43,8 +44,11 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
     dist.init_process_group(
-        "gloo", rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=120)
+        "nccl" if device == "cuda" else "gloo", rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=120)
     )
     conn.send(("ready", None))
     while True:
@@ -64,10 +68,11 @@ def _worker(rank: int, world_size: int, port: int, conn) -> None:
 
 
 class RankPool:
-    """N persistent gloo ranks on CPU."""
+    """N persistent ranks on ``device`` ("cpu": gloo; "cuda": nccl, one GPU each)."""
 
-    def __init__(self, world_size: int):
+    def __init__(self, world_size: int, device: str = "cpu"):
         self.world_size = world_size
+        self.device = device
         self._procs: List[Any] = []
         self._conns: List[Any] = []
 
@@ -76,7 +81,7 @@ class RankPool:
         for rank in range(self.world_size):
             parent, child = _SPAWN.Pipe()
             proc = _SPAWN.Process(
-                target=_worker, args=(rank, self.world_size, port, child), daemon=True
+                target=_worker, args=(rank, self.world_size, port, child, self.device), daemon=True
             )
             proc.start()
             child.close()
@@ -152,11 +157,12 @@ class RankPool:
 _POOLS: dict = {}
 
 
-def run_on_ranks(world_size: int, fn: Callable, *args, timeout: float = 180.0, **kwargs) -> List[Any]:
-    """Run ``fn`` on a shared pool of ``world_size`` gloo ranks (created on first use)."""
-    pool = _POOLS.get(world_size)
+def run_on_ranks(world_size: int, fn: Callable, *args, timeout: float = 180.0, device: str = "cpu",
+                 **kwargs) -> List[Any]:
+    """Run ``fn`` on a shared pool of ``world_size`` ranks on ``device`` (created on first use)."""
+    pool = _POOLS.get((world_size, device))
     if pool is None:
-        pool = _POOLS[world_size] = RankPool(world_size)
+        pool = _POOLS[world_size, device] = RankPool(world_size, device)
     return pool.run(fn, *args, timeout=timeout, **kwargs)
 
 

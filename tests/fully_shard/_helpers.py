@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel._torch_compat import lookup_compile_backend
 from hyper_parallel.models import build_llama
 
 VOCAB, SEQ = 32, 8
@@ -24,6 +25,23 @@ VOCAB, SEQ = 32, 8
 # shard) shows up at 1e-4 or more.
 DTYPE = torch.float64
 TOL = 1e-8
+
+
+class CountingBackend:
+    """A torch.compile backend (e.g. ``"aot_eager"``, ``"inductor"``) that counts the calls of
+    the graphs it compiled (proof that the compiled code ran, rather than an eager fallback)."""
+
+    def __init__(self, name: str):
+        self.calls = 0
+        self._inner = lookup_compile_backend(name)
+
+    def __call__(self, gm, example_inputs):
+        compiled = self._inner(gm, example_inputs)
+
+        def run(*args):
+            self.calls += 1
+            return compiled(*args)
+        return run
 
 
 def tiny_llama(dtype: torch.dtype = DTYPE, **overrides) -> nn.Module:

@@ -17,30 +17,12 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import hyper_parallel as hp
-from hyper_parallel._torch_compat import lookup_compile_backend
 from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
-from tests.fully_shard._helpers import full_params, global_batch, max_diff, tiny_llama, train
+from tests.fully_shard._helpers import CountingBackend, full_params, global_batch, max_diff, tiny_llama, train
 from tests.multirank import run_on_ranks
 
 TOL = 1e-10  # float64 everywhere: only summation order differs
 MP_TOL = 1e-5  # fp32 compute (mixed precision), compiled vs eager on the same inputs
-
-
-class _CountingBackend:
-    """``aot_eager`` that counts the calls of the graphs it compiled (proof that the compiled
-    code ran, rather than an eager fallback)."""
-
-    def __init__(self):
-        self.calls = 0
-        self._inner = lookup_compile_backend("aot_eager")
-
-    def __call__(self, gm, example_inputs):
-        compiled = self._inner(gm, example_inputs)
-
-        def run(*args):
-            self.calls += 1
-            return compiled(*args)
-        return run
 
 
 # One backend for the whole file: dynamo's cache is per backend, so runs after the first reuse
@@ -48,10 +30,10 @@ class _CountingBackend:
 _BACKEND = None
 
 
-def _backend() -> _CountingBackend:
+def _backend() -> CountingBackend:
     global _BACKEND
     if _BACKEND is None:
-        _BACKEND = _CountingBackend()
+        _BACKEND = CountingBackend("aot_eager")
     return _BACKEND
 
 
