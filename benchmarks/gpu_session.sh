@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# What a session lent a GPU machine runs, in the order that matters, each part within one
+# device call (at most 10 minutes): the accelerator tests first (correctness on CUDA), then
+# the step benchmark eager and compiled, then the checkpoint benchmark from GPU memory.
+#
+#   benchmarks/gpu_session.sh tests|step|checkpoint|all
+#
+# Logs go to $OUT (the device tool's output folder; default ./gpu_out): one log per run and
+# summary.txt with each command and its exit status. On the GPU machine the recipe's three
+# small wheels must travel with the checkout in .whl/ (see ../shared/gpu/README.md); they are
+# installed here first. Record what it measured in benchmarks/RESULTS.md by hand.
+set -uo pipefail
+OUT=${OUT:-gpu_out}
+PY=${PYTHON:-python3}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+    "$PY" -m pip install -q --no-index --no-deps .whl/*.whl
+fi
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+NGPU=$("$PY" -c "import torch; print(torch.cuda.device_count())") || exit 2
+if [ "$NGPU" -lt 1 ]; then
+    echo "no CUDA device visible" >&2
+    exit 2
+fi
+
+run() {  # run NAME COMMAND...: log to $OUT/NAME.log, show its tail
+    local name=$1
+    shift
+    echo "== $name: $*" | tee -a "$OUT/summary.txt"
+    local start=$SECONDS
+    "$@" >"$OUT/$name.log" 2>&1
+    local rc=$?
+    echo "   rc=$rc in $((SECONDS - start)) s" | tee -a "$OUT/summary.txt"
+    tail -n 30 "$OUT/$name.log"
+}
+
+step() {
+    run "fsdp_step_${1}" "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+        benchmarks/fsdp_step.py --device cuda --steps 6 --json "$OUT/fsdp_step_${1}.json" "${@:2}"
+}
+
+part=${1:-all}
+case $part in
+tests | all)
+    nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+    "$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" \
+        | tee -a "$OUT/summary.txt"
+    run accelerator_tests "$PY" -m pytest -q -p no:cacheprovider tests/accelerator
+    ;;&
+step | all)
+    step eager
+    step compiled --compile
+    ;;&
+checkpoint | all)
+    run checkpoint_io "$PY" benchmarks/checkpoint_io.py --device cuda --gb 4 --reps 2 --dir /tmp/hp_ckpt_bench
+    ;;
+tests | step) ;;
+*)
+    echo "usage: $0 tests|step|checkpoint|all" >&2
+    exit 2
+    ;;
+esac
