@@ -57,6 +57,13 @@ class Streams(ABC):
     def record_stream(self, tensor: torch.Tensor) -> None:
         """Tell the allocator that the current stream uses ``tensor`` (allocated elsewhere)."""
 
+    def hold_for_collective(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        """What the in-flight record of an asynchronous collective that reads ``tensor`` must
+        keep referenced until the collective is waited for: ``tensor`` itself (a caching
+        allocator would otherwise hand its memory to the compute stream while the side stream
+        still reads it; FSDP2 holds its reduce-scatter input the same way)."""
+        return tensor
+
 
 class CpuStreams(Streams):
     """CPU: one implicit in-order stream; nothing to do."""
@@ -79,6 +86,12 @@ class CpuStreams(Streams):
 
     def record_stream(self, tensor: torch.Tensor) -> None:
         pass
+
+    def hold_for_collective(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
+        # Nothing: no caching allocator or second stream, and the process group's Work keeps
+        # what its collective still reads (gloo's reduce-scatter reads a copy of its input
+        # made at issue), so holding the input too would only keep its memory resident.
+        return None
 
 
 class AcceleratorStreams(Streams):

@@ -60,7 +60,9 @@ class _PendingReduce(NamedTuple):
 
     bucket: FlatBucket
     work: Optional[dist.Work]  # None: no collective (one rank)
-    grad_input: torch.Tensor  # held: the collective reads it until ``work`` completes
+    # The collective's input while it may still be read there (None on CPU: see
+    # Streams.hold_for_collective).
+    grad_input: Optional[torch.Tensor]
     output: torch.Tensor  # allocated on the compute stream, which sets it as the gradients
 
 
@@ -345,7 +347,7 @@ class HSDPParamGroup:
             streams.wait_for_current(streams.reduce_scatter)  # the copy-in ran on the compute stream
             with record_function("hp::reduce_scatter"), streams.use(streams.reduce_scatter):
                 work = collectives.reduce_scatter(output, grad_input, self.dp.shard_group, async_op=True)
-            self._pending.append(_PendingReduce(bucket, work, grad_input, output))
+            self._pending.append(_PendingReduce(bucket, work, streams.hold_for_collective(grad_input), output))
 
     def finish_scatter(self) -> bool:
         """Wait for the issued reduce-scatters. FSDP: set the sharded gradients. HSDP: issue
