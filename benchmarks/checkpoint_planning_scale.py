@@ -39,10 +39,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hyper_parallel.checkpoint as hdcp
+from hyper_parallel._torch_compat import compute_local_shape_and_global_offset, init_fake_process_group
 from hyper_parallel.core.distributed_checkpoint.planner import TensorWriteData
 from hyper_parallel.core.distributed_checkpoint.validation import check_metadata
 
@@ -73,7 +72,7 @@ def _meta_state(shapes, mesh, placements) -> Dict[str, DTensor]:
     """Meta DTensors of this rank's shards (no memory)."""
     state = {}
     for key, shape in shapes.items():
-        local, _ = _compute_local_shape_and_global_offset(shape, mesh.shape, mesh.get_coordinate(), placements)
+        local, _ = compute_local_shape_and_global_offset(shape, mesh, placements)
         strides = [1] * len(shape)
         for d in range(len(shape) - 2, -1, -1):
             strides[d] = strides[d + 1] * shape[d + 1]
@@ -85,7 +84,7 @@ def _meta_state(shapes, mesh, placements) -> Dict[str, DTensor]:
 def _init(world: int, rank: int, kind: str):
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    init_fake_process_group(rank, world)
     mesh_shape, placements, names = _layout(kind, world)
     return init_device_mesh("cpu", mesh_shape, mesh_dim_names=names), placements
 

@@ -26,6 +26,7 @@ __all__ = [
     "dump_cuda_memory_snapshot",
     "foreach_mul_",
     "local_tensor",
+    "init_fake_process_group",
     "lookup_compile_backend",
     "module_parameters",
     "preserve_version_counter",
@@ -112,3 +113,13 @@ def disable_functorch_if_active(func: Callable) -> Callable:
         return func(*args, **kwargs)
 
     return wrapper
+
+
+def init_fake_process_group(rank: int, world_size: int) -> None:
+    """Start torch's ``fake`` process group as ``rank`` of ``world_size``: collectives are
+    no-ops, so one process can stand for any rank of a large job (planning benchmarks, tests).
+    Its store lives in torch's test utilities; torch has no public one."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)

@@ -16,9 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.testing._internal.distributed.fake_pg import FakeStore
 
 import hyper_parallel.checkpoint as hdcp
+from hyper_parallel._torch_compat import init_fake_process_group
 from hyper_parallel.core.distributed_checkpoint.chunk_table import ChunkTable
 from hyper_parallel.core.distributed_checkpoint.resharding import local_chunk, overlap
 
@@ -107,7 +107,7 @@ def _state(layout: str, rank: int):
     world = math.prod(mesh_shape)
     if dist.is_initialized():
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+    init_fake_process_group(rank, world)
     mesh = init_device_mesh("cpu", mesh_shape)
     state = {}
     for key, shape in SHAPES.items():

@@ -32,7 +32,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.validation import check_metadata, verify_file
+from hyper_parallel.core.distributed_checkpoint.validation import check_metadata, verify_files
 from hyper_parallel.core.distributed_checkpoint.storage import RankWriteResult, WriteResult
 
 RANK_METADATA = "metadata.rank{}.json"
@@ -259,7 +259,7 @@ def _merge_rank_metadata(parts: List[Metadata], directory: str) -> Metadata:
     for part in sorted(parts, key=lambda p: p.rank):
         for index, info in part.storage_data.items():
             kept = merged.storage_data.setdefault(index, info)
-            if kept is not info and kept.checksum != info.checksum:
+            if kept.checksum != info.checksum:
                 # Plain values are written by every rank without collectives; copies must agree.
                 raise CheckpointError(f"{directory}: ranks saved different values for {index.fqn!r} "
                                       f"(files {kept.relative_path} and {info.relative_path})")
@@ -316,6 +316,5 @@ def verify_checkpoint(checkpoint_dir: str) -> Metadata:
         CheckpointError: names what is uncommitted, inconsistent, missing, truncated or corrupt.
     """
     metadata = read_checkpoint_metadata(checkpoint_dir)
-    for name in sorted(metadata.files):
-        verify_file(checkpoint_dir, name, metadata)
+    verify_files(checkpoint_dir, metadata)
     return metadata

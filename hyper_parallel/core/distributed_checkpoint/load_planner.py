@@ -6,13 +6,12 @@ from __future__ import annotations
 from typing import Any, Dict, List, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.distributed_checkpoint.flatten import flatten_state_dict, set_by_path
 from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, Metadata, MetadataIndex, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from hyper_parallel.core.distributed_checkpoint.resharding import local_chunk, local_data, narrow, numel, overlap
+from hyper_parallel.core.distributed_checkpoint.resharding import local_chunk, local_data, mesh_slot, narrow, numel, overlap
 
 
 class StandardLoadPlanner(LoadPlanner):
@@ -93,19 +92,14 @@ class StandardLoadPlanner(LoadPlanner):
     def _receives_by_broadcast(self, key: str, value: torch.Tensor) -> bool:
         """Replicated shards are read by the first replica along the first Replicate mesh dim
         and broadcast to the others; returns True on the receiving replicas."""
-        if not (self.use_collectives and isinstance(value, DTensor)) or value.device_mesh.get_coordinate() is None:
+        if not (self.use_collectives and isinstance(value, DTensor)):
             return False
-        mesh = value.device_mesh
-        dims = [d for d, p in enumerate(value.placements) if p.is_replicate() and mesh.size(d) > 1]
-        if not dims:
+        slot = mesh_slot(value)
+        if slot.broadcast_dim is None:
             return False
-        dim = dims[0]
-        coord = mesh.get_coordinate()
-        src_index = tuple(0 if d == dim else c for d, c in enumerate(coord))
-        src = int(mesh.mesh[src_index])
-        group = mesh.get_group(dim)
-        self._broadcasts.append((local_data(value).detach(), src, group))
-        self._broadcast_keys.append((key, src, tuple(dist.get_process_group_ranks(group))))
+        src = slot.broadcast_ranks[0]
+        self._broadcasts.append((local_data(value).detach(), src, value.device_mesh.get_group(slot.broadcast_dim)))
+        self._broadcast_keys.append((key, src, slot.broadcast_ranks))
         return src != self.rank
 
     def build_global_plan(self, all_plans: List[LoadPlan]) -> List[LoadPlan]:

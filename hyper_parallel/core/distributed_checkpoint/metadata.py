@@ -11,11 +11,12 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 import torch
 
 from hyper_parallel.core.distributed_checkpoint.chunk_table import ChunkStorageMetadata, ChunkTable
+from hyper_parallel.core.distributed_checkpoint.storage_table import MetadataIndex, StorageEntry, StorageInfo, StorageTable
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "DTYPE_TO_SAFETENSORS", "MAX_DIMS", "MAX_NESTING",
     "BytesStorageMetadata", "CheckpointError", "ChunkStorageMetadata", "ChunkTable", "FileInfo", "Metadata",
-    "MetadataIndex", "StorageInfo", "StorageMetadata", "TensorStorageMetadata", "check_relative_path",
+    "MetadataIndex", "StorageEntry", "StorageInfo", "StorageMetadata", "StorageTable", "TensorStorageMetadata", "check_relative_path",
     "dtype_from_name", "dtype_name",
 ]
 
@@ -71,33 +72,6 @@ StorageMetadata = Union[TensorStorageMetadata, BytesStorageMetadata]
 
 
 @dataclass(frozen=True, slots=True)
-class MetadataIndex:
-    """Names one stored item: ``fqn``, plus the chunk's global ``offset`` for tensors.
-
-    ``index`` is None for the copy the reader uses; extra replicas written with
-    ``remove_redundancy=False`` get ``index`` 1, 2, ...
-    """
-
-    fqn: str
-    offset: Optional[Tuple[int, ...]] = None
-    index: Optional[int] = None
-
-
-@dataclass(frozen=True, slots=True)
-class StorageInfo:
-    """Where an item lives: file (relative to the checkpoint dir), byte range, crc32.
-
-    ``encoding`` is ``"raw"`` for tensor bytes, ``"json"`` or ``"pickle"`` for values.
-    """
-
-    relative_path: str
-    offset: int
-    length: int
-    checksum: int
-    encoding: str = "raw"
-
-
-@dataclass(frozen=True, slots=True)
 class FileInfo:
     """Size in bytes and crc32 of a whole data file."""
 
@@ -111,7 +85,8 @@ class Metadata:
 
     Attributes:
         state_dict_metadata: flattened fqn -> tensor or bytes metadata.
-        storage_data: item -> where it lives.
+        storage_data: item -> where it lives (a mapping given here is stored as a
+            :class:`StorageTable`).
         files: data file name -> size and checksum.
         layouts: fqn -> {"mesh_shape", "mesh_dim_names", "placements"} at save time (DTensors).
         world_size: ranks that saved it; ``rank`` is set for rank-local metadata
@@ -120,13 +95,17 @@ class Metadata:
     """
 
     state_dict_metadata: Dict[str, StorageMetadata]
-    storage_data: Dict[MetadataIndex, StorageInfo] = field(default_factory=dict)
+    storage_data: StorageTable = field(default_factory=StorageTable)
     files: Dict[str, FileInfo] = field(default_factory=dict)
     layouts: Dict[str, Dict[str, Any]] = field(default_factory=dict)
     world_size: int = 1
     rank: Optional[int] = None
     save_id: str = ""
     version: int = FORMAT_VERSION
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.storage_data, StorageTable):
+            self.storage_data = StorageTable(self.storage_data)
 
     def to_json(self) -> str:
         entries = {}
@@ -141,11 +120,11 @@ class Metadata:
                 entries[fqn] = {"type": "bytes"}
         storage = [
             {
-                "fqn": idx.fqn, "offset": None if idx.offset is None else list(idx.offset),
-                "index": idx.index, "file": info.relative_path, "byte_offset": info.offset,
-                "length": info.length, "checksum": info.checksum, "encoding": info.encoding,
+                "fqn": e.fqn, "offset": None if e.offset is None else list(e.offset), "index": e.index,
+                "file": e.relative_path, "byte_offset": e.byte_offset, "length": e.length,
+                "checksum": e.checksum, "encoding": e.encoding,
             }
-            for idx, info in self.storage_data.items()
+            for e in self.storage_data.entries()
         ]
         doc = {
             "format": FORMAT_NAME, "version": self.version, "save_id": self.save_id,
@@ -189,7 +168,7 @@ class Metadata:
             )
         _check_document(doc, source)
         # The schema check above makes every access below well-typed and in range. Chunks go
-        # into one compact table per tensor; each name string is kept once (not per item).
+        # into one compact table per tensor, storage locations into one table of columns.
         sd_md: Dict[str, StorageMetadata] = {}
         for fqn, entry in doc["state_dict_metadata"].items():
             if entry["type"] == "tensor":
@@ -200,14 +179,12 @@ class Metadata:
             else:
                 sd_md[fqn] = BytesStorageMetadata()
         files = {name: FileInfo(f["size"], f["checksum"]) for name, f in doc["files"].items()}
-        names = {name: name for name in (*sd_md, *files)}
-        storage = {}
+        storage = StorageTable()
         for e in doc["storage_data"]:
-            fqn, file = names.setdefault(e["fqn"], e["fqn"]), names.setdefault(e["file"], e["file"])
-            idx = MetadataIndex(fqn, None if e["offset"] is None else tuple(e["offset"]), e["index"])
-            if idx in storage:
-                raise CheckpointError(f"{source} lists storage for {idx} twice")
-            storage[idx] = StorageInfo(file, e["byte_offset"], e["length"], e["checksum"], e["encoding"])
+            offset = None if e["offset"] is None else tuple(e["offset"])
+            if not storage.insert(e["fqn"], offset, e["index"], e["file"], e["byte_offset"], e["length"],
+                                  e["checksum"], e["encoding"]):
+                raise CheckpointError(f"{source} lists storage for {MetadataIndex(e['fqn'], offset, e['index'])} twice")
         return cls(
             state_dict_metadata=sd_md, storage_data=storage, files=files, layouts=doc.get("layouts", {}),
             world_size=doc["world_size"], rank=doc.get("rank"), save_id=doc.get("save_id", ""),

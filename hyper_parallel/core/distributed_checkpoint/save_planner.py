@@ -25,7 +25,7 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from hyper_parallel.core.distributed_checkpoint.resharding import local_chunk, local_data, numel, replica_ranks
+from hyper_parallel.core.distributed_checkpoint.resharding import local_chunk, local_data, mesh_slot, numel
 from hyper_parallel.core.distributed_checkpoint.values import encode_value
 
 
@@ -123,18 +123,18 @@ class StandardSavePlanner(SavePlanner):
         index: Optional[int] = None
         if numel(size) == 0:
             # Nobody holds a non-empty chunk; the lowest rank of the mesh records the shape.
-            if self.rank != int(value.device_mesh.mesh.min()):
+            if self.rank != mesh_slot(value).lowest:
                 return None
             chunk = ChunkStorageMetadata((0,) * len(size), size)
         elif numel(chunk.sizes) == 0:
             return None
         else:
-            holders = replica_ranks(value)
+            holders = mesh_slot(value).replicas
             if self.remove_redundancy:
                 if self.save_to_minimum_rank:
                     owner = min(holders)
                 else:
-                    load = replica_load[tuple(holders)]
+                    load = replica_load[holders]
                     owner = min(holders, key=load.__getitem__)  # the first of the least loaded
                     load[owner] += numel(chunk.sizes) * value.element_size()
                 if owner != self.rank:

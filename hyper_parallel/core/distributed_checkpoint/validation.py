@@ -6,8 +6,8 @@ share (one place).
   every byte range lies inside its file's recorded size without overlapping another.
 - :func:`open_data_file`: a data file exists and has its recorded size, checked before any
   buffer is sized from the metadata.
-- :func:`verify_file`: every stored item of a file and the whole file match their checksums,
-  in one sequential pass, and JSON values decode.
+- :func:`verify_files`: every stored item of each data file and the whole file match their
+  checksums, in one sequential pass per file, and JSON values decode.
 
 The metadata document's field types, ranges and nesting are checked while parsing it
 (``Metadata.from_json``).
@@ -24,14 +24,14 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageInfo,
+    StorageEntry,
     TensorStorageMetadata,
     check_relative_path,
 )
 from hyper_parallel.core.distributed_checkpoint.resharding import numel
 from hyper_parallel.core.distributed_checkpoint.values import decode_value
 
-_BLOCK = 1 << 24  # bytes read at a time by verify_file
+_BLOCK = 1 << 24  # bytes read at a time by _verify_file
 
 
 def _check_tiling(fqn: str, md: TensorStorageMetadata, source: str) -> None:
@@ -63,19 +63,23 @@ def _check_tiling(fqn: str, md: TensorStorageMetadata, source: str) -> None:
                               "a chunk is missing; refusing a checkpoint whose chunks do not tile the tensor")
 
 
-def _expected_location(metadata: Metadata, index: MetadataIndex, source: str) -> Tuple[int, Tuple[str, ...]]:
+def _expected_location(metadata: Metadata, entry: StorageEntry, source: str) -> Tuple[int, Tuple[str, ...]]:
     """(byte length, allowed encodings) of a stored item, from the tensor/value it belongs to."""
-    md = metadata.state_dict_metadata.get(index.fqn)
+    md = metadata.state_dict_metadata.get(entry.fqn)
     if md is None:
-        raise CheckpointError(f"{source}: stored item {index} belongs to no entry of state_dict_metadata")
+        raise CheckpointError(f"{source}: stored item {_index(entry)} belongs to no entry of state_dict_metadata")
     if isinstance(md, TensorStorageMetadata):
-        sizes = md.chunks.sizes_at(index.offset)
+        sizes = md.chunks.sizes_at(entry.offset)
         if sizes is None:
-            raise CheckpointError(f"{source}: stored item {index} is not a chunk of {index.fqn!r}")
+            raise CheckpointError(f"{source}: stored item {_index(entry)} is not a chunk of {entry.fqn!r}")
         return numel(sizes) * md.dtype.itemsize, ("raw",)
-    if index.offset is not None:
-        raise CheckpointError(f"{source}: stored value {index} has a chunk offset")
+    if entry.offset is not None:
+        raise CheckpointError(f"{source}: stored value {_index(entry)} has a chunk offset")
     return -1, ("json", "pickle")
+
+
+def _index(entry: StorageEntry) -> MetadataIndex:
+    return MetadataIndex(entry.fqn, entry.offset, entry.index)
 
 
 def check_metadata(metadata: Metadata, source: str) -> None:
@@ -84,33 +88,39 @@ def check_metadata(metadata: Metadata, source: str) -> None:
     Raises:
         CheckpointError: names the tensor, item or file that is inconsistent.
     """
+    primary = metadata.storage_data.primary_counts()
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             _check_tiling(fqn, md, source)
-            for chunk in md.chunks:
-                if MetadataIndex(fqn, chunk.offsets) not in metadata.storage_data:
-                    raise CheckpointError(f"{source}: chunk {chunk.offsets} of {fqn!r} is stored nowhere")
+            # Stored items are distinct and (checked below) each one a chunk: as many primary
+            # copies as chunks means every chunk is stored. Otherwise name a chunk that is not.
+            if primary[fqn] != len(md.chunks):
+                for chunk in md.chunks:
+                    if MetadataIndex(fqn, chunk.offsets) not in metadata.storage_data:
+                        raise CheckpointError(f"{source}: chunk {chunk.offsets} of {fqn!r} is stored nowhere")
         elif MetadataIndex(fqn) not in metadata.storage_data:
             raise CheckpointError(f"{source}: value {fqn!r} is stored nowhere")
-    ranges: Dict[str, List[Tuple[int, int, MetadataIndex]]] = {}
-    for index, info in metadata.storage_data.items():
-        length, encodings = _expected_location(metadata, index, source)
-        if info.encoding not in encodings or (length >= 0 and info.length != length):
-            raise CheckpointError(f"{source}: stored item {index} has {info.length} bytes of encoding "
-                                  f"{info.encoding!r}; its metadata implies {length} bytes of {encodings}")
-        file = metadata.files.get(info.relative_path)
+    ranges: Dict[str, List[Tuple[int, int, int]]] = {}
+    for row, entry in enumerate(metadata.storage_data.entries()):
+        length, encodings = _expected_location(metadata, entry, source)
+        if entry.encoding not in encodings or (length >= 0 and entry.length != length):
+            raise CheckpointError(f"{source}: stored item {_index(entry)} has {entry.length} bytes of encoding "
+                                  f"{entry.encoding!r}; its metadata implies {length} bytes of {encodings}")
+        file = metadata.files.get(entry.relative_path)
         if file is None:
-            raise CheckpointError(f"{source}: stored item {index} is in {info.relative_path!r}, "
+            raise CheckpointError(f"{source}: stored item {_index(entry)} is in {entry.relative_path!r}, "
                                   "which the metadata does not list")
-        if info.offset + info.length > file.size:
-            raise CheckpointError(f"{source}: stored item {index} ends at byte {info.offset + info.length} "
-                                  f"of {info.relative_path!r}, which has {file.size} bytes")
-        ranges.setdefault(info.relative_path, []).append((info.offset, info.length, index))
+        if entry.byte_offset + entry.length > file.size:
+            raise CheckpointError(f"{source}: stored item {_index(entry)} ends at byte "
+                                  f"{entry.byte_offset + entry.length} of {entry.relative_path!r}, which has "
+                                  f"{file.size} bytes")
+        ranges.setdefault(entry.relative_path, []).append((entry.byte_offset, entry.length, row))
     for name, spans in ranges.items():
-        spans.sort(key=lambda span: span[:2])
-        for (start, length, index), (next_start, _, next_index) in zip(spans, spans[1:]):
+        spans.sort()
+        for (start, length, row), (next_start, _, next_row) in zip(spans, spans[1:]):
             if start + length > next_start:
-                raise CheckpointError(f"{source}: stored items {index} and {next_index} overlap in {name!r}")
+                named = {i: _index(e) for i, e in enumerate(metadata.storage_data.entries()) if i in (row, next_row)}
+                raise CheckpointError(f"{source}: stored items {named[row]} and {named[next_row]} overlap in {name!r}")
 
 
 def open_data_file(directory: str, name: str, metadata: Metadata) -> int:
@@ -150,37 +160,50 @@ def _crc_range(fd: int, start: int, length: int, path: str, keep: bool) -> Tuple
     return crc, b"".join(parts)
 
 
-def verify_file(directory: str, name: str, metadata: Metadata) -> None:
-    """Check every item stored in data file ``name`` and the whole file against their
-    checksums in one sequential read, and decode its JSON values (pickled ones are not
-    unpickled).
+def verify_files(directory: str, metadata: Metadata) -> None:
+    """Check every data file of the checkpoint in name order (:func:`_verify_file`), the stored
+    items grouped by file in one pass over the storage table.
+
+    Raises:
+        CheckpointError: names the file and the item or byte range that does not match.
+    """
+    by_file: Dict[str, List[StorageEntry]] = {name: [] for name in metadata.files}
+    for entry in metadata.storage_data.entries():
+        by_file.setdefault(entry.relative_path, []).append(entry)
+    for name in sorted(metadata.files):
+        _verify_file(directory, name, metadata, by_file[name])
+
+
+def _verify_file(directory: str, name: str, metadata: Metadata, entries: List[StorageEntry]) -> None:
+    """Check the items ``entries`` stored in data file ``name`` (all of them) and the whole
+    file against their checksums in one sequential read, and decode its JSON values (pickled
+    ones are not unpickled).
 
     Raises:
         CheckpointError: names the file and the item or byte range that does not match.
     """
     path = os.path.join(directory, name)
-    items = sorted(((info, index) for index, info in metadata.storage_data.items()
-                    if info.relative_path == name), key=lambda pair: pair[0].offset)
+    end = StorageEntry("", None, None, name, metadata.files[name].size, 0, 0, "raw")
     fd = open_data_file(directory, name, metadata)
     try:
         file_crc, position = 0, 0
-        for info, index in items + [(StorageInfo(name, metadata.files[name].size, 0, 0), None)]:
-            if info.offset > position:  # bytes between items (headers, padding)
-                gap_crc, _ = _crc_range(fd, position, info.offset - position, path, keep=False)
-                file_crc = crc32_combine(file_crc, gap_crc, info.offset - position)
-            if index is None:
+        for entry in sorted(entries, key=lambda e: e.byte_offset) + [end]:
+            if entry.byte_offset > position:  # bytes between items (headers, padding)
+                gap_crc, _ = _crc_range(fd, position, entry.byte_offset - position, path, keep=False)
+                file_crc = crc32_combine(file_crc, gap_crc, entry.byte_offset - position)
+            if entry is end:
                 break
-            crc, data = _crc_range(fd, info.offset, info.length, path, keep=info.encoding == "json")
-            if crc != info.checksum:
-                raise CheckpointError(f"checkpoint file {path} fails its checksum at bytes "
-                                      f"{info.offset}..{info.offset + info.length} ({index.fqn}): the file is corrupt")
-            if info.encoding == "json":
+            crc, data = _crc_range(fd, entry.byte_offset, entry.length, path, keep=entry.encoding == "json")
+            if crc != entry.checksum:
+                raise CheckpointError(f"checkpoint file {path} fails its checksum at bytes {entry.byte_offset}.."
+                                      f"{entry.byte_offset + entry.length} ({entry.fqn}): the file is corrupt")
+            if entry.encoding == "json":
                 try:
-                    decode_value(data, "json", index.fqn, allow_pickle=False)
+                    decode_value(data, "json", entry.fqn, allow_pickle=False)
                 except ValueError as exc:
                     raise CheckpointError(str(exc)) from None
-            file_crc = crc32_combine(file_crc, crc, info.length)
-            position = info.offset + info.length
+            file_crc = crc32_combine(file_crc, crc, entry.length)
+            position = entry.byte_offset + entry.length
     finally:
         os.close(fd)
     if file_crc != metadata.files[name].checksum:
