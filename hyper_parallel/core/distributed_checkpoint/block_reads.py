@@ -1,9 +1,13 @@
 """Chunk reads through two reused block buffers (or straight into plain memory):
 
-- checked reads: a stored chunk read whole, block by block, its crc32 computed on a helper
-  thread while the next block (of this chunk or the next one) is read (the crc and the reads
-  both release the GIL); a chunk's check, and what follows it, runs once its crc is known:
-  after the first block of the next chunk was read, or at :meth:`BlockReads.settle`;
+- checked reads: a stored chunk read whole, block by block; each block's crc32 is handed to
+  a helper thread and the next block (of this chunk or the next one) is read at once, never
+  waiting for it (the crc and the reads both release the GIL). The helper runs the blocks in
+  order, advancing each chunk's crc; a chunk's check, and what follows it, runs on the
+  reading thread once its crc is known: after a later read finds it done, or at
+  :meth:`BlockReads.settle`. Only a block buffer about to be refilled waits for its crc, so
+  reads straight into the destination never wait for the checksums (which fall behind
+  while the helper waits for a CPU on a busy machine);
 - row reads: the rows of a chunk that a box with many small pieces lies in, read in a few
   large reads and copied out in memory, instead of one syscall per piece.
 
@@ -13,8 +17,9 @@ strides) while the helper checksums the block.
 
 from __future__ import annotations
 
-from concurrent.futures import Future, ThreadPoolExecutor, wait
-from typing import Callable, List, NamedTuple, Optional, Sequence
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -27,10 +32,23 @@ BLOCK_BYTES = 8 << 20
 """Bytes read (and checksummed) at a time."""
 
 
+class _RunningCrc:
+    """A chunk's crc32, advanced block by block on the helper thread (one worker: in order)."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def add(self, data) -> None:
+        self.value = crc32(data, self.value)
+
+
 class _PendingCheck(NamedTuple):
     """A chunk read whole whose crc32 is still being computed."""
 
-    crc: Future
+    last_block: Future  # the helper's task for the chunk's last block
+    crc: _RunningCrc  # its value is the chunk's crc32 once ``last_block`` is done
     then: Callable[[int], None]  # called with the chunk's crc32
 
 
@@ -52,14 +70,16 @@ class BlockReads:
         self._block = block_bytes
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-verify")
         self._buffers: List[torch.Tensor] = []
-        self._turn = 0  # which buffer the next block goes to: never the one being checksummed
-        self._pending: Optional[_PendingCheck] = None
+        self._checksumming: List[Optional[Future]] = []  # per buffer: the helper's last task on it
+        self._turn = 0  # which buffer the next block goes to
+        self._pending: Deque[_PendingCheck] = deque()  # in read order
 
     def read_into(self, fd: int, into, offset: int, path: str, then: Callable[[int], None]) -> None:
         """Read ``len(into)`` bytes at ``offset`` into the buffer ``into``; ``then(crc32)``
         runs once their crc32 is known (``into`` must stay alive until then)."""
         view = memoryview(into).cast("B")
-        self._read(fd, offset, len(view), self._block, lambda start, n: view[start:start + n], None, path, then)
+        self._read(fd, offset, len(view), self._block, lambda start, n: (view[start:start + n], None), None,
+                   path, then)
 
     def read_box(self, fd: int, offset: int, sizes: Sequence[int], item: ReadItem, dest: torch.Tensor,
                  dtype: torch.dtype, path: str, then: Callable[[int], None]) -> None:
@@ -75,10 +95,8 @@ class BlockReads:
         stored at ``offset`` into ``dest``, reading only the rows (along dim 0) it lies in,
         unchecked."""
         copier = self._box_copier(sizes, item, dest, dtype)
-        if self._pending is not None:
-            wait([self._pending.crc])  # the helper may still checksum a block buffer
         for at in range(copier.first_byte, copier.end_byte, copier.block):
-            view = self._next_buffer(at, min(copier.block, copier.end_byte - at))
+            view, _ = self._next_buffer(at, min(copier.block, copier.end_byte - at))
             read_exact(fd, view, offset + at, path)
             copier.use(at, view)
 
@@ -105,43 +123,51 @@ class BlockReads:
         return _BoxCopy(length, block, first * row_bytes, (first + count) * row_bytes, use)
 
     def settle(self) -> None:
-        """Run the pending check of the last chunk read."""
-        pending, self._pending = self._pending, None
-        if pending is not None:
-            pending.then(pending.crc.result())
+        """Wait for the crc32 of every chunk read and run their checks, in read order."""
+        self._run_checks(wait=True)
 
     def close(self) -> None:
-        """Stop the helper (after the crc it may be computing) and free the buffers."""
+        """Stop the helper (after the crcs it has left) and free the buffers."""
         self._pool.shutdown(wait=True)
-        self._pending, self._buffers = None, []
+        self._pending.clear()
+        self._buffers, self._checksumming = [], []
+
+    def _run_checks(self, wait: bool) -> None:
+        """Run the checks of the chunks whose crc32 is known (``wait``: of all of them)."""
+        while self._pending and (wait or self._pending[0].last_block.done()):
+            check = self._pending.popleft()
+            check.last_block.result()  # (re-raises the helper's error)
+            check.then(check.crc.value)
 
     def _host_buffers(self, nbytes: int) -> None:
         if not self._buffers or self._buffers[0].numel() < nbytes:
-            if self._pending is not None:
-                wait([self._pending.crc])  # it may still be reading an old buffer
+            # The helper's tasks hold views of the old buffers: they stay alive until checked.
             self._buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)]
+            self._checksumming = [None, None]
 
-    def _next_buffer(self, start: int, nbytes: int):
+    def _next_buffer(self, start: int, nbytes: int) -> Tuple[object, int]:
+        """The other block buffer (once the helper is done with it) and its slot."""
         self._turn ^= 1
-        return flat_bytes(self._buffers[self._turn][:nbytes])
+        busy = self._checksumming[self._turn]
+        if busy is not None:
+            busy.result()
+        return flat_bytes(self._buffers[self._turn][:nbytes]), self._turn
 
     def _read(self, fd: int, offset: int, length: int, block: int, place: Callable, use: Optional[Callable],
               path: str, then: Callable[[int], None]) -> None:
-        """Read ``length`` bytes in blocks into ``place(start, n)``. The crc of each block runs on
-        the helper while ``use(start, block)`` runs and the next block is read; one crc at a
-        time, so ``place`` may alternate between two buffers."""
-        crc, running = 0, None  # running: the crc of the bytes so far, being computed
+        """Read ``length`` bytes in blocks into ``place(start, n)`` (a view and its block buffer's
+        slot, or None). Each block's crc runs on the helper while ``use(start, block)`` runs and
+        later blocks are read; ``then(crc32)`` runs once the last one's is known."""
+        crc, task = _RunningCrc(), None
         for start in range(0, length, block):
-            view = place(start, min(block, length - start))
+            view, slot = place(start, min(block, length - start))
             read_exact(fd, view, offset + start, path)
-            if start == 0:
-                self.settle()  # the previous chunk's crc ran while this block was read
-            if running is not None:
-                crc = running.result()
-            running = self._pool.submit(crc32, view, crc)
+            task = self._pool.submit(crc.add, view)
+            if slot is not None:
+                self._checksumming[slot] = task
             if use is not None:
                 use(start, view)
-        if running is None:  # no bytes: nothing to overlap with
-            self.settle()
-            running = self._pool.submit(crc32, b"", 0)
-        self._pending = _PendingCheck(running, then)
+            self._run_checks(wait=False)
+        if task is None:  # no bytes
+            task = self._pool.submit(crc.add, b"")
+        self._pending.append(_PendingCheck(task, crc, then))

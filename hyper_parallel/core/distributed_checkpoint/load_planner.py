@@ -37,6 +37,7 @@ class StandardLoadPlanner(LoadPlanner):
         self.state_dict, self.metadata = state_dict, metadata
         self.flat, self.paths = flatten_state_dict(state_dict)
         self.rank, self.use_collectives = rank, use_collectives
+        self._locals: Dict[str, torch.Tensor] = {}
 
     def _problem(self, key: str, kind: List[str], message: str) -> None:
         if self.strict:
@@ -124,9 +125,16 @@ class StandardLoadPlanner(LoadPlanner):
     def finalize_plan(self, plan: LoadPlan) -> LoadPlan:
         return plan
 
+    def _local(self, key: str) -> torch.Tensor:
+        """The tensor holding this rank's part of ``key`` (found once per load: a DTensor's
+        ``to_local`` costs an autograd call, and every read asks twice)."""
+        local = self._locals.get(key)
+        if local is None:
+            local = self._locals[key] = local_data(self.flat[key]).detach()  # parameters are filled in place
+        return local
+
     def acquire_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        dest = local_data(self.flat[read_item.dest_index.fqn]).detach()  # parameters are filled in place
-        return narrow(dest, read_item.dest_offsets, read_item.lengths)
+        return narrow(self._local(read_item.dest_index.fqn), read_item.dest_offsets, read_item.lengths)
 
     def apply_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
         dest = self.acquire_tensor(read_item)
