@@ -11,7 +11,7 @@ from torch import nn
 from hyper_parallel._torch_compat import current_graph_task_id, queue_autograd_callback
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.core.fully_shard.policy import MixedPrecisionPolicy
-from hyper_parallel.core.fully_shard.tree import cast_floating, iter_tensors
+from hyper_parallel.core.fully_shard.tree import cast_floating, iter_tensors, map_tensors
 from hyper_parallel.platform import get_platform
 
 
@@ -28,6 +28,26 @@ def _eager(hook):
     it, and dynamo does not compile it as a frame of its own (it unshards, issues collectives
     and mutates module state, none of which belongs in a graph). Same approach as FSDP2."""
     return torch.compiler.disable(hook, recursive=True, reason="hyper_parallel fully_shard hook")
+
+
+class FullyShardModuleInputs(torch.autograd.Function):
+    """Identity on one forward call's inputs that require grad; its backward calls ``hook``
+    once the gradients w.r.t. all of them are computed. Being an autograd node, it runs
+    before those gradients reach the hooks of the input tensors themselves (the previous
+    module's pre-backward, registered on its outputs), so the module reshards before the
+    previous one prefetches (FSDP2 frees at the same point). Like FSDP2's, the outputs are
+    views that the module's forward must not modify in place."""
+
+    @staticmethod
+    def forward(ctx: Any, hook: Any, *inputs: torch.Tensor) -> tuple:
+        ctx.hook = hook
+        ctx.set_materialize_grads(False)
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple:
+        ctx.hook(grads)
+        return (None, *grads)
 
 
 def _in_backward() -> bool:
@@ -262,7 +282,7 @@ class HSDPState:
         if dtype is not None and self.mp_policy.cast_forward_inputs:
             args, kwargs = cast_floating(args, dtype), cast_floating(kwargs, dtype)
         if training:
-            self._hook_input_grads(args, kwargs)
+            args, kwargs = self._hook_input_grads(args, kwargs)
         return args, kwargs
 
     def _prefetch_forward(self) -> None:
@@ -271,12 +291,16 @@ class HSDPState:
         elif self in self.ctx.next_in_forward:
             self._prefetch([self.ctx.next_in_forward[self]])
 
-    def _hook_input_grads(self, args: Any, kwargs: Any) -> None:
-        inputs = [t for t in iter_tensors((args, kwargs)) if t.requires_grad]
-        if inputs:
-            self.input_grads_hooked = True
-            self.input_grads_pending += 1
-            torch.autograd.graph.register_multi_grad_hook(inputs, self._input_grads_hook, mode="all")
+    def _hook_input_grads(self, args: Any, kwargs: Any) -> tuple:
+        """``(args, kwargs)`` with the tensors that require grad passed through one
+        :class:`FullyShardModuleInputs` node (see there)."""
+        inputs = list({id(t): t for t in iter_tensors((args, kwargs)) if t.requires_grad}.values())
+        if not inputs:
+            return args, kwargs
+        self.input_grads_hooked = True
+        self.input_grads_pending += 1
+        passed = dict(zip(map(id, inputs), FullyShardModuleInputs.apply(self._input_grads_hook, *inputs)))
+        return map_tensors(lambda t: passed.get(id(t), t), (args, kwargs))
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
         if _in_backward():  # recomputation (activation checkpointing): backward needs the params

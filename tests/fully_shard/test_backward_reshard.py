@@ -1,0 +1,87 @@
+"""Backward frees a module's unsharded parameters before the next module's backward
+prefetch: its reshard runs in an autograd node on its inputs, which the engine runs before
+the gradient reaches the hooks of the previous module's outputs (the same tensors). At most
+two blocks are unsharded when a backward all-gather is issued, as with FSDP2."""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+import torch.distributed as dist
+
+import hyper_parallel as hp
+from hyper_parallel._torch_compat import current_graph_task_id
+from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup, ShardState
+from tests.fully_shard._helpers import TOL, global_batch, lm_loss, tiny_llama
+from tests.multirank import run_on_ranks
+
+N_LAYERS = 4
+
+
+def _unsharded_at_backward_prefetch():
+    torch.manual_seed(0)
+    reference = tiny_llama(n_layers=N_LAYERS)
+    model = tiny_llama(n_layers=N_LAYERS)
+    model.load_state_dict(reference.state_dict())
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.layers:
+        hp.fully_shard(block, mesh=mesh)
+    hp.fully_shard(model, mesh=mesh)
+    blocks = {block._hsdp_state.group: i for i, block in enumerate(model.layers)}
+    tokens = global_batch(0).chunk(dist.get_world_size())[dist.get_rank()]
+    lm_loss(model, tokens)  # a first forward records the order the backward prefetches follow
+
+    seen: List[tuple] = []
+    unshard = HSDPParamGroup.unshard
+
+    def record(group, async_op=False, ordered=False):
+        if async_op and current_graph_task_id() != -1 and group in blocks:  # a backward prefetch
+            held = sorted(blocks[g] for g in blocks
+                          if g is not group and g.state in (ShardState.UNSHARDED, ShardState.UNSHARDING))
+            seen.append((blocks[group], held))
+        return unshard(group, async_op=async_op, ordered=ordered)
+
+    HSDPParamGroup.unshard = record
+    try:
+        lm_loss(model, tokens).backward()
+    finally:
+        HSDPParamGroup.unshard = unshard
+    # Block k is prefetched in block k+1's pre-backward: block k+2 is resharded by then.
+    expected = [(k, [k + 1]) for k in reversed(range(N_LAYERS - 1))]
+    assert seen == expected, seen
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    lm_loss(reference, global_batch(0)).backward()
+    diff = max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
+    assert diff < TOL, diff
+    return True
+
+
+def test_block_resharded_before_the_previous_blocks_prefetch():
+    assert all(run_on_ranks(2, _unsharded_at_backward_prefetch, timeout=120))
+
+
+class _ScalesItsInput(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        x.mul_(2)
+        return self.linear(x)
+
+
+def _in_place_on_input():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), _ScalesItsInput())
+    hp.fully_shard(model[1])
+    hp.fully_shard(model)
+    try:
+        model(torch.randn(2, 4)).sum().backward()
+    except RuntimeError as exc:
+        assert "FullyShardModuleInputs is a view and is being modified inplace" in str(exc), exc
+        return True
+    raise AssertionError("an in-place update of a wrapped module's input did not raise")
+
+
+def test_in_place_update_of_an_input_is_refused_as_in_fsdp2():
+    assert all(run_on_ranks(1, _in_place_on_input, timeout=60))
