@@ -17,7 +17,8 @@ from hyper_parallel.core.distributed_checkpoint.plan_cache import PlannedSave, S
 from hyper_parallel.core.distributed_checkpoint.load_planner import StandardLoadPlanner
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.save_planner import StandardSavePlanner
-from hyper_parallel.core.distributed_checkpoint.staging import StagedSave, StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.staging import StagedSave
+from hyper_parallel.core.distributed_checkpoint.staging_buffers import StagingBuffers
 from hyper_parallel.core.distributed_checkpoint.stateful import resolve_stateful
 from hyper_parallel.core.distributed_checkpoint.storage import (
     AsyncCommitWriter,
@@ -117,7 +118,7 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     job = _SaveJob(state_dict, checkpoint_id, storage_writer, planner, no_dist, use_collectives,
                    remove_redundancy, save_to_minimum_rank)
     planned = job.plan()
-    staged = _SAVER.staging.stage(planned.plan, job.planner, snapshot=False)
+    staged = StagedSave(_SAVER.staging, planned.plan, job.planner, snapshot=False)
 
     def write() -> RankWriteResult:  # the async pipeline, waited on
         return _SAVER.write_while_staging(lambda: staged.write_with(job.writer, planned.plan), staged).result()
@@ -198,7 +199,7 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = Non
     job = _SaveJob(state_dict, checkpoint_id, writer, planner, no_dist, use_collectives,
                    remove_redundancy, save_to_minimum_rank)
     planned = job.plan()
-    staged = _SAVER.staging.stage(planned.plan, job.planner, snapshot=True)
+    staged = StagedSave(_SAVER.staging, planned.plan, job.planner, snapshot=True)
     if use_collectives:
         _PLANS.remember(planned)
 

@@ -29,7 +29,8 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, runt
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.staging import StagedSave, process_staging_buffers
+from hyper_parallel.core.distributed_checkpoint.staging import StagedSave
+from hyper_parallel.core.distributed_checkpoint.staging_buffers import process_staging_buffers
 
 
 @runtime_checkable

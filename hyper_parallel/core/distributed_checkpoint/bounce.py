@@ -15,7 +15,7 @@ import torch
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, read_exact
 from hyper_parallel.core.distributed_checkpoint.resharding import BoxGeometry, numel
-from hyper_parallel.core.distributed_checkpoint.staging import Slab, StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.staging_buffers import Slab, StagingBuffers
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.copy_stream import CopyStream, wait_event
 

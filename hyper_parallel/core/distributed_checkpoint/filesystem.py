@@ -44,7 +44,8 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     WriteItemType,
 )
 from hyper_parallel.core.distributed_checkpoint.resharding import BoxGeometry, numel
-from hyper_parallel.core.distributed_checkpoint.staging import ChunkSource, DirectChunks, process_staging_buffers
+from hyper_parallel.core.distributed_checkpoint.staging import ChunkSource, DirectChunks
+from hyper_parallel.core.distributed_checkpoint.staging_buffers import process_staging_buffers
 from hyper_parallel.core.distributed_checkpoint.storage import (
     AsyncCommitWriter,
     RankWriteResult,
