@@ -1,4 +1,5 @@
-"""fully_shard with torch.compile on CPU (``backend="aot_eager"``), meta-device init.
+"""fully_shard with torch.compile on CPU (``backend="aot_eager"``; inductor once, where a C++
+compiler is installed), meta-device init.
 
 Every compiled run is compared in float64 (SGD, so gradient differences map linearly to the
 parameters) with eager fully_shard, with torch's own FSDP2 ``fully_shard`` compiled the same
@@ -7,8 +8,10 @@ way, and with single-process training on the global batch.
 
 from __future__ import annotations
 
+import shutil
 from typing import Callable, Dict, List, Tuple
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -66,10 +69,11 @@ def _compile_blocks(model: nn.Module, order: str, shard: Callable, backend) -> n
 
 
 def _run(order: str, impl: str, *, mesh=None, mixed_precision: bool = False, checkpointing: bool = False,
-         micro_batches: int = 1, steps: int = 2, batch_size: int = 4) -> Tuple[List[float], Dict[str, torch.Tensor], int]:
+         micro_batches: int = 1, steps: int = 2, batch_size: int = 4,
+         backend: CountingBackend = None) -> Tuple[List[float], Dict[str, torch.Tensor], int]:
     """Build tiny Llama on meta (float64), compile + shard it, materialise, init, train with SGD
     on this rank's slice of each global batch. Returns (losses, full params, compiled graph calls)."""
-    backend = _backend()
+    backend = backend or _backend()
     calls_before = backend.calls
     mesh = mesh if mesh is not None else hp.init_device_mesh("cpu", (dist.get_world_size(),))
     dp_rank, dp_size = _dp_coordinates(mesh)
@@ -193,3 +197,24 @@ def test_hsdp_compiled_with_checkpointing_and_accumulation():
     for result in run_on_ranks(4, _hsdp_compiled, timeout=600):
         bad = {k: v for k, v in result.items() if not v <= TOL}
         assert not bad, f"max abs diff above {TOL}: {bad}"
+
+
+INDUCTOR_TOL = 1e-9  # float64; inductor's fused kernels may round differently in the last bits
+
+
+def _fsdp_inductor():
+    kw = dict(checkpointing=True, micro_batches=2)
+    backend = CountingBackend("inductor")
+    eager_losses, _, _ = _run("eager", "hp", **kw)
+    losses, params, calls = _run(_ORDERS[0], "hp", backend=backend, **kw)
+    assert calls >= 2 * 2 * 2, calls  # 2 blocks, 2 micro-batches, 2 steps
+    return {"params vs reference": max_diff(params, _reference(micro_batches=2)),
+            "losses vs eager": _losses_diff(losses, eager_losses)}
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++", "c++")),
+                    reason="inductor on CPU compiles C++: no C++ compiler here")
+def test_inductor_compiled_blocks_with_checkpointing_and_accumulation_match_reference():
+    for result in run_on_ranks(2, _fsdp_inductor, timeout=600):
+        bad = {k: v for k, v in result.items() if not v <= INDUCTOR_TOL}
+        assert not bad, f"max abs diff above {INDUCTOR_TOL}: {bad}"
