@@ -135,10 +135,11 @@ class FlatBucket:
 
     def gradient_input(self) -> Optional[torch.Tensor]:
         """Unsharded grads of the trainable parameters as one rank-major flat reduce-scatter
-        input (None: no grads at all). Clears the unsharded grads."""
-        present = [p.unsharded_param.grad is not None or p.accumulated_grad is not None for p in self.trainable]
-        if not any(present):
+        input, zeros (with presence flags 0) for those without one (None: no trainable
+        parameters). Clears the unsharded grads."""
+        if not self.trainable:
             return None
+        present = [p.unsharded_param.grad is not None or p.accumulated_grad is not None for p in self.trainable]
         if self.local_grads is not None:  # HSDP partial sum pending
             present = [a or b for a, b in zip(self.local_grads, present)]
         self.local_grads = present

@@ -9,7 +9,7 @@ unsharded state machine and the reductions in flight.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Set, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -105,10 +105,15 @@ class HSDPParamGroup:
         self._all_reducing: List[_PendingReduce] = []  # HSDP all-reduces in flight
         self._initialized = False
         self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
-        self._grads_expected = 0
-        self._hooked: Set[HSDPParam] = set()  # params whose unsharded param has the grad hook
-        self._grads_seen = 0
-        self.on_all_grads: Optional[Callable[[], None]] = None
+        # Forward calls of modules using this group's parameters (its owner's and borrowers')
+        # whose input-gradient node has not run yet in this backward; at 0 the owner's
+        # ``on_backward_done`` reduces (see state.py, [Note: when a group reduces]).
+        self.backward_pending = 0
+        # True once such a forward call had no input that requires grad: nothing marks the end
+        # of its backward, so the group reduces in the end-of-backward callback.
+        self.backward_untracked = False
+        self.backward_started = False  # a module using the group started its backward
+        self.on_backward_done: Optional[Callable[[], None]] = None
         self._all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
         self._all_reduce_hook_stream: Optional[Any] = None  # None: the reduce-scatter stream
         self._unsharded_slots: List[tuple] = []
@@ -147,16 +152,6 @@ class HSDPParamGroup:
             bucket.bind_unsharded(self.device)
         self._unsharded_slots = [(module_parameters(m), n, p.unsharded_param)
                                  for p in self.params for m, n in p.slots]
-        self._hooked = set()
-        self._hook_grads()
-
-    def _hook_grads(self) -> None:
-        """Count the trainable unsharded parameters' gradients (hooks need requires_grad)."""
-        for param in self.params:
-            if param.requires_grad and param not in self._hooked:
-                param.unsharded_param.register_post_accumulate_grad_hook(self._on_grad)
-                self._hooked.add(param)
-        self._grads_expected = sum(p.requires_grad for p in self.params)
 
     def _adopt_replacements(self) -> bool:
         """Rebind after parameters were replaced on the modules or converted (``setattr``,
@@ -180,7 +175,6 @@ class HSDPParamGroup:
         if changed:
             for bucket in self.buckets:
                 bucket.update_trainable()
-            self._hook_grads()
 
     @disable_functorch_if_active
     def lazy_init(self, names: Optional[Dict[torch.Tensor, str]] = None) -> None:
@@ -298,14 +292,6 @@ class HSDPParamGroup:
         self.state = ShardState.SHARDED
 
     # -- gradients ------------------------------------------------------------------------
-    def _on_grad(self, _param: torch.Tensor) -> None:
-        self._grads_seen += 1
-        if self._grads_seen == self._grads_expected and self.on_all_grads is not None:
-            self.on_all_grads()
-
-    def reset_grad_count(self) -> None:
-        self._grads_seen = 0
-
     def set_gradient_divide_factor(self, factor: float) -> None:
         """Divide reduced gradients by ``factor`` (default: the data-parallel world size)."""
         self._pre_factor, self._post_factor = _divide_factors(factor)
@@ -332,7 +318,9 @@ class HSDPParamGroup:
             bucket.accumulate_unreduced_grads()
 
     def reduce_grads(self) -> None:
-        """Issue the reduce-scatter of every bucket's unsharded gradients (async)."""
+        """Issue the reduce-scatter of every bucket's unsharded gradients (async): of every
+        bucket with trainable parameters, also one without gradients on this rank (other
+        ranks may have some: the ranks issue the same collectives)."""
         for bucket in self.buckets:
             grad_input = bucket.gradient_input()
             if grad_input is None:

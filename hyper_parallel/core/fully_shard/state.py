@@ -34,9 +34,10 @@ class FullyShardModuleInputs(torch.autograd.Function):
     """Identity on one forward call's inputs that require grad; its backward calls ``hook``
     once the gradients w.r.t. all of them are computed. Being an autograd node, it runs
     before those gradients reach the hooks of the input tensors themselves (the previous
-    module's pre-backward, registered on its outputs), so the module reshards before the
-    previous one prefetches (FSDP2 frees at the same point). Like FSDP2's, the outputs are
-    views that the module's forward must not modify in place."""
+    module's pre-backward, registered on its outputs), so the module reduces and reshards
+    before the previous one prefetches (FSDP2's post-backward point; see [Note: when a group
+    reduces]). Like FSDP2's, the outputs are views that the module's forward must not modify
+    in place."""
 
     @staticmethod
     def forward(ctx: Any, hook: Any, *inputs: torch.Tensor) -> tuple:
@@ -124,8 +125,8 @@ class _RootContext:
         self.advance_reductions()
 
     def _final_callback(self) -> None:
-        for state in self.states:
-            if state.phase is BackwardPhase.STARTED:
+        for state in self.states:  # (a group whose modules' backward started: rank-consistent)
+            if state.phase is not BackwardPhase.REDUCED and state.group.backward_started:
                 state.post_backward()
         if self.is_last_backward:
             self.finish_reductions()
@@ -178,9 +179,6 @@ class HSDPState:
         self.backward_prefetch: Optional[List[HSDPState]] = None
         self.recorded = False
         self.phase = BackwardPhase.IDLE
-        # Forward calls whose inputs' gradients are still to come in this backward.
-        self.input_grads_pending = 0
-        self.input_grads_hooked = False
         self.to_run: Set[nn.Module] = set()  # modules of this group yet to run in this forward
         self.unshard_in_backward = True
         self.is_last_backward = True  # copied to the root context at lazy init
@@ -191,7 +189,7 @@ class HSDPState:
         self._input_grads_hook = _eager(self._on_input_grads)
         self.pre_forward_hook = _eager(self._pre_forward)
         self.post_forward_hook = _eager(self._post_forward)
-        group.on_all_grads = _eager(self.post_backward)
+        group.on_backward_done = self._backward_done
         for module in self.modules:
             module.register_forward_pre_hook(self.pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self.post_forward_hook)
@@ -224,10 +222,10 @@ class HSDPState:
     def reset_backward(self) -> None:
         self.recorded = False
         self.phase = BackwardPhase.IDLE
-        self.input_grads_pending = 0
-        self.input_grads_hooked = False
         self.to_run.clear()
-        self.group.reset_grad_count()
+        self.group.backward_pending = 0
+        self.group.backward_untracked = False
+        self.group.backward_started = False
 
     def set_reshard_after_forward(self, value: bool) -> None:
         group = self.group
@@ -295,10 +293,13 @@ class HSDPState:
         """``(args, kwargs)`` with the tensors that require grad passed through one
         :class:`FullyShardModuleInputs` node (see there)."""
         inputs = list({id(t): t for t in iter_tensors((args, kwargs)) if t.requires_grad}.values())
+        for group in (self.group, *self.borrowed):
+            if inputs:
+                group.backward_pending += 1
+            else:
+                group.backward_untracked = True
         if not inputs:
             return args, kwargs
-        self.input_grads_hooked = True
-        self.input_grads_pending += 1
         passed = dict(zip(map(id, inputs), FullyShardModuleInputs.apply(self._input_grads_hook, *inputs)))
         return map_tensors(lambda t: passed.get(id(t), t), (args, kwargs))
 
@@ -339,6 +340,8 @@ class HSDPState:
             return
         self.phase = BackwardPhase.STARTED
         self.ctx.ensure_final_callback()
+        for group in (self.group, *self.borrowed):
+            group.backward_started = True
         if self.unshard_in_backward:
             self._unshard()
         if self.backward_prefetch is not None:
@@ -348,8 +351,7 @@ class HSDPState:
         self._prefetch([state for state in targets if state.unshard_in_backward])
 
     def post_backward(self) -> None:
-        """All gradients of the group are accumulated: reduce them (async); reshard once the
-        module's backward is complete too."""
+        """Reduce the group's gradients (async)."""
         if self.phase is BackwardPhase.REDUCED:
             return
         self.phase = BackwardPhase.REDUCED
@@ -360,17 +362,25 @@ class HSDPState:
             self.ctx.reducing.append(self.group)
         else:
             self.group.accumulate_unreduced_grads()
-        self._maybe_reshard_after_backward()
 
     def _on_input_grads(self, grads) -> None:
-        self.input_grads_pending -= 1
-        self._maybe_reshard_after_backward()
+        for group in (self.group, *self.borrowed):
+            group.backward_pending -= 1
+            if group.backward_pending == 0 and not group.backward_untracked:
+                group.on_backward_done()
 
-    def _maybe_reshard_after_backward(self) -> None:
-        # The last parameter gradient can arrive before the module's backward is over: frozen
-        # parameters (or detached uses) are still read by the nodes that compute the input
-        # gradients. So free only once the gradients w.r.t. every forward call's inputs are
-        # done too; without such inputs, the end-of-backward callback reshards.
-        if (self.phase is BackwardPhase.REDUCED and self.input_grads_hooked and self.input_grads_pending == 0
-                and self.group.reshard_after_backward):
+    def _backward_done(self) -> None:
+        """[Note: when a group reduces] Every forward call of the modules using this group's
+        parameters (this module's, and those of modules sharing its parameters) has had the
+        gradients w.r.t. its inputs computed: the engine accumulated the parameters' gradients
+        before (an AccumulateGrad node runs first among the nodes ready), so the group reduces
+        and reshards now. The point is the same on every rank, whatever parameters a rank
+        happened to use, so the ranks issue their reductions in the same order. A group whose
+        modules had a forward call without an input that requires grad (e.g. the root, or an
+        embedding whose weight another module shares) reduces in the end-of-backward callback,
+        as with FSDP2."""
+        if self.ctx is None:
+            return
+        self.post_backward()
+        if self.group.reshard_after_backward:
             self.group.reshard()
