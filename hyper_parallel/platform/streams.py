@@ -13,15 +13,18 @@ Ordering rules the callers follow (see docs/fully_shard.md, "Streams"):
   event recorded there (or with ``Work.wait()``, which orders the current stream after the
   collective) before it reads the result;
 - a tensor allocated on one stream and read on another is either held by the in-flight
-  record until the reading stream is ordered after the read, or marked with
-  :meth:`Streams.record_stream`, so the caching allocator does not hand its memory out early.
+  record until the reading stream is ordered after the read, or handed back with
+  :meth:`Streams.free_after_use` and dropped once its stream waited for that use
+  (:meth:`Streams.reclaim`), so the caching allocator does not hand its memory out early and
+  reuses it in stream order (FSDP2's way; ``record_stream`` would let the CPU run ahead and
+  the all-gather stream allocate afresh for every group issued).
 """
 
 from __future__ import annotations
 
 import contextlib
 from abc import ABC, abstractmethod
-from typing import Any, ContextManager, Optional
+from typing import Any, ContextManager, Dict, List, Optional, Tuple
 
 import torch
 
@@ -36,6 +39,12 @@ class Streams(ABC):
 
     all_gather: Any
     reduce_scatter: Any
+    # True: collectives are issued with ``async_op=True`` and the host waits on their Work
+    # later (CPU, gloo: the only way to overlap them with compute). False: issued in stream
+    # order on the side stream (accelerators: the collective runs on the current stream, an
+    # event recorded after it covers it, and what it reads and writes is freed and reused in
+    # that stream's order, FSDP2's way; a process group's own internal stream would not be).
+    async_collectives: bool
 
     @abstractmethod
     def use(self, stream: Any) -> ContextManager[None]:
@@ -54,8 +63,15 @@ class Streams(ABC):
         """Make the current stream wait for ``event``."""
 
     @abstractmethod
-    def record_stream(self, tensor: torch.Tensor) -> None:
-        """Tell the allocator that the current stream uses ``tensor`` (allocated elsewhere)."""
+    def free_after_use(self, tensor: torch.Tensor, stream: Any) -> None:
+        """``tensor``, allocated on ``stream``, was last used by the current stream: keep it
+        referenced until :meth:`reclaim` orders ``stream`` after that use."""
+
+    @abstractmethod
+    def reclaim(self, stream: Any) -> None:
+        """Before ``stream`` allocates again: make it wait for the last uses of the tensors
+        handed to :meth:`free_after_use` for it, and drop them (their memory is then reused
+        in ``stream``'s order; at most one round of them is ever held)."""
 
     def hold_for_collective(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
         """What the in-flight record of an asynchronous collective that reads ``tensor`` must
@@ -70,6 +86,7 @@ class CpuStreams(Streams):
 
     all_gather = None
     reduce_scatter = None
+    async_collectives = True
 
     def use(self, stream: Any) -> ContextManager[None]:
         # Ours are None; a user's torch.cpu.Stream (set_all_reduce_hook) becomes current.
@@ -84,7 +101,10 @@ class CpuStreams(Streams):
     def wait_event(self, event: Optional[Any]) -> None:
         pass
 
-    def record_stream(self, tensor: torch.Tensor) -> None:
+    def free_after_use(self, tensor: torch.Tensor, stream: Any) -> None:
+        pass
+
+    def reclaim(self, stream: Any) -> None:
         pass
 
     def hold_for_collective(self, tensor: torch.Tensor) -> Optional[torch.Tensor]:
@@ -103,10 +123,13 @@ class AcceleratorStreams(Streams):
             (-1) so their kernels are scheduled ahead of queued compute.
     """
 
+    async_collectives = False
+
     def __init__(self, device_module: Any, priority: int = -1):
         self._module = device_module
         self.all_gather = device_module.Stream(priority=priority)
         self.reduce_scatter = device_module.Stream(priority=priority)
+        self._used: Dict[Any, List[Tuple[torch.Tensor, Any]]] = {}  # stream -> (tensor, event of its last use)
 
     def use(self, stream: Any) -> ContextManager[None]:
         return self._module.stream(stream)
@@ -123,5 +146,9 @@ class AcceleratorStreams(Streams):
         if event is not None:
             self._module.current_stream().wait_event(event)
 
-    def record_stream(self, tensor: torch.Tensor) -> None:
-        tensor.record_stream(self._module.current_stream())
+    def free_after_use(self, tensor: torch.Tensor, stream: Any) -> None:
+        self._used.setdefault(stream, []).append((tensor, self.record_event()))
+
+    def reclaim(self, stream: Any) -> None:
+        for _, event in self._used.pop(stream, ()):
+            stream.wait_event(event)

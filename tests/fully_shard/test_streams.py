@@ -27,6 +27,7 @@ class _RecordingStreams(Streams):
 
     all_gather = "all_gather"
     reduce_scatter = "reduce_scatter"
+    async_collectives = False  # as on accelerators
 
     def __init__(self):
         self.current = "compute"
@@ -53,8 +54,11 @@ class _RecordingStreams(Streams):
     def wait_event(self, event: Optional[Any]) -> None:
         self.log.append(("wait_event", event[1] if event else None, self.current))
 
-    def record_stream(self, tensor: torch.Tensor) -> None:
-        self.log.append(("record_stream", self.current))
+    def free_after_use(self, tensor: torch.Tensor, stream: Any) -> None:
+        self.log.append(("free_after_use", stream, self.current))
+
+    def reclaim(self, stream: Any) -> None:
+        self.log.append(("reclaim", stream, self.current))
 
 
 def _recorded(hsdp: bool, run, reshard_after_forward=None):
@@ -65,8 +69,10 @@ def _recorded(hsdp: bool, run, reshard_after_forward=None):
 
     def logged(name):
         def call(*args, **kwargs):
-            streams.log.append((name, streams.current))
-            return originals[name](*args, **kwargs)
+            host_async = args[3] if len(args) > 3 else kwargs["async_op"]
+            streams.log.append((name, streams.current, "host async" if host_async else "stream ordered"))
+            # (the gloo collective underneath stays asynchronous: the test runs on CPU ranks)
+            return originals[name](*args[:3], True, **{k: v for k, v in kwargs.items() if k != "async_op"})
         return call
 
     mesh = (hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")) if hsdp
@@ -109,12 +115,18 @@ def _check(log, hsdp: bool):
     first_ag = next(i for i, e in enumerate(log) if e[0] == "all_gather")
     assert len(ag_waits) == 1 and ag_waits[0] < first_ag, log
     assert sum(e[0] == "wait_for_current" and e[1] == "reduce_scatter" for e in log) == (6 if hsdp else 3), log
-    # Each all-gather is followed by an event on its stream that the compute stream waits for
-    # before the copy-out, and the gathered buffer is marked as used by the compute stream.
+    # Each all-gather is issued in stream order (no host-async Work whose process-group stream
+    # the events would not cover) and followed by an event on its stream that the compute
+    # stream waits for before the copy-out; the gathered buffer is then handed back to the
+    # all-gather stream, which waits for that copy-out before it allocates again.
+    assert all(e[2] == "stream ordered" for e in log if e[0] == "all_gather"), log
     assert [e for e in log if e[0] == "record_event" and e[1] == "all_gather"].__len__() == 5, log
     compute_waits = [e for e in log if e[0] == "wait_event" and e[1] == "all_gather"]
     assert len(compute_waits) == 5 and all(e[2] == "compute" for e in compute_waits), log
-    assert sum(e == ("record_stream", "compute") for e in log) == 5, log
+    assert sum(e == ("free_after_use", "all_gather", "compute") for e in log) == 5, log
+    for i, entry in enumerate(log):
+        if entry[0] == "all_gather":
+            assert ("reclaim", "all_gather", "all_gather") in log[max(0, i - 3):i], (i, log)
     # Reduce-scatters and all-reduces record no event: the compute stream orders itself after
     # them with Work.wait() before it sets the gradients.
     assert not [e for e in log if e[0] == "record_event" and e[1] != "all_gather"], log
@@ -178,7 +190,8 @@ def _explicit_unshard_and_post_forward_pieces():
         _train_step(model, batch)
     log = _recorded(False, unshard_then_step)
     first_ag = next(i for i, e in enumerate(log) if e[0] == "all_gather")
-    assert log[first_ag - 1] == ("wait_for_current", "all_gather", "compute"), log
+    assert log[first_ag - 2:first_ag] == [("wait_for_current", "all_gather", "compute"),
+                                          ("reclaim", "all_gather", "all_gather")], log
     # reshard_after_forward=2 of 4 ranks: forward keeps pieces cut on the compute stream, and
     # the backward all-gather of them waits for the event recorded after the cut
     log = _recorded(False, _train_step, reshard_after_forward=2)
@@ -199,4 +212,53 @@ def test_cpu_streams_are_no_ops():
         streams.wait_for_current(streams.all_gather)
         assert streams.record_event() is None
         streams.wait_event(None)
-        streams.record_stream(torch.zeros(1))
+        streams.free_after_use(torch.zeros(1), streams.all_gather)
+        streams.reclaim(streams.all_gather)
+    assert streams.async_collectives  # gloo: the host waits on the Work later
+
+
+class _FakeStream:
+    def __init__(self, name: str):
+        self.name, self.waited = name, []
+
+    def wait_event(self, event) -> None:
+        self.waited.append(event)
+
+
+class _FakeEvent:
+    def record(self, stream) -> None:
+        self.stream = stream
+
+
+class _FakeDeviceModule:
+    """Just enough of ``torch.cuda`` for AcceleratorStreams' bookkeeping."""
+
+    def __init__(self):
+        self.compute = _FakeStream("compute")
+
+    def Stream(self, priority: int = 0) -> _FakeStream:
+        return _FakeStream("side")
+
+    def Event(self) -> _FakeEvent:
+        return _FakeEvent()
+
+    def current_stream(self) -> _FakeStream:
+        return self.compute
+
+
+def test_accelerator_streams_free_gathered_buffers_in_the_all_gather_streams_order():
+    import weakref
+
+    from hyper_parallel.platform import AcceleratorStreams
+
+    streams = AcceleratorStreams(_FakeDeviceModule())
+    assert not streams.async_collectives  # collectives in stream order, covered by events
+    gathered = torch.zeros(4)
+    alive = weakref.ref(gathered)
+    streams.free_after_use(gathered, streams.all_gather)  # the copy-out (compute) read it
+    del gathered
+    assert alive() is not None  # held: the all-gather stream has not waited for the copy-out
+    streams.reclaim(streams.all_gather)
+    assert [e.stream.name for e in streams.all_gather.waited] == ["compute"] and alive() is None
+    streams.reclaim(streams.all_gather)  # nothing more to wait for
+    assert len(streams.all_gather.waited) == 1

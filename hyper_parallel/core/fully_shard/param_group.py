@@ -48,9 +48,9 @@ class _InFlightGather(NamedTuple):
     """A bucket's all-gather, issued on the all-gather stream."""
 
     bucket: FlatBucket
-    work: Optional[dist.Work]  # None: synchronous, or no collective (one rank)
+    work: Optional[dist.Work]  # None: issued in stream order (accelerators), synchronous, or one rank
     # Rank-major result, allocated on the all-gather stream and read by the copy-out on the
-    # compute stream (which then marks it as used there: see Streams.record_stream).
+    # compute stream, then handed back to the all-gather stream (Streams.free_after_use).
     gathered: torch.Tensor
     event: Optional[Any]  # all-gather stream's work (the copy-in cast) done; the copy-out waits
 
@@ -212,16 +212,17 @@ class HSDPParamGroup:
         """
         if self.state == ShardState.UNSHARDED and any(b.stale for b in self.buckets):
             self.reshard()
+        host_async = async_op and self._streams.async_collectives
         if self.state == ShardState.SHARDED_POST_FORWARD:
             size, group = self.post_forward_group
             pieces, self._post_forward_pieces = self._post_forward_pieces, None
             # The pieces were cut on the compute stream after the root's ordering point.
-            self._issue_gathers(lambda b, piece: b.all_gather_pieces(piece, group, size, async_op), pieces,
+            self._issue_gathers(lambda b, piece: b.all_gather_pieces(piece, group, size, host_async), pieces,
                                 after=self._post_forward_event, wait_for_compute=not ordered)
         elif self.state == ShardState.SHARDED:
             rebound = self._adopt_replacements()  # a rebind copies shards on the compute stream
             self._sync_requires_grad()
-            self._issue_gathers(lambda b, _: b.all_gather(self.dp.shard_group, self.device, async_op),
+            self._issue_gathers(lambda b, _: b.all_gather(self.dp.shard_group, self.device, host_async),
                                 [None] * len(self.buckets), wait_for_compute=rebound or not ordered)
         if async_op:
             return UnshardHandle(self)
@@ -236,6 +237,7 @@ class HSDPParamGroup:
         if wait_for_compute:
             streams.wait_for_current(streams.all_gather)
         with record_function("hp::all_gather"), streams.use(streams.all_gather):
+            streams.reclaim(streams.all_gather)  # earlier results: reused after their copy-outs
             if after is not None:
                 streams.wait_event(after)
             issued = [(b, *gather(b, x)) for b, x in zip(self.buckets, inputs)]
@@ -255,7 +257,7 @@ class HSDPParamGroup:
                     item.work.wait()
                 streams.wait_event(item.event)
                 item.bucket.copy_out(item.gathered)
-                streams.record_stream(item.gathered)
+                streams.free_after_use(item.gathered, streams.all_gather)
         self._gathers = []
         for slots, name, value in self._unsharded_slots:
             slots[name] = value
