@@ -6,7 +6,7 @@ across them, and released on request.
 from __future__ import annotations
 
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -110,17 +110,9 @@ class StagingBuffers:
         with self._cond:
             waited = False
             while True:
-                if window.error is not None:
-                    raise window.error
-                if window.limit is None or window.held < window.limit:
-                    if self._free:
-                        slab = self._free.pop()
-                        break
-                    if self.budget_bytes is None or (self._allocated + 1) * self.slab_bytes <= self.budget_bytes:
-                        self._allocated += 1
-                        self.allocations += 1
-                        slab = None
-                        break
+                claimed, slab = self._claim(window)
+                if claimed:
+                    break
                 if not waited:
                     waited = True
                     self._cond.release()
@@ -130,7 +122,34 @@ class StagingBuffers:
                         self._cond.acquire()
                     continue
                 self._cond.wait()
+        return self._ready(window, slab)
+
+    def try_acquire(self, window: SlabWindow) -> Optional[Slab]:
+        """A slab for ``window`` if the window and the budget allow one now, else None (never
+        blocks). Raises as :meth:`acquire`."""
+        with self._cond:
+            claimed, slab = self._claim(window)
+        return self._ready(window, slab) if claimed else None
+
+    def _claim(self, window: SlabWindow) -> Tuple[bool, Optional[Slab]]:
+        """Under ``_cond``: count a slab for ``window`` if it may have one: (True, a free slab,
+        or None: allocate one), else (False, None)."""
+        if window.error is not None:
+            raise window.error
+        if window.limit is not None and window.held >= window.limit:
+            return False, None
+        if self._free:
             window.held += 1
+            return True, self._free.pop()
+        if self.budget_bytes is None or (self._allocated + 1) * self.slab_bytes <= self.budget_bytes:
+            window.held += 1
+            self._allocated += 1
+            self.allocations += 1
+            return True, None
+        return False, None
+
+    def _ready(self, window: SlabWindow, slab: Optional[Slab]) -> Slab:
+        """A claimed slab, allocated now if ``slab`` is None, with nothing handed out."""
         if slab is None:
             try:
                 slab = Slab(self.slab_bytes, get_platform().pin_memory_available())
@@ -155,6 +174,7 @@ class StagingBuffers:
             if window.error is None:
                 window.error = error
             self._cond.notify_all()
+
 
 _PROCESS_BUFFERS = StagingBuffers()
 
