@@ -10,7 +10,9 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError
 from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.copy_stream import CopyStream
 
 DEFAULT_SLAB_BYTES = 32 << 20
 DEFAULT_SYNC_WINDOW_BYTES = 256 << 20
@@ -174,6 +176,22 @@ class StagingBuffers:
             if window.error is None:
                 window.error = error
             self._cond.notify_all()
+
+
+def check_copy_device(stream: CopyStream, tensor: torch.Tensor, key: str) -> None:
+    """Refuse to stage ``key``'s ``tensor`` through ``stream`` when it is on another device
+    of the accelerator: its copy would run on that device's current stream, unordered with
+    the events the pipeline waits on (silently wrong bytes).
+
+    Raises:
+        CheckpointError: naming ``key``, the tensor's device and the stream's device.
+    """
+    if not stream.serves(tensor):
+        raise CheckpointError(
+            f"{key!r} is on {tensor.device}, but checkpoint copies run on a stream of the current "
+            f"device, {stream.device}: set the current device to {tensor.device} before saving or "
+            f"loading, or move the tensor to {stream.device}"
+        )
 
 
 _PROCESS_BUFFERS = StagingBuffers()
