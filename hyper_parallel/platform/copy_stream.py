@@ -10,25 +10,42 @@ from __future__ import annotations
 import contextlib
 from typing import Any, Iterator, Optional
 
+import torch
+
 from hyper_parallel.platform.platform import Platform
 
 
 class CopyStream:
-    """A side stream of ``platform``'s accelerator for asynchronous copies (none on CPU)."""
+    """A side stream of ``platform``'s accelerator ``device`` for asynchronous copies (none
+    on CPU).
 
-    def __init__(self, platform: Platform) -> None:
+    The current device and the current stream are per host thread: build it in the thread
+    whose work it is ordered against (:meth:`after_current_work`, :meth:`make_current_wait`
+    use the calling thread's current stream of ``device``), with ``device`` taken there
+    (``platform.current_device()``). Copies issued under :meth:`active` run on it from any
+    thread, as long as the accelerator tensors they touch are on ``device`` (:meth:`serves`).
+    """
+
+    def __init__(self, platform: Platform, device: torch.device) -> None:
         self._module = platform.device_module
-        self._stream = self._module.Stream() if self._module is not None else None
+        self.device = device
+        self._stream = self._module.Stream(device=device) if self._module is not None else None
+
+    def serves(self, tensor: torch.Tensor) -> bool:
+        """Whether copies of ``tensor`` under :meth:`active` run on this stream (or need none):
+        False only for memory of another device of this stream's accelerator."""
+        return tensor.device.type != self.device.type or tensor.device == self.device
 
     def after_current_work(self) -> None:
-        """Order later copies on this stream after the work already queued on the current
-        stream (which produces the data they read)."""
+        """Order later copies on this stream after the work already queued on the calling
+        thread's current stream of the device (which produces the data they read)."""
         if self._stream is not None:
-            self._stream.wait_stream(self._module.current_stream())
+            self._stream.wait_stream(self._module.current_stream(self.device))
 
     @contextlib.contextmanager
     def active(self) -> Iterator[None]:
-        """Run the enclosed (``non_blocking``) copies on this stream."""
+        """Run the enclosed (``non_blocking``) copies on this stream (made the current stream
+        of its device inside the block)."""
         if self._stream is None:
             yield
             return
@@ -44,9 +61,10 @@ class CopyStream:
         return event
 
     def make_current_wait(self) -> None:
-        """Order the current stream's later work after this stream's copies (loads)."""
+        """Order the calling thread's later work on the device's current stream after this
+        stream's copies (loads)."""
         if self._stream is not None:
-            self._module.current_stream().wait_stream(self._stream)
+            self._module.current_stream(self.device).wait_stream(self._stream)
 
 
 def wait_event(event: Optional[Any]) -> None:

@@ -93,6 +93,12 @@ class Platform:
             self.device_module.set_device(self.local_rank)
         return self.current_device()
 
+    def use_device(self, device: torch.device) -> None:
+        """Make ``device`` the calling thread's current accelerator (the current device is per
+        host thread, and a new thread starts on device 0). No-op on CPU."""
+        if self.is_accelerator:
+            self.device_module.set_device(device)
+
     def synchronize(self) -> None:
         if self.is_accelerator:
             self.device_module.synchronize()

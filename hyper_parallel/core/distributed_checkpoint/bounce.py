@@ -15,7 +15,12 @@ import torch
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, read_exact
 from hyper_parallel.core.distributed_checkpoint.resharding import BoxGeometry, numel
-from hyper_parallel.core.distributed_checkpoint.staging_buffers import Slab, StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.staging_buffers import (
+    Slab,
+    SlabWindow,
+    StagingBuffers,
+    check_copy_device,
+)
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.copy_stream import CopyStream, wait_event
 
@@ -52,12 +57,19 @@ class _Copy(NamedTuple):
 
 
 class BounceReads:
-    """One reader thread's bounce buffers: at most the pool's sync window of slabs."""
+    """One reader thread's bounce buffers, drawn from a load's shared ``window`` of slabs.
 
-    def __init__(self, pool: StagingBuffers, planner: LoadPlanner) -> None:
-        self._pool, self._planner = pool, planner
-        self._window = pool.window(snapshot=False)
-        self._stream = CopyStream(get_platform())
+    Built in the caller's thread (its copy stream is ordered after the caller's current
+    stream of ``device``), used by one reader thread (with ``device`` current there), and
+    after :meth:`finish`, :meth:`make_current_wait` in the caller's thread again.
+
+    A reader that holds a slab never waits for the pool: when the window or the budget is
+    used up it reuses its oldest slab, so the readers of one load cannot wait on each other.
+    """
+
+    def __init__(self, pool: StagingBuffers, window: SlabWindow, planner: LoadPlanner, device: torch.device) -> None:
+        self._pool, self._window, self._planner = pool, window, planner
+        self._stream = CopyStream(get_platform(), device)
         self._stream.after_current_work()  # destinations may still be in use by queued work
         self._pin = get_platform().pin_memory_available()
         self._slabs: Deque[Slab] = deque()  # in order of use; the last one is being filled
@@ -67,6 +79,7 @@ class BounceReads:
              dtype: torch.dtype) -> None:
         """Read box ``item`` of the chunk of ``sizes`` stored at ``chunk_offset`` into ``dest``,
         in slab-sized groups of rows."""
+        check_copy_device(self._stream, dest, item.storage_index.fqn)
         lengths, offsets, itemsize = tuple(item.lengths), tuple(item.storage_offsets), dtype.itemsize
         rows = lengths[0] if lengths else 1
         row_bytes = numel(lengths[1:]) * itemsize
@@ -97,12 +110,11 @@ class BounceReads:
         return slab, slab.buffer[at:at + nbytes]
 
     def _next_slab(self) -> Slab:
-        if self._window.limit is not None and len(self._slabs) >= self._window.limit:
+        slab = self._pool.try_acquire(self._window) if self._slabs else self._pool.acquire(self._window, self._drain)
+        if slab is None:
             slab = self._slabs.popleft()  # the oldest: reuse it once its copies are done
             while any(copy.slab is slab for copy in self._copies):
                 self._retire()
-        else:
-            slab = self._pool.acquire(self._window, self._drain)
         slab.used = 0
         self._slabs.append(slab)
         return slab
@@ -118,12 +130,19 @@ class BounceReads:
             self._retire()
 
     def finish(self) -> None:
-        """Wait for every copy, apply the remaining boxes, order later work after the copies
-        and give the slabs back."""
+        """Wait for every copy, apply the remaining boxes and give the slabs back (also after
+        a failure: the copies still in flight complete before their slabs go back)."""
         try:
             self._drain()
-            self._stream.make_current_wait()
         finally:
             self._copies.clear()
-            while self._slabs:
-                self._pool.give_back(self._window, self._slabs.popleft())
+            try:
+                wait_event(self._stream.record())
+            finally:
+                while self._slabs:
+                    self._pool.give_back(self._window, self._slabs.popleft())
+
+    def make_current_wait(self) -> None:
+        """In the caller's thread, after :meth:`finish`: order its later work on the device
+        after the copies."""
+        self._stream.make_current_wait()

@@ -59,6 +59,7 @@ from hyper_parallel.core.distributed_checkpoint.verify_plan import (
     reads_whole,
 )
 from hyper_parallel.core.distributed_checkpoint.values import decode_value
+from hyper_parallel.platform import get_platform
 
 
 class FileSystemWriter(AsyncCommitWriter):
@@ -273,9 +274,17 @@ class FileSystemReader(StorageReader):
                     tensors.append((info, item))
 
             duties = duties_of(plan)
+            # The current device and stream are per thread: take the caller's here. Every reader
+            # thread's copy stream is built here (ordered after the caller's stream), and the
+            # readers share one window of slabs (bounce.py: they cannot wait on each other).
+            platform, pool = get_platform(), process_staging_buffers()
+            device, window = platform.current_device(), pool.window(snapshot=False)
+            threads = min(self.thread_count, len(tensors))
+            bounces = [BounceReads(pool, window, planner, device) for _ in range(max(threads, 1))]
 
-            def read(group: List[Tuple[StorageInfo, ReadItem]]) -> None:
-                bounce, blocks = BounceReads(process_staging_buffers(), planner), BlockReads()
+            def read(group: List[Tuple[StorageInfo, ReadItem]], bounce: BounceReads) -> None:
+                platform.use_device(device)
+                blocks = BlockReads()
                 try:
                     for info, item in group:
                         self._read_tensor(fds[info.relative_path], info, item, planner, bounce, blocks, duties)
@@ -284,12 +293,13 @@ class FileSystemReader(StorageReader):
                     blocks.close()
                     bounce.finish()
 
-            threads = min(self.thread_count, len(tensors))
             if threads > 1:
-                with ThreadPoolExecutor(threads, thread_name_prefix="hyper_parallel-read") as pool:
-                    list(pool.map(read, [tensors[i::threads] for i in range(threads)]))
+                with ThreadPoolExecutor(threads, thread_name_prefix="hyper_parallel-read") as pool_threads:
+                    list(pool_threads.map(read, [tensors[i::threads] for i in range(threads)], bounces))
             else:
-                read(tensors)
+                read(tensors, bounces[0])
+            for bounce in bounces:  # the caller's later work follows the copies
+                bounce.make_current_wait()
         finally:
             for fd in fds.values():
                 os.close(fd)

@@ -19,7 +19,9 @@ is full, so copying piece i+1 overlaps writing piece i and host memory stays bou
   (async_saver.py: the producer then runs on a staging thread, and in-place updates wait
   for it).
 - The copy stream is ordered after the caller's queued work when the pipeline is created
-  (``StagedSave(...)``, in the caller's thread: the current stream is per thread).
+  (``StagedSave(...)``, in the caller's thread: the current device and stream are per
+  thread). It is a stream of the caller's current device; a chunk on another accelerator
+  device is refused (``check_copy_device``): its copy would not run on that stream.
 - Every byte crosses to the host at most once, and is checksummed once, by the writer, on
   the staged bytes.
 """
@@ -37,7 +39,7 @@ from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError,
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from hyper_parallel.core.distributed_checkpoint.resharding import numel
 from hyper_parallel.core.distributed_checkpoint.storage import RankWriteResult, StorageWriter
-from hyper_parallel.core.distributed_checkpoint.staging_buffers import Slab, StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.staging_buffers import Slab, StagingBuffers, check_copy_device
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.copy_stream import CopyStream, wait_event
 
@@ -111,7 +113,7 @@ class StagedSave(SavePlanner, ChunkSource):
         self._held: List[Slab] = []  # every slab this save took, until both sides finished
         self._open_sides = 2  # producer and writer
         self._start_writer: Callable[[], None] = lambda: None
-        self._stream = CopyStream(get_platform())
+        self._stream = CopyStream(get_platform(), get_platform().current_device())
         self._stream.after_current_work()  # the caller's queued work produces what we copy
 
     # --- planning steps: the original planner's --------------------------------------
@@ -145,20 +147,24 @@ class StagedSave(SavePlanner, ChunkSource):
     def produce(self, start_writer: Callable[[], None]) -> None:
         """Copy every tensor chunk into the pipeline, in plan order. ``start_writer()`` is
         called the first time the window is full (the writer must drain it from another
-        thread); if it never fills, the caller starts the writer afterwards. A snapshot
-        returns once every copy has completed. Runs in any thread (the copies were ordered
-        after the creating thread's work). Raises what failed; the writer then fails too."""
+        thread); if it never fills, the caller starts the writer afterwards. Returns (or
+        raises) once every copy it issued has completed: a snapshot's later in-place updates
+        cannot reach them, and a failure gives back no slab a copy still writes into. Runs in
+        any thread (the copies were ordered after the creating thread's work). Raises what
+        failed; the writer then fails too."""
         self._start_writer = start_writer
+        get_platform().use_device(self._stream.device)  # a staging thread starts on device 0
         try:
             for item in self._tensors:
                 self._stage_item(item, self._stream)
-            if self.snapshot:
-                wait_event(self._stream.record())  # in-place updates after this cannot reach the copies
         except BaseException as exc:
             self.abort(exc)
             raise
         finally:
-            self._close_side()
+            try:  # a snapshot's in-place updates after this cannot reach the copies; and no copy
+                wait_event(self._stream.record())  # still runs into a slab a failure gives back
+            finally:
+                self._close_side()
 
     def _stage_item(self, item: WriteItem, stream: CopyStream) -> None:
         td = item.tensor_data
@@ -166,6 +172,7 @@ class StagedSave(SavePlanner, ChunkSource):
             source = self._planner.get_data(item).detach()
             if tuple(source.shape) != tuple(td.chunk.sizes) or source.dtype != td.dtype:
                 raise CheckpointError(f"{item.index.fqn!r} changed shape or dtype between planning and writing")
+            check_copy_device(stream, source, item.index.fqn)
             flat = source.contiguous().reshape(-1).view(torch.uint8)
         out = self._queues[item.index]
         if flat.device.type == "cpu" and not self.snapshot:

@@ -6,11 +6,13 @@ across them, and released on request.
 from __future__ import annotations
 
 import threading
-from typing import Callable, List, Optional
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
+from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError
 from hyper_parallel.platform import get_platform
+from hyper_parallel.platform.copy_stream import CopyStream
 
 DEFAULT_SLAB_BYTES = 32 << 20
 DEFAULT_SYNC_WINDOW_BYTES = 256 << 20
@@ -110,17 +112,9 @@ class StagingBuffers:
         with self._cond:
             waited = False
             while True:
-                if window.error is not None:
-                    raise window.error
-                if window.limit is None or window.held < window.limit:
-                    if self._free:
-                        slab = self._free.pop()
-                        break
-                    if self.budget_bytes is None or (self._allocated + 1) * self.slab_bytes <= self.budget_bytes:
-                        self._allocated += 1
-                        self.allocations += 1
-                        slab = None
-                        break
+                claimed, slab = self._claim(window)
+                if claimed:
+                    break
                 if not waited:
                     waited = True
                     self._cond.release()
@@ -130,7 +124,34 @@ class StagingBuffers:
                         self._cond.acquire()
                     continue
                 self._cond.wait()
+        return self._ready(window, slab)
+
+    def try_acquire(self, window: SlabWindow) -> Optional[Slab]:
+        """A slab for ``window`` if the window and the budget allow one now, else None (never
+        blocks). Raises as :meth:`acquire`."""
+        with self._cond:
+            claimed, slab = self._claim(window)
+        return self._ready(window, slab) if claimed else None
+
+    def _claim(self, window: SlabWindow) -> Tuple[bool, Optional[Slab]]:
+        """Under ``_cond``: count a slab for ``window`` if it may have one: (True, a free slab,
+        or None: allocate one), else (False, None)."""
+        if window.error is not None:
+            raise window.error
+        if window.limit is not None and window.held >= window.limit:
+            return False, None
+        if self._free:
             window.held += 1
+            return True, self._free.pop()
+        if self.budget_bytes is None or (self._allocated + 1) * self.slab_bytes <= self.budget_bytes:
+            window.held += 1
+            self._allocated += 1
+            self.allocations += 1
+            return True, None
+        return False, None
+
+    def _ready(self, window: SlabWindow, slab: Optional[Slab]) -> Slab:
+        """A claimed slab, allocated now if ``slab`` is None, with nothing handed out."""
         if slab is None:
             try:
                 slab = Slab(self.slab_bytes, get_platform().pin_memory_available())
@@ -155,6 +176,23 @@ class StagingBuffers:
             if window.error is None:
                 window.error = error
             self._cond.notify_all()
+
+
+def check_copy_device(stream: CopyStream, tensor: torch.Tensor, key: str) -> None:
+    """Refuse to stage ``key``'s ``tensor`` through ``stream`` when it is on another device
+    of the accelerator: its copy would run on that device's current stream, unordered with
+    the events the pipeline waits on (silently wrong bytes).
+
+    Raises:
+        CheckpointError: naming ``key``, the tensor's device and the stream's device.
+    """
+    if not stream.serves(tensor):
+        raise CheckpointError(
+            f"{key!r} is on {tensor.device}, but checkpoint copies run on a stream of the current "
+            f"device, {stream.device}: set the current device to {tensor.device} before saving or "
+            f"loading, or move the tensor to {stream.device}"
+        )
+
 
 _PROCESS_BUFFERS = StagingBuffers()
 
