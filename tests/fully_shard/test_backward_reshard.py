@@ -85,3 +85,42 @@ def _in_place_on_input():
 
 def test_in_place_update_of_an_input_is_refused_as_in_fsdp2():
     assert all(run_on_ranks(1, _in_place_on_input, timeout=60))
+
+
+def _two_forwards_then_backward():
+    """DPO's pattern (two forwards, one backward of a loss of both), and a forward whose
+    backward never runs before a normal step: gradients match single-process training."""
+    torch.manual_seed(0)
+    reference = tiny_llama(n_layers=3, dtype=torch.float64)
+    model = tiny_llama(n_layers=3, dtype=torch.float64)
+    model.load_state_dict(reference.state_dict())
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.layers:
+        hp.fully_shard(block.attention, mesh=mesh)
+        hp.fully_shard(block, mesh=mesh)
+    hp.fully_shard(model, mesh=mesh)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    first, second = global_batch(0), global_batch(1)
+
+    def dpo(m, a, b):
+        return (m(a).sum() - m(b).sum()).pow(2) / 1e6
+
+    dpo(model, first.chunk(world)[rank], second.chunk(world)[rank]).backward()
+    ours = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    # each rank's loss on its slice, averaged over ranks (the data-parallel mean)
+    (sum(dpo(reference, first.chunk(world)[r], second.chunk(world)[r]) for r in range(world)) / world).backward()
+    diffs = {"two forwards": max((ours[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())}
+    model.zero_grad(set_to_none=True)
+    reference.zero_grad(set_to_none=True)
+    lm_loss(model, first.chunk(world)[rank])  # its backward never runs
+    lm_loss(model, second.chunk(world)[rank]).backward()
+    ours = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    lm_loss(reference, second).backward()
+    diffs["after a forward without backward"] = max((ours[n] - p.grad).abs().max().item()
+                                                    for n, p in reference.named_parameters())
+    return diffs
+
+
+def test_two_forwards_then_one_backward_and_a_forward_without_backward():
+    for result in run_on_ranks(2, _two_forwards_then_backward, timeout=120):
+        assert all(d < 1e-10 for d in result.values()), result

@@ -84,7 +84,9 @@ class _RootContext:
             self.next_in_forward = dict(zip(order, order[1:]))
         self.forward_order = []
         for state in self.states:
-            state.reset_backward()
+            # Not the backward counts: forwards run twice before one backward (e.g. DPO's two
+            # forwards) each add their calls; the end of backward resets them.
+            state.reset_forward()
 
     def order_all_gathers(self) -> None:
         """Root pre-forward: order the all-gather stream after the optimizer step that wrote
@@ -219,10 +221,13 @@ class HSDPState:
             for group in state.borrowed:
                 group.lazy_init()
 
-    def reset_backward(self) -> None:
+    def reset_forward(self) -> None:
         self.recorded = False
         self.phase = BackwardPhase.IDLE
         self.to_run.clear()
+
+    def reset_backward(self) -> None:
+        self.reset_forward()
         self.group.backward_pending = 0
         self.group.backward_untracked = False
         self.group.backward_started = False
