@@ -9,6 +9,7 @@ unsharded state machine and the reductions in flight.
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
@@ -105,10 +106,11 @@ class HSDPParamGroup:
         self._all_reducing: List[_PendingReduce] = []  # HSDP all-reduces in flight
         self._initialized = False
         self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
-        # Forward calls of modules using this group's parameters (its owner's and borrowers')
-        # whose input-gradient node has not run yet in this backward; at 0 the owner's
-        # ``on_backward_done`` reduces (see state.py, [Note: when a group reduces]).
-        self.backward_pending = 0
+        # The input-gradient nodes (one per forward call of a module using this group's
+        # parameters: its owner's and borrowers') that have not run yet; weakly held, so a
+        # call whose graph was dropped without a backward does not count. Once empty the
+        # owner's ``on_backward_done`` reduces (see state.py, [Note: when a group reduces]).
+        self.backward_calls: "weakref.WeakSet[Any]" = weakref.WeakSet()
         # True once such a forward call had no input that requires grad: nothing marks the end
         # of its backward, so the group reduces in the end-of-backward callback.
         self.backward_untracked = False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import weakref
 from typing import Any, Dict, List, Optional, Sequence, Set
 
 import torch
@@ -31,8 +32,9 @@ def _eager(hook):
 
 
 class FullyShardModuleInputs(torch.autograd.Function):
-    """Identity on one forward call's inputs that require grad; its backward calls ``hook``
-    once the gradients w.r.t. all of them are computed. Being an autograd node, it runs
+    """Identity on one forward call's inputs that require grad; the node is the call's entry
+    in its groups' ``backward_calls``, and its backward (once the gradients w.r.t. all those
+    inputs are computed) reports it to the module's state. Being an autograd node, it runs
     before those gradients reach the hooks of the input tensors themselves (the previous
     module's pre-backward, registered on its outputs), so the module reduces and reshards
     before the previous one prefetches (FSDP2's post-backward point; see [Note: when a group
@@ -40,14 +42,16 @@ class FullyShardModuleInputs(torch.autograd.Function):
     in place."""
 
     @staticmethod
-    def forward(ctx: Any, hook: Any, *inputs: torch.Tensor) -> tuple:
-        ctx.hook = hook
+    def forward(ctx: Any, state: "HSDPState", *inputs: torch.Tensor) -> tuple:
+        ctx.state = state
+        for group in (state.group, *state.borrowed):
+            group.backward_calls.add(ctx)  # this node is the call's
         ctx.set_materialize_grads(False)
         return inputs
 
     @staticmethod
     def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple:
-        ctx.hook(grads)
+        ctx.state.input_grads_hook(ctx)
         return (None, *grads)
 
 
@@ -188,7 +192,7 @@ class HSDPState:
         # Every entry point called by nn.Module or autograd, wrapped once (see _eager);
         # pre_forward_hook/post_forward_hook also run custom forward methods.
         self._pre_backward_hook = _eager(self._pre_backward)
-        self._input_grads_hook = _eager(self._on_input_grads)
+        self.input_grads_hook = _eager(self._on_input_grads)
         self.pre_forward_hook = _eager(self._pre_forward)
         self.post_forward_hook = _eager(self._post_forward)
         group.on_backward_done = self._backward_done
@@ -228,7 +232,7 @@ class HSDPState:
 
     def reset_backward(self) -> None:
         self.reset_forward()
-        self.group.backward_pending = 0
+        self.group.backward_calls = weakref.WeakSet()
         self.group.backward_untracked = False
         self.group.backward_started = False
 
@@ -298,14 +302,11 @@ class HSDPState:
         """``(args, kwargs)`` with the tensors that require grad passed through one
         :class:`FullyShardModuleInputs` node (see there)."""
         inputs = list({id(t): t for t in iter_tensors((args, kwargs)) if t.requires_grad}.values())
-        for group in (self.group, *self.borrowed):
-            if inputs:
-                group.backward_pending += 1
-            else:
-                group.backward_untracked = True
         if not inputs:
+            for group in (self.group, *self.borrowed):
+                group.backward_untracked = True
             return args, kwargs
-        passed = dict(zip(map(id, inputs), FullyShardModuleInputs.apply(self._input_grads_hook, *inputs)))
+        passed = dict(zip(map(id, inputs), FullyShardModuleInputs.apply(self, *inputs)))
         return map_tensors(lambda t: passed.get(id(t), t), (args, kwargs))
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
@@ -368,10 +369,10 @@ class HSDPState:
         else:
             self.group.accumulate_unreduced_grads()
 
-    def _on_input_grads(self, grads) -> None:
+    def _on_input_grads(self, call: Any) -> None:
         for group in (self.group, *self.borrowed):
-            group.backward_pending -= 1
-            if group.backward_pending == 0 and not group.backward_untracked:
+            group.backward_calls.discard(call)
+            if not group.backward_calls and not group.backward_untracked:
                 group.on_backward_done()
 
     def _backward_done(self) -> None:
