@@ -124,3 +124,51 @@ def _two_forwards_then_backward():
 def test_two_forwards_then_one_backward_and_a_forward_without_backward():
     for result in run_on_ranks(2, _two_forwards_then_backward, timeout=120):
         assert all(d < 1e-10 for d in result.values()), result
+
+
+class _ChunkedHead(torch.nn.Module):
+    """``norm`` and ``head`` are one group; the forward may skip ``head``, which the loss then
+    calls on detached chunks, each with a backward of its own, before ``h.backward``."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp, self.body = torch.nn.Linear(6, 6), torch.nn.Linear(6, 6)
+        self.norm, self.head = torch.nn.LayerNorm(6), torch.nn.Linear(6, 5)
+
+    def forward(self, x, skip_head: bool = False):
+        h = self.norm(torch.tanh(self.body(self.inp(x))))
+        return h if skip_head else self.head(h)
+
+
+def _chunked_step(model, x):
+    h = model(x, skip_head=True)
+    grads = []
+    for chunk in h.detach().chunk(2):
+        chunk.requires_grad_(True)
+        model.head(chunk).square().sum().backward()
+        grads.append(chunk.grad)
+    h.backward(torch.cat(grads))
+
+
+def _backwards_within_one_step():
+    torch.manual_seed(0)
+    reference = _ChunkedHead().to(torch.float64)
+    model = _ChunkedHead().to(torch.float64)
+    model.load_state_dict(reference.state_dict())
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),))
+    hp.fully_shard(model.body, mesh=mesh)
+    hp.fully_shard([model.norm, model.head], mesh=mesh)
+    hp.fully_shard(model, mesh=mesh)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs = torch.randn(world, 4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    for _ in range(2):
+        _chunked_step(model, inputs[rank])
+    for _ in range(2):
+        for r in range(world):
+            _chunked_step(reference, inputs[r])
+    ours = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return max((ours[n] - p.grad / world).abs().max().item() for n, p in reference.named_parameters())
+
+
+def test_several_backwards_within_one_step_chunked_head():
+    assert all(diff < 1e-12 for diff in run_on_ranks(2, _backwards_within_one_step, timeout=120))

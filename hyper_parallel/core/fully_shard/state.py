@@ -371,6 +371,8 @@ class HSDPState:
 
     def _on_input_grads(self, call: Any) -> None:
         for group in (self.group, *self.borrowed):
+            if call not in group.backward_calls:  # counted before an earlier backward's end reset
+                continue  # the group (a chunked loss head): this backward's end reduces it
             group.backward_calls.discard(call)
             if not group.backward_calls and not group.backward_untracked:
                 group.on_backward_done()
