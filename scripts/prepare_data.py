@@ -8,6 +8,9 @@ INPUTs are .txt / .jsonl (a "text" field) / .parquet (a "text" column) files, fo
 patterns. Writes DATA.bin (uint16 ids when the vocabulary fits, else uint32; documents joined
 by the EOS token) and DATA.bin.json (tokenizer, vocab_size, eos_id, dtype, num_tokens,
 num_documents), which the recipe checks. Tokenizes in worker processes with bounded memory.
+Both files are written as NAME.partial and renamed into place when complete; an output that is
+(or resolves to) an input is refused, and so is a NAME.partial left by an interrupted run (the
+error says to delete it).
 """
 
 from __future__ import annotations
@@ -18,7 +21,19 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from hyper_parallel._optional import MissingDependency, require  # noqa: E402
 from hyper_parallel.data import prepare_tokens  # noqa: E402
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
+    return value
 
 
 def main(argv: list[str]) -> int:
@@ -27,11 +42,15 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--output", required=True)
     parser.add_argument("--tokenizer", default="bytes", help="bytes, or a local tokenizer.json")
     parser.add_argument("--eos-token", default=None)
-    parser.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 1) - 1)))
-    parser.add_argument("--docs-per-chunk", type=int, default=256)
+    parser.add_argument("--workers", type=positive_int, default=max(1, min(8, (os.cpu_count() or 1) - 1)))
+    parser.add_argument("--docs-per-chunk", type=positive_int, default=256)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    from tqdm import tqdm
+    try:
+        tqdm = require("tqdm", "scripts/prepare_data.py").tqdm
+    except MissingDependency as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
 
     text_bytes = 0
     with tqdm(unit=" docs", disable=args.quiet, dynamic_ncols=True) as bar:
@@ -44,7 +63,7 @@ def main(argv: list[str]) -> int:
         try:
             meta = prepare_tokens(args.inputs, args.output, tokenizer=args.tokenizer, eos_token=args.eos_token,
                                   workers=args.workers, docs_per_chunk=args.docs_per_chunk, progress=progress)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, MissingDependency) as err:
             bar.close()
             print(f"error: {err}", file=sys.stderr)
             return 1
