@@ -36,6 +36,7 @@ def require(module: str, purpose: str) -> ModuleType:
     if package not in EXTRAS:
         raise KeyError(f"{package!r} is not a declared optional dependency ({sorted(EXTRAS)})")
     try:
+        importlib.import_module(package)  # first: a submodule imported earlier would hide its absence
         return importlib.import_module(module)
     except ModuleNotFoundError as err:
         if err.name is None or err.name.split(".")[0] != package:
