@@ -5,7 +5,7 @@
                             [--eos-token TOKEN] [--workers N] [--docs-per-chunk N]
 
 INPUTs are .txt / .jsonl (a "text" field) / .parquet (a "text" column) files, folders or glob
-patterns. Writes DATA.bin (uint16 ids when the vocabulary fits, else uint32; documents joined
+patterns. Writes DATA.bin (uint16 ids when the largest id fits, else uint32; documents joined
 by the EOS token) and DATA.bin.json (tokenizer, vocab_size, eos_id, dtype, num_tokens,
 num_documents), which the recipe checks. Tokenizes in worker processes with bounded memory.
 Both files are written as NAME.partial and renamed into place when complete; an output that is
@@ -68,7 +68,7 @@ def main(argv: list[str]) -> int:
             print(f"error: {err}", file=sys.stderr)
             return 1
     print(f"{meta['num_documents']:,} documents -> {meta['num_tokens']:,} {meta['dtype']} tokens "
-          f"(vocabulary {meta['vocab_size']:,}) in {args.output}")
+          f"(vocab_size {meta['vocab_size']:,}: set model.vocab_size to at least that) in {args.output}")
     return 0
 
 
