@@ -21,23 +21,14 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _cli import OneLineParser, fail, positive_int  # noqa: E402
+
 from hyper_parallel._optional import MissingDependency, require  # noqa: E402
 from hyper_parallel.data import prepare_tokens  # noqa: E402
 
 
-def positive_int(text: str) -> int:
-    """argparse type: an integer >= 1."""
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a positive integer")
-    return value
-
-
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+")
     parser.add_argument("--output", required=True)
     parser.add_argument("--tokenizer", default="bytes", help="bytes, or a local tokenizer.json")
@@ -49,8 +40,7 @@ def main(argv: list[str]) -> int:
     try:
         tqdm = require("tqdm", "scripts/prepare_data.py").tqdm
     except MissingDependency as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+        return fail(str(err))
 
     text_bytes = 0
     with tqdm(unit=" docs", disable=args.quiet, dynamic_ncols=True) as bar:
@@ -65,8 +55,7 @@ def main(argv: list[str]) -> int:
                                   workers=args.workers, docs_per_chunk=args.docs_per_chunk, progress=progress)
         except (OSError, ValueError, MissingDependency) as err:
             bar.close()
-            print(f"error: {err}", file=sys.stderr)
-            return 1
+            return fail(str(err))
     print(f"{meta['num_documents']:,} documents -> {meta['num_tokens']:,} {meta['dtype']} tokens "
           f"(vocab_size {meta['vocab_size']:,}: set model.vocab_size to at least that) in {args.output}")
     return 0

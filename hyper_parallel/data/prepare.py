@@ -77,9 +77,11 @@ def _check_output(paths: Sequence[str], output: str) -> None:
     Raises:
         ValueError: naming the input.
     """
+    if os.path.isdir(output):
+        raise ValueError(f"--output {output} is a folder; name the token file to write")
     inputs = expand_paths(paths, TEXT_SUFFIXES)
-    folders = [os.path.realpath(p) for p in ([paths] if isinstance(paths, str) else paths)
-               if os.path.isdir(os.path.expanduser(str(p)))]
+    named = [os.path.expanduser(str(p)) for p in ([paths] if isinstance(paths, str) else paths)]
+    folders = [os.path.realpath(p) for p in named if os.path.isdir(p)]
     for target in (output, sidecar_path(output)):
         real = os.path.realpath(target)
         for path in inputs:

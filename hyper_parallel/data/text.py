@@ -84,8 +84,30 @@ def _parquet_documents(path: str, batch_rows: int = 1024) -> Iterator[str]:
     kind = schema.field(TEXT_FIELD).type
     if not _is_text_type(pa, kind):
         raise ValueError(f"{path}: the {TEXT_FIELD!r} column holds {kind}, not strings")
-    for batch in table.iter_batches(batch_size=batch_rows, columns=[TEXT_FIELD]):
-        yield from (text for text in batch.column(0).to_pylist() if text is not None)
+    row = 0
+    batches = table.iter_batches(batch_size=batch_rows, columns=[TEXT_FIELD])
+    while True:
+        try:
+            column = next(batches).column(0)
+        except StopIteration:
+            return
+        except pa.ArrowException as err:
+            raise ValueError(f"{path}: unreadable after row {row} ({str(err).splitlines()[0]})") from None
+        try:
+            texts = column.to_pylist()
+        except UnicodeDecodeError as err:
+            bad = next(i for i in range(len(column)) if not _decodes(column[i]))
+            raise ValueError(f"{path}: row {row + bad + 1}: not UTF-8 text ({err.reason})") from None
+        yield from (text for text in texts if text is not None)
+        row += len(column)
+
+
+def _decodes(value) -> bool:
+    try:
+        value.as_py()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def iter_documents(paths: str | Sequence[str]) -> Iterator[str]:

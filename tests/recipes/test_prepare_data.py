@@ -39,6 +39,7 @@ def test_an_output_that_is_an_input_is_refused(tmp_path, capsys):
         ([str(tmp_path / "dir"), "--output", str(tmp_path / "dir" / "a.txt")], "would overwrite the input"),
         ([str(tmp_path / "dir"), "--output", str(tmp_path / "dir" / "new.jsonl")], "lies in the input folder"),
         ([str(tmp_path / "corpus.txt.json"), "--output", str(corpus)], "would overwrite the input"),
+        ([str(corpus), "--output", str(tmp_path / "dir")], "is a folder"),
     ]
     (tmp_path / "corpus.txt.json").write_text('{"text": "a sidecar path used as input"}')
     for args, expected in cases:
@@ -115,6 +116,10 @@ def test_malformed_corpus_files_give_one_line_naming_file_and_line(tmp_path):
             list(iter_documents(str(tmp_path / f"{name}.parquet")))
         assert str(err.value).startswith(f"{tmp_path / name}.parquet: the 'text' column holds ")
         assert str(err.value).endswith(", not strings")
+    raw = pa.array([b"fine", b"\xff\xfe"], type=pa.binary())
+    pq.write_table(pa.table({"text": pa.Array.from_buffers(pa.string(), 2, raw.buffers())}), tmp_path / "u.parquet")
+    with pytest.raises(ValueError, match=f"^{tmp_path / 'u.parquet'}: row 2: not UTF-8 text \\(invalid start byte\\)$"):
+        list(iter_documents(str(tmp_path / "u.parquet")))
     deep = tmp_path / "deep.jsonl"
     deep.write_text('{"text": "ok"}\n' + "[" * 100_000 + "]" * 100_000 + "\n")
     with pytest.raises(ValueError, match=f"^{deep}:2: JSON nested too deeply to read$"):
