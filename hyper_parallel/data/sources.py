@@ -181,7 +181,7 @@ def split_windows(source: TokenWindows, val_fraction: float) -> tuple[TokenWindo
                          f"with val_fraction={val_fraction}")
     cut = (n - n_val) * source.seq_len
     return (TokenWindows(source.tokens[: cut + 1], source.seq_len, source.vocab_size, name=source.name),
-            TokenWindows(source.tokens[cut:], source.seq_len, source.vocab_size, name=f"{source.name} (validation)"))
+            TokenWindows(source.tokens[cut:], source.seq_len, source.vocab_size, name=f"{source.name} (validation split: its tokens {cut:,} to the end)"))
 
 
 def read_token_file(path: str, dtype: str) -> np.ndarray:

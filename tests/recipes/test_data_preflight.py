@@ -43,7 +43,8 @@ def test_check_bounds_eval_steps_by_the_validation_data(check, token_file):
     assert code == 0, err
     code, _, err = check(*common, "data.val_fraction=0.1", "eval.steps=100000000")
     _one_line_error(code, err, "eval.steps=100000000 needs 100000000 global batches of 16 samples, but the "
-                               f"validation data ({token_file} (validation)) holds 156 samples: 9 batch(es); "
+                               f"validation data ({token_file} (validation split: its tokens 89,984 to the end)) holds 156 "
+                               "samples: 9 batch(es); "
                                "set eval.steps<=9")
     code, _, err = check(*common, "data.val_fraction=0.001", "eval.steps=1")
     _one_line_error(code, err, "holds 2 samples, fewer than one global batch of 16")
