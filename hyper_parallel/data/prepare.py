@@ -12,7 +12,7 @@ import collections
 import json
 import os
 from concurrent.futures import Future, ProcessPoolExecutor
-from typing import Any, Callable, Deque, Dict, Iterator, List, Optional, Sequence
+from typing import Any, BinaryIO, Callable, Deque, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -78,7 +78,7 @@ def _check_output(paths: Sequence[str], output: str) -> None:
         ValueError: naming the input.
     """
     if os.path.isdir(output):
-        raise ValueError(f"--output {output} is a folder; name the token file to write")
+        raise ValueError(f"the output {output} is a folder; name the token file to write")
     inputs = expand_paths(paths, TEXT_SUFFIXES)
     named = [os.path.expanduser(str(p)) for p in ([paths] if isinstance(paths, str) else paths)]
     folders = [os.path.realpath(p) for p in named if os.path.isdir(p)]
@@ -86,15 +86,15 @@ def _check_output(paths: Sequence[str], output: str) -> None:
         real = os.path.realpath(target)
         for path in inputs:
             if os.path.realpath(path) == real or (os.path.exists(target) and os.path.samefile(path, target)):
-                raise ValueError(f"--output {output} would overwrite the input {path}; choose another output")
+                raise ValueError(f"the output {output} would overwrite the input {path}; choose another output")
         if target == output and real.endswith(TEXT_SUFFIXES):
             for folder in folders:
                 if real.startswith(folder.rstrip(os.sep) + os.sep):
-                    raise ValueError(f"--output {output} lies in the input folder {folder}, which is read for "
+                    raise ValueError(f"the output {output} lies in the input folder {folder}, which is read for "
                                      f"{'/'.join(TEXT_SUFFIXES)} files; choose another output")
 
 
-def _open_partial(path: str):
+def _open_partial(path: str) -> Tuple[str, BinaryIO]:
     """A new ``<path>.partial`` for writing, never an existing file or a symlink's target.
 
     Raises:
