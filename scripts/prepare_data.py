@@ -5,9 +5,12 @@
                             [--eos-token TOKEN] [--workers N] [--docs-per-chunk N]
 
 INPUTs are .txt / .jsonl (a "text" field) / .parquet (a "text" column) files, folders or glob
-patterns. Writes DATA.bin (uint16 ids when the vocabulary fits, else uint32; documents joined
+patterns. Writes DATA.bin (uint16 ids when the largest id fits, else uint32; documents joined
 by the EOS token) and DATA.bin.json (tokenizer, vocab_size, eos_id, dtype, num_tokens,
 num_documents), which the recipe checks. Tokenizes in worker processes with bounded memory.
+Both files are written as NAME.partial and renamed into place when complete; an output that is
+(or resolves to) an input is refused, and so is a NAME.partial left by an interrupted run (the
+error says to delete it).
 """
 
 from __future__ import annotations
@@ -18,20 +21,26 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from _cli import OneLineParser, fail, positive_int  # noqa: E402
+
+from hyper_parallel._optional import MissingDependency, require  # noqa: E402
 from hyper_parallel.data import prepare_tokens  # noqa: E402
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("inputs", nargs="+")
     parser.add_argument("--output", required=True)
     parser.add_argument("--tokenizer", default="bytes", help="bytes, or a local tokenizer.json")
     parser.add_argument("--eos-token", default=None)
-    parser.add_argument("--workers", type=int, default=max(1, min(8, (os.cpu_count() or 1) - 1)))
-    parser.add_argument("--docs-per-chunk", type=int, default=256)
+    parser.add_argument("--workers", type=positive_int, default=max(1, min(8, (os.cpu_count() or 1) - 1)))
+    parser.add_argument("--docs-per-chunk", type=positive_int, default=256)
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
-    from tqdm import tqdm
+    try:
+        tqdm = require("tqdm", "scripts/prepare_data.py").tqdm
+    except MissingDependency as err:
+        return fail(str(err))
 
     text_bytes = 0
     with tqdm(unit=" docs", disable=args.quiet, dynamic_ncols=True) as bar:
@@ -44,12 +53,11 @@ def main(argv: list[str]) -> int:
         try:
             meta = prepare_tokens(args.inputs, args.output, tokenizer=args.tokenizer, eos_token=args.eos_token,
                                   workers=args.workers, docs_per_chunk=args.docs_per_chunk, progress=progress)
-        except (OSError, ValueError) as err:
+        except (OSError, ValueError, MissingDependency) as err:
             bar.close()
-            print(f"error: {err}", file=sys.stderr)
-            return 1
+            return fail(str(err))
     print(f"{meta['num_documents']:,} documents -> {meta['num_tokens']:,} {meta['dtype']} tokens "
-          f"(vocabulary {meta['vocab_size']:,}) in {args.output}")
+          f"(vocab_size {meta['vocab_size']:,}: set model.vocab_size to at least that) in {args.output}")
     return 0
 
 

@@ -181,7 +181,7 @@ def split_windows(source: TokenWindows, val_fraction: float) -> tuple[TokenWindo
                          f"with val_fraction={val_fraction}")
     cut = (n - n_val) * source.seq_len
     return (TokenWindows(source.tokens[: cut + 1], source.seq_len, source.vocab_size, name=source.name),
-            TokenWindows(source.tokens[cut:], source.seq_len, source.vocab_size, name=f"{source.name} (validation)"))
+            TokenWindows(source.tokens[cut:], source.seq_len, source.vocab_size, name=f"{source.name} (validation split: its tokens {cut:,} to the end)"))
 
 
 def read_token_file(path: str, dtype: str) -> np.ndarray:
@@ -212,7 +212,7 @@ def check_sidecar(path: str, dtype: str, vocab_size: int, tokenizer: Optional[st
         raise ValueError(f"{where} should hold {meta['num_tokens']} tokens but has {size} bytes "
                          "(truncated or overwritten?)")
     if meta["vocab_size"] > vocab_size:
-        raise ValueError(f"{where} was tokenized with {meta['vocab_size']} tokens, more than "
+        raise ValueError(f"{where} was tokenized with vocab_size={meta['vocab_size']}, more than "
                          f"model.vocab_size={vocab_size}")
     if tokenizer not in (None, "bytes"):
         tokenizer = os.path.abspath(os.path.expanduser(tokenizer))

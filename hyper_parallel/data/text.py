@@ -9,6 +9,8 @@ import json
 import os
 from typing import Iterator, Sequence
 
+from hyper_parallel._optional import require
+
 TEXT_SUFFIXES = (".txt", ".jsonl", ".parquet")
 TEXT_FIELD = "text"
 
@@ -37,32 +39,75 @@ def expand_paths(paths: str | Sequence[str], suffixes: Sequence[str] | None = No
     return found
 
 
+def _utf8(raw: bytes, where: str) -> str:
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise ValueError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+
+
 def _jsonl_documents(path: str) -> Iterator[str]:
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, 1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, 1):
+            line = _utf8(raw, f"{path}:{number}")
             if not line.strip():
                 continue
             try:
                 record = json.loads(line)
                 text = record[TEXT_FIELD]
-            except (ValueError, KeyError, TypeError):
+            except RecursionError:
+                raise ValueError(f"{path}:{number}: JSON nested too deeply to read") from None
+            except (ValueError, KeyError, TypeError, IndexError):
                 raise ValueError(f"{path}:{number}: not a JSON object with a {TEXT_FIELD!r} field") from None
             if not isinstance(text, str):
-                raise ValueError(f"{path}:{number}: the {TEXT_FIELD!r} field is not a string")
+                raise ValueError(f"{path}:{number}: the {TEXT_FIELD!r} field is a {type(text).__name__}, "
+                                 "not a string")
             yield text
 
 
-def _parquet_documents(path: str, batch_rows: int = 1024) -> Iterator[str]:
-    import pyarrow.parquet as pq
+def _is_text_type(pa, kind) -> bool:
+    if pa.types.is_dictionary(kind):
+        kind = kind.value_type
+    return pa.types.is_string(kind) or pa.types.is_large_string(kind) or str(kind) == "string_view"
 
+
+def _parquet_documents(path: str, batch_rows: int = 1024) -> Iterator[str]:
+    pa = require("pyarrow", f"reading {path}")
+    pq = require("pyarrow.parquet", f"reading {path}")
     try:
         table = pq.ParquetFile(path)
     except Exception as err:  # pyarrow raises its own ArrowInvalid / OSError types
         raise ValueError(f"{path}: not a parquet file ({err})") from None
-    if TEXT_FIELD not in table.schema_arrow.names:
-        raise ValueError(f"{path}: no {TEXT_FIELD!r} column (columns: {table.schema_arrow.names})")
-    for batch in table.iter_batches(batch_size=batch_rows, columns=[TEXT_FIELD]):
-        yield from (text for text in batch.column(0).to_pylist() if text is not None)
+    schema = table.schema_arrow
+    if TEXT_FIELD not in schema.names:
+        raise ValueError(f"{path}: no {TEXT_FIELD!r} column (columns: {schema.names})")
+    kind = schema.field(TEXT_FIELD).type
+    if not _is_text_type(pa, kind):
+        raise ValueError(f"{path}: the {TEXT_FIELD!r} column holds {kind}, not strings")
+    row = 0
+    batches = table.iter_batches(batch_size=batch_rows, columns=[TEXT_FIELD])
+    while True:
+        try:
+            column = next(batches).column(0)
+        except StopIteration:
+            return
+        except pa.ArrowException as err:
+            raise ValueError(f"{path}: unreadable after row {row} ({str(err).splitlines()[0]})") from None
+        try:
+            texts = column.to_pylist()
+        except UnicodeDecodeError as err:
+            bad = next(i for i in range(len(column)) if not _decodes(column[i]))
+            raise ValueError(f"{path}: row {row + bad + 1}: not UTF-8 text ({err.reason})") from None
+        yield from (text for text in texts if text is not None)
+        row += len(column)
+
+
+def _decodes(value) -> bool:
+    try:
+        value.as_py()
+    except UnicodeDecodeError:
+        return False
+    return True
 
 
 def iter_documents(paths: str | Sequence[str]) -> Iterator[str]:
@@ -70,8 +115,9 @@ def iter_documents(paths: str | Sequence[str]) -> Iterator[str]:
 
     Raises:
         FileNotFoundError: no files found.
-        ValueError: a jsonl line without ``text``, a parquet file without a ``text`` column,
-            a text file that is not UTF-8.
+        ValueError: a jsonl line without a string ``text`` (or nested too deeply), a parquet
+            file without a string ``text`` column, text that is not UTF-8 (naming file and line).
+        MissingDependency: a parquet file without pyarrow installed.
     """
     for path in expand_paths(paths, TEXT_SUFFIXES):
         if path.endswith(".jsonl"):
@@ -84,4 +130,5 @@ def iter_documents(paths: str | Sequence[str]) -> Iterator[str]:
             try:
                 yield raw.decode("utf-8")
             except UnicodeDecodeError as err:
-                raise ValueError(f"{path}: not UTF-8 text ({err.reason} at byte {err.start})") from None
+                line = raw.count(b"\n", 0, err.start) + 1
+                raise ValueError(f"{path}:{line}: not UTF-8 text ({err.reason} at byte {err.start})") from None

@@ -7,6 +7,8 @@ from typing import Protocol, Sequence
 
 import numpy as np
 
+from hyper_parallel._optional import require
+
 BYTES = "bytes"
 # End-of-document tokens looked up, in this order, when ``eos_token`` is not given.
 _EOS_CANDIDATES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
@@ -16,7 +18,7 @@ class Tokenizer(Protocol):
     """Text -> token ids, with the ids that join two documents."""
 
     name: str
-    vocab_size: int
+    vocab_size: int  # every id is below it: the largest id + 1
     separator: np.ndarray  # token ids placed between documents (the EOS token)
 
     def encode(self, text: str) -> np.ndarray: ...
@@ -41,7 +43,8 @@ class ByteTokenizer:
 class HFTokenizer:
     """A local ``tokenizer.json`` read by the ``tokenizers`` package (no download, no network).
 
-    Documents are joined by ``eos_token`` (default: the first of ``<|endoftext|>``,
+    ``vocab_size`` is the largest id + 1 (added tokens included), which is more than the number
+    of entries when the ids have gaps. Documents are joined by ``eos_token`` (default: the first of ``<|endoftext|>``,
     ``<|end_of_text|>``, ``</s>``, ``<eos>``, ``<|eos|>``, ``[SEP]`` the vocabulary holds).
 
     Raises:
@@ -50,22 +53,23 @@ class HFTokenizer:
     """
 
     def __init__(self, path: str, eos_token: str | None = None):
-        from tokenizers import Tokenizer as _Tokenizer
-
+        tokenizers = require("tokenizers", "a tokenizer.json tokenizer")
         path = os.path.expanduser(path)
         if os.path.isdir(path):
             path = os.path.join(path, "tokenizer.json")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"tokenizer file {path} does not exist")
         try:
-            self._tok = _Tokenizer.from_file(path)
+            self._tok = tokenizers.Tokenizer.from_file(path)
         except Exception as err:  # the Rust library raises a bare Exception
             raise ValueError(f"{path} is not a tokenizers tokenizer.json: {str(err).splitlines()[0]}") from None
         self.name = os.path.abspath(path)
-        self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
+        ids = self._tok.get_vocab(with_added_tokens=True).values()
+        if not ids:
+            raise ValueError(f"{path}: the tokenizer has no tokens")
+        self.vocab_size = max(ids) + 1
         candidates = (eos_token,) if eos_token else _EOS_CANDIDATES
-        ids = [self._tok.token_to_id(t) for t in candidates]
-        found = [i for i in ids if i is not None]
+        found = [i for i in map(self._tok.token_to_id, candidates) if i is not None]
         if not found:
             raise ValueError(f"{path}: no end-of-document token among {list(candidates)}"
                              " (set data.eos_token to one of its tokens)")
@@ -91,10 +95,20 @@ def load_tokenizer(spec: str, eos_token: str | None = None) -> Tokenizer:
 def check_vocab(tokenizer: Tokenizer, model_vocab_size: int) -> None:
     """Raises ValueError when the tokenizer's ids do not all fit the model's embedding."""
     if tokenizer.vocab_size > model_vocab_size:
-        raise ValueError(f"tokenizer {tokenizer.name} has {tokenizer.vocab_size} tokens, more than "
-                         f"model.vocab_size={model_vocab_size}; raise model.vocab_size")
+        raise ValueError(f"tokenizer {tokenizer.name} has ids up to {tokenizer.vocab_size - 1}, which need "
+                         f"vocab_size={tokenizer.vocab_size}, more than model.vocab_size={model_vocab_size}; "
+                         "raise model.vocab_size")
 
 
 def token_dtype(vocab_size: int) -> str:
-    """The smallest stored dtype for ids below ``vocab_size``: ``uint16`` or ``uint32``."""
-    return "uint16" if vocab_size <= 1 << 16 else "uint32"
+    """The smallest stored dtype for ids below ``vocab_size`` (the largest id + 1): ``uint16``
+    or ``uint32``.
+
+    Raises:
+        ValueError: ids that do not fit uint32.
+    """
+    if vocab_size <= 1 << 16:
+        return "uint16"
+    if vocab_size <= 1 << 32:
+        return "uint32"
+    raise ValueError(f"token ids up to {vocab_size - 1} do not fit uint32")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 from dataclasses import dataclass
@@ -10,6 +9,7 @@ from typing import Any, Dict, List, Optional, Sequence, Set
 
 from omegaconf import DictConfig, OmegaConf
 
+from hyper_parallel._optional import available, install_hint
 from hyper_parallel.models.llama import LlamaConfig
 from hyper_parallel.trainer.schema import SCHEMA, all_keys, schema_problems, unknown_key_message
 
@@ -180,9 +180,8 @@ def _relation_problems(cfg: DictConfig, world_size: int,
                         f"known: {', '.join(_compile_backends())}")
     if cfg.checkpoint.load_only is True and not cfg.checkpoint.load_from:
         problems.append("checkpoint.load_only=true needs checkpoint.load_from (the checkpoint to take the model from)")
-    if cfg.logging.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
-        problems.append("logging.tensorboard=true needs the 'tensorboard' package "
-                        "(pip install tensorboard), or set logging.tensorboard=false")
+    if cfg.logging.tensorboard is True and not available("tensorboard"):
+        problems.append(f"{install_hint('tensorboard', 'logging.tensorboard=true')}, or set logging.tensorboard=false")
     return dims, problems
 
 

@@ -65,23 +65,41 @@ def build_sources(cfg: DictConfig, vocab_size: int, *, with_val: bool) -> DataSo
     return DataSources(train, val)
 
 
+def check_eval_steps(source: TokenSource, global_batch_size: int, steps: int) -> None:
+    """A finite validation source (a corpus) holds ``steps`` global batches.
+
+    Raises:
+        ValueError: it holds fewer (naming how many it holds and the fix).
+    """
+    if not isinstance(source, TokenWindows):
+        return  # synthetic: unbounded
+    available = source.num_samples // global_batch_size
+    holds = f"the validation data ({source.name}) holds {source.num_samples} samples"
+    if available < 1:
+        raise ValueError(f"{holds}, fewer than one global batch of {global_batch_size}; hold out more "
+                         "(data.val_fraction) or use a larger data.val_path")
+    if steps > available:
+        raise ValueError(f"eval.steps={steps} needs {steps} global batches of {global_batch_size} samples, "
+                         f"but {holds}: {available} batch(es); set eval.steps<={available}")
+
+
 class Evaluator:
     """Mean next-token loss over the first ``steps`` global batches of the validation source.
 
+    Checks this rank's part (``dp_rank`` of ``dp_size``) of the validation data, token by
+    token, on construction.
+
     Raises:
-        ValueError: the validation source holds less than one global batch, or bad ranges.
+        ValueError: the validation source holds fewer than ``steps`` global batches, a token id
+            >= the model's vocab_size, or bad ranges.
     """
 
     def __init__(self, source: TokenSource, *, global_batch_size: int, dp_rank: int, dp_size: int,
                  every: int, steps: int, device: torch.device):
         if every < 1 or steps < 1:
             raise ValueError(f"eval.every={every} and eval.steps={steps} must be >= 1")
-        if source.num_samples is not None:
-            available = source.num_samples // global_batch_size
-            if available < 1:
-                raise ValueError(f"the validation data holds {source.num_samples} samples, fewer than "
-                                 f"one global batch of {global_batch_size}")
-            steps = min(steps, available)
+        check_eval_steps(source, global_batch_size, steps)
+        source.validate(dp_rank, dp_size)
         self.source, self.global_batch_size = source, global_batch_size
         self.dp_rank, self.dp_size, self.every, self.steps, self.device = dp_rank, dp_size, every, steps, device
 

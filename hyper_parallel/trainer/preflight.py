@@ -1,8 +1,10 @@
-"""Checks of the machine and the file system before any rank starts.
+"""Checks of the machine, the file system and the data before any rank starts.
 
 Writable output folders, an earlier run's checkpoints where a new run would overwrite them,
-and a lower bound of the memory the job needs against what the machine has. Every check is
-cheap and reads no data, so ``recipes/train.py --check`` runs them before torchrun starts.
+the data against the config (a token file's sidecar, the samples available for evaluation, a
+corpus's files and tokenizer), and a lower bound of the memory the job needs against what the
+machine has. Every check is cheap and reads no token or text, so ``recipes/train.py --check``
+runs them before torchrun starts.
 """
 
 from __future__ import annotations
@@ -13,14 +15,18 @@ import tempfile
 from typing import List, NamedTuple, Optional
 
 import torch
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
+from hyper_parallel._optional import MissingDependency, require
 from hyper_parallel.checkpoint import is_checkpoint
 from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step
-from hyper_parallel.data import MarkovSource
+from hyper_parallel.data import MarkovSource, load_tokenizer
+from hyper_parallel.data.text import TEXT_SUFFIXES, expand_paths
+from hyper_parallel.data.tokenizer import check_vocab
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.config import ConfigError, ParallelDims, llama_config, problems_message
+from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
 from hyper_parallel.trainer.metrics import format_bytes
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments.
@@ -35,7 +41,7 @@ def check_environment(cfg: DictConfig, dims: ParallelDims, *, ranks_per_node: in
     Raises:
         ConfigError: listing every problem found.
     """
-    problems = (folder_problems(cfg) + init_from_problems(cfg) + resume_problems(cfg)
+    problems = (folder_problems(cfg) + init_from_problems(cfg) + resume_problems(cfg) + data_problems(cfg)
                 + memory_problems(cfg, dims, ranks_per_node))
     if problems:
         raise ConfigError(problems_message("cannot start", problems))
@@ -60,6 +66,38 @@ def init_from_problems(cfg: DictConfig) -> List[str]:
     """``model.init_from``, when set, is a folder (an HF-style safetensors directory)."""
     path = cfg.model.init_from
     return [] if path is None or os.path.isdir(path) else [f"model.init_from={path} is not a folder"]
+
+
+def data_problems(cfg: DictConfig) -> List[str]:
+    """The data against the config, without reading tokens or text.
+
+    ``data=tokens``: the files' sidecars against ``data.dtype``, ``model.vocab_size`` and
+    ``data.tokenizer``, the file sizes against the sidecars, and the samples the validation
+    split holds against ``eval.steps``. ``data=text``: the files exist and the tokenizer loads
+    and fits ``model.vocab_size`` (token counts are known only once tokenized, at start-up).
+    ``data=synthetic``: ``eval.steps`` at most ``training.steps`` (its validation data is
+    unbounded; a longer evaluation than the whole training is a typo).
+    """
+    d, t, evaluating = cfg.data, cfg.training, cfg.eval.every > 0
+    try:
+        if d.kind == "synthetic":
+            if evaluating and cfg.eval.steps > t.steps:
+                return [f"eval.steps={cfg.eval.steps} is more than training.steps={t.steps}: each evaluation "
+                        "would take longer than the whole training; lower eval.steps"]
+        elif d.kind == "tokens":
+            sources = build_sources(cfg, cfg.model.vocab_size, with_val=evaluating)
+            if sources.val is not None:
+                check_eval_steps(sources.val, t.global_batch_size, cfg.eval.steps)
+        elif d.kind == "text":
+            paths = OmegaConf.to_container(d, resolve=True)["paths"]
+            paths = ([paths] if isinstance(paths, str) else paths) + ([d.val_path] if d.val_path else [])
+            files = expand_paths(paths, TEXT_SUFFIXES)
+            if any(f.endswith(".parquet") for f in files):
+                require("pyarrow.parquet", "reading .parquet files")
+            check_vocab(load_tokenizer(d.tokenizer, d.eos_token), cfg.model.vocab_size)
+    except (ValueError, FileNotFoundError, MissingDependency) as err:
+        return [f"data={d.kind}: {err}"]
+    return []
 
 
 def _first_file_on_path(path: str) -> Optional[str]:

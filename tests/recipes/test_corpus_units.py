@@ -57,7 +57,7 @@ def test_prepare_data_matches_in_memory_tokenization_and_sidecar_is_checked(corp
     assert source.samples([1]).tolist()[0] == expected[16:33].tolist()
     with pytest.raises(ValueError, match="holds uint16 ids, but data.dtype=uint32"):
         build_source("tokens", seq_len=16, vocab_size=MODEL_VOCAB, seed=0, path=out, dtype="uint32")
-    with pytest.raises(ValueError, match="tokenized with 300 tokens, more than model.vocab_size=256"):
+    with pytest.raises(ValueError, match="tokenized with vocab_size=300, more than model.vocab_size=256"):
         build_source("tokens", seq_len=16, vocab_size=256, seed=0, path=out, dtype="uint16")
     with pytest.raises(ValueError, match="not data.tokenizer=bytes"):
         build_source("tokens", seq_len=16, vocab_size=MODEL_VOCAB, seed=0, path=out, dtype="uint16", tokenizer="bytes")
@@ -94,7 +94,7 @@ def test_prepare_data_script_and_its_bad_inputs(corpus, tmp_path, capsys):
 
 def test_tokenizer_larger_than_the_model_and_an_empty_corpus_are_refused(corpus, tmp_path):
     root, _, path = corpus
-    with pytest.raises(ValueError, match="has 300 tokens, more than model.vocab_size=256; raise model.vocab_size"):
+    with pytest.raises(ValueError, match="has ids up to 299, which need vocab_size=300, more than model.vocab_size=256; raise model.vocab_size"):
         build_source("text", seq_len=8, vocab_size=256, seed=0, paths=str(root / "text"), tokenizer=path)
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(ValueError, match="holds no text"):

@@ -127,3 +127,17 @@ def test_a_corrupt_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
     corrupt[-1] ^= 0xFF  # a flipped bit in the last tensor's data
     data.write_bytes(bytes(corrupt))
     assert run_on_ranks(2, _train_steps, [*out, "training.steps=6"], timeout=120) == [(2, 6)] * 2
+
+
+def test_a_bad_token_in_the_validation_split_is_found_before_training(tmp_path):
+    tokens = np.zeros(4000, dtype=np.uint16)
+    # 124 samples of 32, the last 12 held out: tokens 3,584 to the end; 3,804 is in rank 1's half
+    # of the split and in its slice of the first validation batch (sample 6).
+    tokens[3804] = 300
+    tokens.tofile(tmp_path / "tokens.bin")
+    reports = run_on_ranks(2, _train, [f"output_dir={tmp_path}/out", "data=tokens", f"data.path={tmp_path}/tokens.bin",
+                                       "data.val_fraction=0.1", "eval.every=5", "eval.steps=1"], timeout=120)
+    assert reports[0] is None
+    assert reports[1] == (f"(rank 1 of 2) data=tokens: {tmp_path}/tokens.bin (validation split: its tokens 3,584 "
+                          "to the end): token id 300 is outside the model's vocab_size=256 (token 220 of 416)")
+    assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")  # found before the first step
