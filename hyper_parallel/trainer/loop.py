@@ -200,7 +200,7 @@ def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
                 return plan
             # The manager skips a corrupt newest checkpoint for the previous one (one warning).
             step = job.manager.load_latest({key: job.state[key] for key in plan.keys})
-        except (CheckpointError, ValueError) as err:
+        except (CheckpointError, ValueError, KeyError) as err:  # KeyError: parameters added or removed
             raise ConfigError(resume_mismatch(cfg, plan.path, err)) from None
         if step == plan.start_step:
             return plan
@@ -212,10 +212,14 @@ def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
 
 
 def resume_mismatch(cfg: DictConfig, path: str, err: Exception) -> str:
-    """Why the checkpoint at ``path`` does not fit this run, and what to do about it."""
-    saved_path = os.path.join(cfg.output_dir, "config.yaml")
+    """Why the checkpoint at ``path`` does not fit this run, and what to do about it: the model
+    keys that differ from the run's ``config.yaml`` (next to the checkpoint's folder, else in
+    ``output_dir``), else the first line of ``err``."""
+    candidates = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.yaml"),
+                  os.path.join(cfg.output_dir, "config.yaml")]
     changed = []
-    if os.path.isfile(saved_path):
+    saved_path = next((p for p in candidates if os.path.isfile(p)), None)
+    if saved_path is not None:
         saved = OmegaConf.load(saved_path).get("model", {})
         changed = [f"model.{k}: saved {saved[k]!r}, now {v!r}" for k, v in cfg.model.items()
                    if k in saved and k not in MODEL_RECIPE_KEYS and saved[k] != v]

@@ -104,6 +104,21 @@ def test_resuming_with_another_model_or_batch_names_the_difference(tmp_path):
     assert reports[1] is None and "global_batch_size: saved 8, now 4" in reports[0], reports
 
 
+def test_resuming_with_fewer_layers_or_toggled_tied_embeddings_names_the_difference(tmp_path):
+    # Fewer parameters than the checkpoint (fewer layers, or a tied output head) is the same one
+    # line as more parameters, not the optimizer's KeyError.
+    for i, (first, changed, detail) in enumerate([(["model.n_layers=2"], "model.n_layers=1", "model.n_layers: saved 2, now 1"),
+                                   (["model.tie_embeddings=false"], "model.tie_embeddings=true",
+                                    "model.tie_embeddings: saved False, now True"),
+                                   (["model.tie_embeddings=true"], "model.tie_embeddings=false",
+                                    "model.tie_embeddings: saved True, now False")]):
+        out = f"output_dir={tmp_path / str(i)}"
+        assert run_on_ranks(2, _train, [out, "training.steps=1", *first], timeout=120) == ["ok", "ok"]
+        reports = run_on_ranks(2, _train, [out, "training.steps=2", changed], timeout=120)
+        assert reports[1] is None and reports[0] is not None and "\n" not in reports[0], reports
+        assert reports[0].startswith(f"cannot resume from {tmp_path / str(i)}/checkpoints/step-1 ({detail}). "), reports
+
+
 def test_job_failed_reports():
     err = ConfigError("bad")
     assert JobFailed(err, 1).report(1, 4) == "(rank 1 of 4) bad"
