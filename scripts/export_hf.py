@@ -29,7 +29,7 @@ from omegaconf import OmegaConf
 
 from hyper_parallel.checkpoint import CheckpointError, export_hf, read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
-from hyper_parallel.models.hf_llama import hf_config, to_hf
+from hyper_parallel.models.hf_llama import NATIVE_ARCHITECTURE, hf_config, to_hf
 from hyper_parallel.trainer.config import llama_config
 
 
@@ -64,7 +64,7 @@ def main(argv: list[str]) -> int:
             stored = read_checkpoint_metadata(checkpoint).state_dict_metadata
             config = hf_config(cfg, stored["model.tok_embeddings.weight"].dtype)
         else:
-            config = {"architectures": ["hyper_parallel.models.llama.Transformer"], **dataclasses.asdict(cfg)}
+            config = {"architectures": [NATIVE_ARCHITECTURE], **dataclasses.asdict(cfg)}
         with open(os.path.join(args.out_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
     print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']:,} bytes) "

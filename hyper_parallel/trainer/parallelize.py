@@ -74,10 +74,12 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
     With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
     reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
     initialisation, each rank reading only its own slices: a ``transformers`` Llama export
-    (``config.json`` with ``model_type: llama``) or our own names.
+    (``config.json`` with ``model_type: llama``) or our own names; a ``config.json`` there must
+    describe this model (heads, sizes, rope_theta, tied embeddings).
 
     Raises:
-        ConfigError: ``model.init_from`` cannot be read or does not fit the model.
+        ConfigError: ``model.init_from`` cannot be read, or it or its ``config.json`` does not
+            fit the model.
     """
     with torch.device("meta"):
         model = Transformer(llama_config(model_cfg))
@@ -91,11 +93,11 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
     model.init_weights(seed)  # the same values on every mesh and world size
     if model_cfg.init_from:
         from hyper_parallel.checkpoint import CheckpointError, load_hf
-        from hyper_parallel.models.hf_llama import is_hf_llama_dir, load_hf_llama
+        from hyper_parallel.models.hf_llama import Layout, check_config, load_hf_llama
 
         path = os.path.expanduser(str(model_cfg.init_from))
         try:
-            if is_hf_llama_dir(path):  # transformers names and rotary layout
+            if check_config(path, llama_config(model_cfg)) is Layout.TRANSFORMERS:  # names, rotary layout
                 load_hf_llama(model, path, llama_config(model_cfg))
             else:
                 load_hf(model, path)
