@@ -289,10 +289,16 @@ def _peek_batch(job: TrainingJob, step: int) -> Tuple[Optional[torch.Tensor], Op
         return None, ConfigError(f"data={job.cfg.data.kind}, step {step}: {err}")
 
 
+def _agree_stop(stop: StopRequest, device: torch.device) -> bool:
+    """Whether any rank got SIGTERM (one all-reduce: every rank must call at the same point)."""
+    return all_reduce_sum(torch.tensor([stop.as_tensor_value], device=device)).item() > 0
+
+
 def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     """Steps ``step+1 .. training.steps`` with metrics, evaluation and checkpoints; stops early
     (after a final checkpoint) when any rank got SIGTERM or ran out of time, or after
-    ``training.stop_after_steps``.
+    ``training.stop_after_steps``. A SIGTERM is agreed at the end of the step it arrived in (or
+    of the evaluation it arrived in); the stopping step is then saved without an evaluation.
 
     Each step's batch is read before the previous step's all-reduce, which carries every
     rank's verdict on it, so a bad batch on one rank stops all ranks together.
@@ -344,14 +350,17 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         }
         if job.loss_floor is not None:
             record["loss_floor"] = job.loss_floor
-        if job.evaluator is not None and job.evaluator.due(step, t.steps):
+        reason = ("SIGTERM" if stop_votes > 0 else "time limit" if time_votes > 0
+                  else "stop_after_steps" if limits.steps_done(step) else None)
+        # An agreed SIGTERM or time limit skips the evaluation: the save starts at this boundary.
+        if reason in (None, "stop_after_steps") and job.evaluator is not None and job.evaluator.due(step, t.steps):
             record.update(job.evaluator.evaluate(job.model))
+            if _agree_stop(stop, job.device):  # a SIGTERM during the evaluation: save now, not a step later
+                reason = "SIGTERM"
         if job.profiler is not None and (trace := job.profiler.after_step(step)):
             job.log.print(f"profiler: rank 0 trace {trace}")
         job.log.log_step(record, memory_bytes=record["memory_bytes"])
         summary.losses.append(loss)
-        reason = ("SIGTERM" if stop_votes > 0 else "time limit" if time_votes > 0
-                  else "stop_after_steps" if limits.steps_done(step) else None)
         last = step == t.steps
         job.manager.save(step, operations.final_state(job.cfg.checkpoint, job.state) if last else job.state,
                          force=last or reason is not None)
