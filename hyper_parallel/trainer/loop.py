@@ -262,6 +262,9 @@ def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Run
         OmegaConf.save(cfg, os.path.join(cfg.output_dir, "config.yaml"))
     job.log.print(describe(job))
     job.log.print(starting_point(cfg, plan))
+    if plan is not None and "optim" in plan.keys:
+        for line in operations.apply_optim_config(job.optimizer, cfg.optim):
+            job.log.print(line)
     if step >= cfg.training.steps:
         job.log.print(f"the latest checkpoint is at step {step} >= training.steps={cfg.training.steps}: "
                       "nothing to train")

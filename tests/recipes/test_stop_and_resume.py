@@ -1,6 +1,7 @@
-"""A SIGTERM is saved at the first step boundary after it, on 2 gloo ranks in-process: the
-evaluation of the stopping step is skipped, and a signal during an evaluation is not carried
-into one more step."""
+"""Stopping and resuming on 2 gloo ranks in-process. A SIGTERM is saved at the first step
+boundary after it: the evaluation of the stopping step is skipped, and a signal during an
+evaluation is not carried into one more step. A resumed run takes its optimizer
+hyper-parameters from the config, not the checkpoint, and says so."""
 
 from __future__ import annotations
 
@@ -62,3 +63,31 @@ def test_sigterm_during_an_evaluation_saves_that_step_without_another(tmp_path):
     assert results == [(0, 2, "SIGTERM")] * 2
     assert [r["step"] for r in _metrics(out)] == [1, 2]
     assert CheckpointManager(os.path.join(out, "checkpoints")).committed_steps() == [2]
+
+
+def _resume_with(overrides):
+    """Train; the optimizer's betas at the end and the lines rank 0 printed."""
+    from hyper_parallel.trainer.metrics import MetricsLogger
+
+    made, printed = [], []
+    build, log_print = loop.build_optimizer, MetricsLogger.print
+    loop.build_optimizer = lambda model, optim_cfg: made.append(build(model, optim_cfg)) or made[-1]
+    MetricsLogger.print = lambda self, message: printed.append(message) if self.is_main else None
+    try:
+        cfg = compose_config([*TINY, *overrides])
+        run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+    finally:
+        loop.build_optimizer, MetricsLogger.print = build, log_print
+    return made[0].param_groups[0]["betas"], printed
+
+
+def test_a_resumed_run_uses_the_configs_betas_and_says_so(tmp_path):
+    out = f"output_dir={tmp_path}"
+    run_on_ranks(2, _resume_with, [out, "training.steps=2", "optim.betas=[0.9,0.95]"], timeout=120)
+    results = run_on_ranks(2, _resume_with, [out, "training.steps=3", "optim.betas=[0.8,0.99]"], timeout=120)
+    assert [betas for betas, _ in results] == [(0.8, 0.99)] * 2
+    line = ("optim.betas: the config's [0.8, 0.99] replaces the checkpoint's [0.9, 0.95] "
+            "(on resume the config wins for optimizer hyper-parameters)")
+    assert line in results[0][1] and results[1][1] == []
+    results = run_on_ranks(2, _resume_with, [out, "training.steps=4", "optim.betas=[0.8,0.99]"], timeout=120)
+    assert results[0][0] == (0.8, 0.99) and not any("optim." in message for message in results[0][1])
