@@ -183,6 +183,9 @@ def _relation_problems(cfg: DictConfig, world_size: int,
     if cfg.logging.tensorboard is True and importlib.util.find_spec("tensorboard") is None:
         problems.append("logging.tensorboard=true needs the 'tensorboard' package "
                         "(pip install tensorboard), or set logging.tensorboard=false")
+    if cfg.logging.wandb is True and importlib.util.find_spec("wandb") is None:
+        problems.append("logging.wandb=true needs the 'wandb' package: pip install 'hyper_parallel[wandb]' "
+                        "(or wandb), or set logging.wandb=false")
     return dims, problems
 
 

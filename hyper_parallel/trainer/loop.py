@@ -26,6 +26,7 @@ from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
+from hyper_parallel.trainer.sinks import wandb_settings
 from hyper_parallel.trainer.state import RNGState, StopRequest, all_reduce_sum, training_state
 
 
@@ -166,7 +167,8 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
                                 keep_last_n=cfg.checkpoint.keep_last_n, async_save=cfg.checkpoint.async_save,
                                 stage_in_background=cfg.checkpoint.async_save)
     log = MetricsLogger(cfg.output_dir, total_steps=t.steps, is_main=rank == 0,
-                        log_every=cfg.logging.log_every, tensorboard=cfg.logging.tensorboard)
+                        log_every=cfg.logging.log_every, tensorboard=cfg.logging.tensorboard,
+                        wandb=wandb_settings(cfg))
     return TrainingJob(
         cfg=cfg, dims=dims, platform=platform, device=device, mesh=mesh, model=model,
         optimizer=optimizer, schedule=schedule, loader=loader, manager=manager,
@@ -392,4 +394,6 @@ def format_summary(summary: RunSummary, cfg: DictConfig) -> str:
     lines.append(f"checkpoints: {cfg.checkpoint.folder}")
     if cfg.logging.tensorboard:
         lines.append(f"tensorboard: {os.path.join(cfg.output_dir, 'tensorboard')}")
+    if cfg.logging.wandb:
+        lines.append(f"wandb: {os.path.join(cfg.output_dir, 'wandb')} (project {cfg.logging.wandb_project})")
     return "\n".join(lines)
