@@ -25,6 +25,7 @@ from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
+from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 from hyper_parallel.trainer.sinks import wandb_settings
 from hyper_parallel.trainer.state import RNGState, StopRequest, all_reduce_sum, training_state
@@ -310,8 +311,8 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
 
     Raises:
         JobFailed: on every rank, when a batch is invalid on any rank (e.g. a token id >=
-            vocab_size), or the loss or gradient norm is not finite (nothing of that step
-            is saved).
+            vocab_size), the loss or gradient norm is not finite (nothing of that step
+            is saved), or a checkpoint does not fit on the disk.
     """
     t, platform = job.cfg.training, job.platform
     summary = RunSummary(start_step=step, end_step=step, loss_floor=job.loss_floor)
@@ -319,6 +320,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     started = time.perf_counter()
     limits = operations.StopRule(start_step=step, stop_after_steps=t.stop_after_steps,
                                  time_limit_minutes=t.time_limit_minutes, started_at=job.started_at)
+    saver = CheckpointSaver(job.manager, job.device)
     batch, error = _peek_batch(job, step + 1)
     fail_together(error, job.device)
     while step < t.steps:
@@ -341,7 +343,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
             torch.cat([result["loss"].reshape(1), flags])).tolist()
         loss, grad_norm = loss_sum / job.dims.dp_size, float(result["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            job.manager.wait()
+            saver.wait()
             raise JobFailed(ConfigError(
                 f"step {step}: the loss is {loss} (gradient norm {grad_norm}): training diverged, and this "
                 f"step was not saved. Lower optim.lr, check the model settings, and resume from the last "
@@ -367,16 +369,16 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         job.log.log_step(record, memory_bytes=record["memory_bytes"])
         summary.losses.append(loss)
         last = step == t.steps
-        job.manager.save(step, operations.final_state(job.cfg.checkpoint, job.state) if last else job.state,
-                         force=last or reason is not None)
+        saver.save(step, operations.final_state(job.cfg.checkpoint, job.state) if last else job.state,
+                   force=last or reason is not None)
         if reason is not None:
             summary.stopped_by_signal, summary.stop_reason = reason == "SIGTERM", reason
             job.log.print(f"{reason}: saved a final checkpoint at step {step}, stopping")
             break
         if bad_batches:
-            job.manager.wait()
+            saver.wait()
             raise JobFailed(error, int(bad_batches))
-    job.manager.wait()
+    saver.wait()
     summary.end_step = step
     summary.wall_time_s = time.perf_counter() - started
     summary.tokens_per_s = tokens_per_step * (step - summary.start_step) / summary.wall_time_s

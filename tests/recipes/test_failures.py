@@ -7,10 +7,12 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
 from hyper_parallel.checkpoint import CheckpointManager, ModelState, load
+from hyper_parallel.core.distributed_checkpoint.manager import committed_steps
 from hyper_parallel.data import TokenWindows
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform
@@ -142,3 +144,42 @@ def test_a_corrupt_latest_checkpoint_resumes_from_the_previous_one(tmp_path):
     corrupt[-1] ^= 0xFF  # a flipped bit in the last tensor's data
     data.write_bytes(bytes(corrupt))
     assert run_on_ranks(2, _train_steps, [*out, "training.steps=6"], timeout=120) == [(2, 6)] * 2
+
+
+def _train_with_a_full_disk(overrides):
+    """As _train, with rank 1's writes of the second checkpoint failing with ENOSPC."""
+    import errno
+
+    from hyper_parallel.core.distributed_checkpoint import filesystem
+
+    original, saves = filesystem.write_safetensors, set()
+
+    def write(path, *args, **kwargs):
+        saves.add(os.path.dirname(path))
+        if dist.get_rank() == 1 and len(saves) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return original(path, *args, **kwargs)
+
+    filesystem.write_safetensors = write
+    try:
+        return _train(overrides)
+    finally:
+        filesystem.write_safetensors = original
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_is_one_line_and_the_earlier_checkpoint_is_intact(tmp_path, async_save):
+    out = tmp_path / "out"
+    reports = run_on_ranks(2, _train_with_a_full_disk, [f"output_dir={out}", "training.steps=4",
+                                                        "checkpoint.interval=2", f"checkpoint.async_save={async_save}"],
+                           timeout=120)
+    folder = out / "checkpoints"
+    assert reports[0] is None and "\n" not in reports[1], reports
+    assert reports[1].startswith(f"(rank 1 of 2) no space left on device while saving the checkpoint of step 4 "
+                                 f"to {folder}: it needs about "), reports
+    assert "are free; the previous checkpoints (step-2) are intact and nothing of step 4 was kept" in reports[1]
+    assert committed_steps(folder) == [2]
+    assert sorted(os.listdir(folder)) == [".hyper_parallel.lock", "step-2"]  # no part of step 4 left
+    model = Transformer(llama_config(compose_config(TINY).model))
+    state = {"model": ModelState(model).state_dict()}
+    load(state, checkpoint_id=str(folder / "step-2"), no_dist=True)  # loads, checksums verified
