@@ -195,14 +195,24 @@ def _rows_to_interleaved_(param: torch.Tensor, n_heads: int) -> None:
         param.copy_(fixed)
 
 
-def load_hf_llama(model: nn.Module, path: str, cfg: LlamaConfig) -> None:
-    """Fill ``model`` (plain or sharded) from a ``transformers`` Llama directory (collective).
+def load_pretrained(model: nn.Module, path: str, cfg: LlamaConfig) -> Layout:
+    """Fill ``model`` (plain or sharded, of ``cfg``) from the HF-style directory ``path``
+    (collective): ``transformers`` Llama names and rotary layout when its ``config.json`` says
+    ``model_type: llama``, else our names; :func:`check_config` first.
+
+    Returns:
+        The directory's layout.
 
     Raises:
-        KeyError / ValueError / CheckpointError: as :func:`hyper_parallel.checkpoint.load_hf`.
+        ValueError: as :func:`check_config`, or a stored shape differs from the model's.
+        KeyError / CheckpointError: as :func:`hyper_parallel.checkpoint.load_hf`.
     """
     from hyper_parallel.checkpoint import get_model_state_dict, load_hf
 
+    layout = check_config(path, cfg)
+    if layout is Layout.NATIVE:
+        load_hf(model, path)
+        return layout
     ours = get_model_state_dict(model)
     targets = {hf_name(k): v for k, v in ours.items() if not (k == "output.weight" and cfg.tie_embeddings)}
     load_hf(targets, path)
@@ -210,3 +220,4 @@ def load_hf_llama(model: nn.Module, path: str, cfg: LlamaConfig) -> None:
         heads = _heads(name, cfg)
         if heads:
             _rows_to_interleaved_(tensor, heads)
+    return layout

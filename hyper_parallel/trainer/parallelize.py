@@ -92,15 +92,11 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
     model.to_empty(device=device)
     model.init_weights(seed)  # the same values on every mesh and world size
     if model_cfg.init_from:
-        from hyper_parallel.checkpoint import CheckpointError, load_hf
-        from hyper_parallel.models.hf_llama import Layout, check_config, load_hf_llama
+        from hyper_parallel.checkpoint import CheckpointError
+        from hyper_parallel.models.hf_llama import load_pretrained
 
-        path = os.path.expanduser(str(model_cfg.init_from))
         try:
-            if check_config(path, llama_config(model_cfg)) is Layout.TRANSFORMERS:  # names, rotary layout
-                load_hf_llama(model, path, llama_config(model_cfg))
-            else:
-                load_hf(model, path)
+            load_pretrained(model, os.path.expanduser(str(model_cfg.init_from)), llama_config(model_cfg))
         except (CheckpointError, KeyError, ValueError, OSError) as err:
             raise ConfigError(f"model.init_from={model_cfg.init_from}: {err}") from None
     return model
