@@ -3,7 +3,6 @@ materialised and initialised shard by shard."""
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, Callable, Optional
 
