@@ -2,7 +2,7 @@
 """Export a training checkpoint's model as Hugging Face safetensors shards (+ index, config.json).
 
     scripts/export_hf.py CHECKPOINT OUT_DIR [--config RECIPE_CONFIG] [--format transformers|native]
-                         [--max-shard-bytes N]
+                         [--max-shard-bytes N] [--no-tokenizer]
 
 CHECKPOINT is a ``step-N`` directory or a folder of them (the newest is used). The model's
 shape comes from the run's resolved config, ``${output_dir}/config.yaml`` next to the
@@ -13,6 +13,11 @@ a ``config.json`` that ``transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)`
 ``--format native``: our names, and ``config.json`` holding the ``LlamaConfig`` fields, so
 ``Transformer(LlamaConfig(**config))`` (without ``architectures``) rebuilds the model.
 Either directory works as ``model.init_from``. Runs in a plain process, no GPU or process group.
+
+When the run used a ``tokenizer.json`` (``data.tokenizer``, or the sidecar of its token file),
+it is copied next to the model with a ``tokenizer_config.json`` (bos = eos = the token that
+joined documents), and ``config.json`` gets ``bos_token_id`` / ``eos_token_id``, so
+``AutoTokenizer.from_pretrained(OUT_DIR)`` works too; ``--no-tokenizer`` leaves it out.
 """
 
 from __future__ import annotations
@@ -29,8 +34,9 @@ from omegaconf import OmegaConf
 
 from hyper_parallel.checkpoint import CheckpointError, export_hf, read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
-from hyper_parallel.models.hf_llama import hf_config, to_hf
+from hyper_parallel.models.hf_llama import NATIVE_ARCHITECTURE, hf_config, to_hf
 from hyper_parallel.trainer.config import llama_config
+from hyper_parallel.trainer.hf_tokenizer import run_tokenizer, special_token_ids, write_tokenizer_files
 
 
 def _default_recipe_config(checkpoint: str) -> Optional[str]:
@@ -46,6 +52,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--config", help="the recipe's config.yaml (for config.json)")
     parser.add_argument("--format", choices=("transformers", "native"), default="transformers")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    parser.add_argument("--no-tokenizer", action="store_true", help="do not copy the run's tokenizer")
     args = parser.parse_args(argv)
     try:
         checkpoint = resolve_checkpoint(args.checkpoint)
@@ -53,9 +60,18 @@ def main(argv: list[str]) -> int:
         if args.format == "transformers" and not config_path:
             raise ValueError(f"no config.yaml next to {checkpoint}: pass the run's config with --config "
                              "(the transformers layout needs the model's shape), or use --format native")
-        cfg = llama_config(OmegaConf.load(config_path).model) if config_path else None
+        run_cfg = OmegaConf.load(config_path) if config_path else None
+        cfg = llama_config(run_cfg.model) if run_cfg is not None else None
+        tokenizer = None
+        if run_cfg is not None and not args.no_tokenizer:
+            try:
+                tokenizer = run_tokenizer(run_cfg)
+            except (ValueError, OSError) as err:
+                raise ValueError(f"the run's tokenizer: {err} (pass --no-tokenizer to export without it)") from None
         convert = (lambda name, tensor: to_hf(name, tensor, cfg)) if args.format == "transformers" else None
         index = export_hf(checkpoint, args.out_dir, max_shard_bytes=args.max_shard_bytes, convert=convert)
+        if tokenizer is not None:
+            write_tokenizer_files(tokenizer, args.out_dir, max_length=cfg.max_seq_len)
     except (CheckpointError, ValueError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
@@ -63,12 +79,14 @@ def main(argv: list[str]) -> int:
         if args.format == "transformers":
             stored = read_checkpoint_metadata(checkpoint).state_dict_metadata
             config = hf_config(cfg, stored["model.tok_embeddings.weight"].dtype)
+            config.update(special_token_ids(tokenizer) if tokenizer is not None else {})
         else:
-            config = {"architectures": ["hyper_parallel.models.llama.Transformer"], **dataclasses.asdict(cfg)}
+            config = {"architectures": [NATIVE_ARCHITECTURE], **dataclasses.asdict(cfg)}
         with open(os.path.join(args.out_dir, "config.json"), "w") as f:
             json.dump(config, f, indent=2)
     print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']:,} bytes) "
-          f"from {checkpoint} to {args.out_dir}" + (" with config.json" if config_path else ""))
+          f"from {checkpoint} to {args.out_dir}" + (" with config.json" if config_path else "")
+          + (f" and the tokenizer {tokenizer.path}" if tokenizer is not None else ""))
     return 0
 
 

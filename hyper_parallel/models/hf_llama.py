@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import re
+from enum import Enum
 from typing import Any, Dict, Optional, Tuple
 
 import torch
@@ -92,16 +93,95 @@ def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> Dict[str, Any]:
     }
 
 
-def is_hf_llama_dir(path: str) -> bool:
-    """Whether ``path`` holds a ``config.json`` of ``model_type: llama`` (transformers names)."""
-    config = os.path.join(path, CONFIG_FILE)
-    if not os.path.isfile(config):
-        return False
-    with open(config) as f:
-        try:
-            return json.load(f).get("model_type") == "llama"
-        except ValueError:
-            return False
+class Layout(Enum):
+    """The tensor names of an HF-style directory: ``transformers`` Llama, or ours."""
+
+    TRANSFORMERS = "transformers"
+    NATIVE = "native"
+
+
+NATIVE_ARCHITECTURE = "hyper_parallel.models.llama.Transformer"
+# (config.json key, LlamaConfig field) compared with the model before loading, per layout.
+_CHECKED = {
+    Layout.TRANSFORMERS: (("hidden_size", "dim"), ("num_hidden_layers", "n_layers"),
+                          ("num_attention_heads", "n_heads"), ("num_key_value_heads", "n_kv_heads"),
+                          ("vocab_size", "vocab_size"), ("intermediate_size", "ffn_hidden_dim"),
+                          ("rope_theta", "rope_theta"), ("tie_word_embeddings", "tie_embeddings")),
+    Layout.NATIVE: tuple((f, f) for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
+                                          "ffn_hidden_dim", "rope_theta", "tie_embeddings")),
+}
+_MISSING = object()
+
+
+def read_config(path: str) -> Optional[Dict[str, Any]]:
+    """``path/config.json`` as a dict; None when there is none.
+
+    Raises:
+        ValueError: the file is not a JSON object (the file is named).
+    """
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        return None
+    try:
+        with open(file) as f:
+            config = json.load(f)
+    except ValueError as err:
+        raise ValueError(f"{file} is not valid JSON ({err})") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"{file} holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def _config_value(config: Dict[str, Any], key: str, layout: Layout) -> Any:
+    """``config[key]``, with transformers' defaults for the keys a Llama config may leave out."""
+    if layout is Layout.TRANSFORMERS:
+        if key == "num_key_value_heads" and config.get(key) is None:
+            return config.get("num_attention_heads", _MISSING)
+        if key == "rope_theta" and key not in config:
+            return (config.get("rope_parameters") or {}).get("rope_theta", 10000.0)
+        if key == "tie_word_embeddings":
+            return config.get(key, False)
+    return config.get(key, _MISSING)
+
+
+def _same(stored: Any, ours: Any) -> bool:
+    if isinstance(ours, bool) or isinstance(stored, bool):
+        return stored is ours
+    if isinstance(stored, (int, float)):
+        return float(stored) == float(ours)
+    return False
+
+
+def check_config(path: str, cfg: LlamaConfig) -> Layout:
+    """The layout of the HF-style directory ``path``, after checking its ``config.json`` (if
+    any) describes the model of ``cfg``: without this, a model with other head counts but the
+    same tensor shapes would load with its q/k rows permuted for the wrong heads.
+
+    Raises:
+        ValueError: ``config.json`` is unreadable, of another architecture, or differs from
+            ``cfg`` (one line naming each differing field, the file's value and the model's).
+    """
+    config = read_config(path)
+    if config is None:
+        return Layout.NATIVE  # tensor names only: shapes are still checked by the load
+    file = os.path.join(path, CONFIG_FILE)
+    if config.get("model_type") == "llama":
+        layout = Layout.TRANSFORMERS
+    elif NATIVE_ARCHITECTURE in (config.get("architectures") or []):
+        layout = Layout.NATIVE
+    else:
+        raise ValueError(f"{file} describes neither a transformers Llama (model_type 'llama', found "
+                         f"{config.get('model_type')!r}) nor a {NATIVE_ARCHITECTURE} export")
+    differences = []
+    for key, field in _CHECKED[layout]:
+        stored, ours = _config_value(config, key, layout), getattr(cfg, field)
+        if not _same(stored, ours):
+            shown = "missing" if stored is _MISSING else repr(stored)
+            differences.append(f"{key} {shown} vs model.{field}={ours!r}")
+    if differences:
+        raise ValueError(f"{file} does not describe this model: {'; '.join(differences)} "
+                         "(set the model keys to the export's values, or use another init_from)")
+    return layout
 
 
 @torch.no_grad()
@@ -115,14 +195,24 @@ def _rows_to_interleaved_(param: torch.Tensor, n_heads: int) -> None:
         param.copy_(fixed)
 
 
-def load_hf_llama(model: nn.Module, path: str, cfg: LlamaConfig) -> None:
-    """Fill ``model`` (plain or sharded) from a ``transformers`` Llama directory (collective).
+def load_pretrained(model: nn.Module, path: str, cfg: LlamaConfig) -> Layout:
+    """Fill ``model`` (plain or sharded, of ``cfg``) from the HF-style directory ``path``
+    (collective): ``transformers`` Llama names and rotary layout when its ``config.json`` says
+    ``model_type: llama``, else our names; :func:`check_config` first.
+
+    Returns:
+        The directory's layout.
 
     Raises:
-        KeyError / ValueError / CheckpointError: as :func:`hyper_parallel.checkpoint.load_hf`.
+        ValueError: as :func:`check_config`, or a stored shape differs from the model's.
+        KeyError / CheckpointError: as :func:`hyper_parallel.checkpoint.load_hf`.
     """
     from hyper_parallel.checkpoint import get_model_state_dict, load_hf
 
+    layout = check_config(path, cfg)
+    if layout is Layout.NATIVE:
+        load_hf(model, path)
+        return layout
     ours = get_model_state_dict(model)
     targets = {hf_name(k): v for k, v in ours.items() if not (k == "output.weight" and cfg.tie_embeddings)}
     load_hf(targets, path)
@@ -130,3 +220,4 @@ def load_hf_llama(model: nn.Module, path: str, cfg: LlamaConfig) -> None:
         heads = _heads(name, cfg)
         if heads:
             _rows_to_interleaved_(tensor, heads)
+    return layout

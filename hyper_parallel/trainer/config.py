@@ -180,8 +180,9 @@ def _relation_problems(cfg: DictConfig, world_size: int,
                         f"known: {', '.join(_compile_backends())}")
     if cfg.checkpoint.load_only is True and not cfg.checkpoint.load_from:
         problems.append("checkpoint.load_only=true needs checkpoint.load_from (the checkpoint to take the model from)")
-    if cfg.logging.tensorboard is True and not available("tensorboard"):
-        problems.append(f"{install_hint('tensorboard', 'logging.tensorboard=true')}, or set logging.tensorboard=false")
+    for sink in ("tensorboard", "wandb"):
+        if cfg.logging[sink] is True and not available(sink):
+            problems.append(f"{install_hint(sink, f'logging.{sink}=true')}, or set logging.{sink}=false")
     return dims, problems
 
 

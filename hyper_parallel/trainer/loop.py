@@ -25,7 +25,9 @@ from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
+from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
+from hyper_parallel.trainer.sinks import wandb_settings
 from hyper_parallel.trainer.state import RNGState, StopRequest, all_reduce_sum, training_state
 
 
@@ -166,7 +168,8 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
                                 keep_last_n=cfg.checkpoint.keep_last_n, async_save=cfg.checkpoint.async_save,
                                 stage_in_background=cfg.checkpoint.async_save)
     log = MetricsLogger(cfg.output_dir, total_steps=t.steps, is_main=rank == 0,
-                        log_every=cfg.logging.log_every, tensorboard=cfg.logging.tensorboard)
+                        log_every=cfg.logging.log_every, tensorboard=cfg.logging.tensorboard,
+                        wandb=wandb_settings(cfg))
     return TrainingJob(
         cfg=cfg, dims=dims, platform=platform, device=device, mesh=mesh, model=model,
         optimizer=optimizer, schedule=schedule, loader=loader, manager=manager,
@@ -200,7 +203,7 @@ def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
                 return plan
             # The manager skips a corrupt newest checkpoint for the previous one (one warning).
             step = job.manager.load_latest({key: job.state[key] for key in plan.keys})
-        except (CheckpointError, ValueError) as err:
+        except (CheckpointError, ValueError, KeyError) as err:  # KeyError: parameters added or removed
             raise ConfigError(resume_mismatch(cfg, plan.path, err)) from None
         if step == plan.start_step:
             return plan
@@ -212,10 +215,14 @@ def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
 
 
 def resume_mismatch(cfg: DictConfig, path: str, err: Exception) -> str:
-    """Why the checkpoint at ``path`` does not fit this run, and what to do about it."""
-    saved_path = os.path.join(cfg.output_dir, "config.yaml")
+    """Why the checkpoint at ``path`` does not fit this run, and what to do about it: the model
+    keys that differ from the run's ``config.yaml`` (next to the checkpoint's folder, else in
+    ``output_dir``), else the first line of ``err``."""
+    candidates = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.yaml"),
+                  os.path.join(cfg.output_dir, "config.yaml")]
     changed = []
-    if os.path.isfile(saved_path):
+    saved_path = next((p for p in candidates if os.path.isfile(p)), None)
+    if saved_path is not None:
         saved = OmegaConf.load(saved_path).get("model", {})
         changed = [f"model.{k}: saved {saved[k]!r}, now {v!r}" for k, v in cfg.model.items()
                    if k in saved and k not in MODEL_RECIPE_KEYS and saved[k] != v]
@@ -258,6 +265,9 @@ def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Run
         OmegaConf.save(cfg, os.path.join(cfg.output_dir, "config.yaml"))
     job.log.print(describe(job))
     job.log.print(starting_point(cfg, plan))
+    if plan is not None and "optim" in plan.keys:
+        for line in operations.apply_optim_config(job.optimizer, cfg.optim):
+            job.log.print(line)
     if step >= cfg.training.steps:
         job.log.print(f"the latest checkpoint is at step {step} >= training.steps={cfg.training.steps}: "
                       "nothing to train")
@@ -285,18 +295,24 @@ def _peek_batch(job: TrainingJob, step: int) -> Tuple[Optional[torch.Tensor], Op
         return None, ConfigError(f"data={job.cfg.data.kind}, step {step}: {err}")
 
 
+def _agree_stop(stop: StopRequest, device: torch.device) -> bool:
+    """Whether any rank got SIGTERM (one all-reduce: every rank must call at the same point)."""
+    return all_reduce_sum(torch.tensor([stop.as_tensor_value], device=device)).item() > 0
+
+
 def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     """Steps ``step+1 .. training.steps`` with metrics, evaluation and checkpoints; stops early
     (after a final checkpoint) when any rank got SIGTERM or ran out of time, or after
-    ``training.stop_after_steps``.
+    ``training.stop_after_steps``. A SIGTERM is agreed at the end of the step it arrived in (or
+    of the evaluation it arrived in); the stopping step is then saved without an evaluation.
 
     Each step's batch is read before the previous step's all-reduce, which carries every
     rank's verdict on it, so a bad batch on one rank stops all ranks together.
 
     Raises:
         JobFailed: on every rank, when a batch is invalid on any rank (e.g. a token id >=
-            vocab_size), or the loss or gradient norm is not finite (nothing of that step
-            is saved).
+            vocab_size), the loss or gradient norm is not finite (nothing of that step
+            is saved), or a checkpoint does not fit on the disk.
     """
     t, platform = job.cfg.training, job.platform
     summary = RunSummary(start_step=step, end_step=step, loss_floor=job.loss_floor)
@@ -304,6 +320,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     started = time.perf_counter()
     limits = operations.StopRule(start_step=step, stop_after_steps=t.stop_after_steps,
                                  time_limit_minutes=t.time_limit_minutes, started_at=job.started_at)
+    saver = CheckpointSaver(job.manager, job.device)
     batch, error = _peek_batch(job, step + 1)
     fail_together(error, job.device)
     while step < t.steps:
@@ -326,7 +343,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
             torch.cat([result["loss"].reshape(1), flags])).tolist()
         loss, grad_norm = loss_sum / job.dims.dp_size, float(result["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
-            job.manager.wait()
+            saver.wait()
             raise JobFailed(ConfigError(
                 f"step {step}: the loss is {loss} (gradient norm {grad_norm}): training diverged, and this "
                 f"step was not saved. Lower optim.lr, check the model settings, and resume from the last "
@@ -340,25 +357,28 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         }
         if job.loss_floor is not None:
             record["loss_floor"] = job.loss_floor
-        if job.evaluator is not None and job.evaluator.due(step, t.steps):
+        reason = ("SIGTERM" if stop_votes > 0 else "time limit" if time_votes > 0
+                  else "stop_after_steps" if limits.steps_done(step) else None)
+        # An agreed SIGTERM or time limit skips the evaluation: the save starts at this boundary.
+        if reason in (None, "stop_after_steps") and job.evaluator is not None and job.evaluator.due(step, t.steps):
             record.update(job.evaluator.evaluate(job.model))
+            if _agree_stop(stop, job.device):  # a SIGTERM during the evaluation: save now, not a step later
+                reason = "SIGTERM"
         if job.profiler is not None and (trace := job.profiler.after_step(step)):
             job.log.print(f"profiler: rank 0 trace {trace}")
         job.log.log_step(record, memory_bytes=record["memory_bytes"])
         summary.losses.append(loss)
-        reason = ("SIGTERM" if stop_votes > 0 else "time limit" if time_votes > 0
-                  else "stop_after_steps" if limits.steps_done(step) else None)
         last = step == t.steps
-        job.manager.save(step, operations.final_state(job.cfg.checkpoint, job.state) if last else job.state,
-                         force=last or reason is not None)
+        saver.save(step, operations.final_state(job.cfg.checkpoint, job.state) if last else job.state,
+                   force=last or reason is not None)
         if reason is not None:
             summary.stopped_by_signal, summary.stop_reason = reason == "SIGTERM", reason
             job.log.print(f"{reason}: saved a final checkpoint at step {step}, stopping")
             break
         if bad_batches:
-            job.manager.wait()
+            saver.wait()
             raise JobFailed(error, int(bad_batches))
-    job.manager.wait()
+    saver.wait()
     summary.end_step = step
     summary.wall_time_s = time.perf_counter() - started
     summary.tokens_per_s = tokens_per_step * (step - summary.start_step) / summary.wall_time_s
@@ -376,4 +396,6 @@ def format_summary(summary: RunSummary, cfg: DictConfig) -> str:
     lines.append(f"checkpoints: {cfg.checkpoint.folder}")
     if cfg.logging.tensorboard:
         lines.append(f"tensorboard: {os.path.join(cfg.output_dir, 'tensorboard')}")
+    if cfg.logging.wandb:
+        lines.append(f"wandb: {os.path.join(cfg.output_dir, 'wandb')} (project {cfg.logging.wandb_project})")
     return "\n".join(lines)

@@ -1,4 +1,4 @@
-"""Rank-0 metrics: one JSON line per step, a live console line, optional TensorBoard."""
+"""Rank-0 metrics: one JSON line per step, a live console line, optional TensorBoard / W&B sinks."""
 
 from __future__ import annotations
 
@@ -6,7 +6,9 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO
+
+from hyper_parallel.trainer.sinks import MetricsSink, TensorBoardSink, WandbSettings, WandbSink
 
 
 def _format_duration(seconds: float) -> str:
@@ -32,31 +34,27 @@ class MetricsLogger:
         total_steps: for the ETA.
         is_main: whether this rank writes.
         log_every: console line every N steps (the JSON line is written every step).
-        tensorboard: also write TensorBoard scalars.
+        tensorboard: also write TensorBoard scalars to ``output_dir/tensorboard``.
+        wandb: also log to a Weights & Biases run with these settings.
 
     Raises:
-        RuntimeError: ``tensorboard`` requested but the package is not installed.
+        RuntimeError: a sink's package is not installed (the message names it).
     """
 
     def __init__(self, output_dir: str, *, total_steps: int, is_main: bool, log_every: int = 1,
-                 tensorboard: bool = False, stream: TextIO = sys.stdout):
+                 tensorboard: bool = False, wandb: Optional[WandbSettings] = None, stream: TextIO = sys.stdout):
         self.total_steps, self.is_main, self.log_every, self.stream = total_steps, is_main, log_every, stream
-        self._tb = None
+        self._sinks: List[MetricsSink] = []
         self._jsonl = None
         self._start: Optional[float] = None
         self._steps_timed = 0
         if not is_main:
             return
-        if tensorboard:
-            try:
-                from torch.utils.tensorboard import SummaryWriter
-            except ImportError:
-                raise RuntimeError(
-                    "logging.tensorboard=true needs the 'tensorboard' package: "
-                    "pip install tensorboard (or hyper_parallel[tensorboard]), or set logging.tensorboard=false"
-                ) from None
-            self._tb = SummaryWriter(os.path.join(output_dir, "tensorboard"))
         os.makedirs(output_dir, exist_ok=True)
+        if tensorboard:
+            self._sinks.append(TensorBoardSink(os.path.join(output_dir, "tensorboard")))
+        if wandb is not None:
+            self._sinks.append(WandbSink(output_dir, wandb))
         self.path = os.path.join(output_dir, "metrics.jsonl")
         self._jsonl = open(self.path, "a", encoding="utf-8")
 
@@ -74,10 +72,10 @@ class MetricsLogger:
         self._steps_timed += 1
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        if self._tb is not None:
-            for key, value in record.items():
-                if key != "step" and isinstance(value, (int, float)):
-                    self._tb.add_scalar(key, value, record["step"])
+        if self._sinks:
+            scalars = {k: v for k, v in record.items() if k != "step" and isinstance(v, (int, float))}
+            for sink in self._sinks:
+                sink.log(scalars, record["step"])
         step = record["step"]
         if step % self.log_every == 0 or step == self.total_steps or self._steps_timed == 1:
             eta = (now - self._start) / self._steps_timed * (self.total_steps - step)
@@ -101,6 +99,6 @@ class MetricsLogger:
         if self._jsonl is not None:
             self._jsonl.close()
             self._jsonl = None
-        if self._tb is not None:
-            self._tb.close()
-            self._tb = None
+        for sink in self._sinks:
+            sink.close()
+        self._sinks = []

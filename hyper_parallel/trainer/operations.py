@@ -1,5 +1,5 @@
 """Operations: where a job starts from (``checkpoint.load_step`` / ``load_from`` / ``load_only``
-/ ``exclude``), what the last checkpoint holds (``last_save_model_only``, ``export_dtype``), and
+/ ``exclude``; the config's optimizer hyper-parameters over the checkpoint's), what the last checkpoint holds (``last_save_model_only``, ``export_dtype``), and
 when a job stops early (``training.stop_after_steps``, ``training.time_limit_minutes``)."""
 
 from __future__ import annotations
@@ -107,6 +107,31 @@ def final_state(c: DictConfig, state: Dict[str, Any]) -> Dict[str, Any]:
     dtype = EXPORT_DTYPES[c.export_dtype]
     model = state["model"].state_dict()
     return {"model": {k: v.to(dtype) if v.is_floating_point() else v for k, v in model.items()}}
+
+
+# AdamW hyper-parameters of the ``optim`` config. A checkpoint's optimizer state carries its own
+# (torch's load_state_dict restores them); on resume the config's win, like ``lr`` (the schedule
+# sets it from the config every step).
+OPTIM_HYPERPARAMETERS = ("betas", "eps", "weight_decay")
+
+
+def apply_optim_config(optimizer: torch.optim.Optimizer, optim_cfg: DictConfig) -> List[str]:
+    """Set the config's optimizer hyper-parameters after a resume; one line per value that
+    replaced the checkpoint's (empty when they agree)."""
+    lines = []
+    for key in OPTIM_HYPERPARAMETERS:
+        wanted = tuple(float(v) for v in optim_cfg[key]) if key == "betas" else float(optim_cfg[key])
+        saved = [tuple(g[key]) if key == "betas" else g[key] for g in optimizer.param_groups]
+        if any(value != wanted for value in saved):
+            for group in optimizer.param_groups:
+                group[key] = wanted
+            lines.append(f"optim.{key}: the config's {_shown(wanted)} replaces the checkpoint's {_shown(saved[0])} "
+                         "(on resume the config wins for optimizer hyper-parameters)")
+    return lines
+
+
+def _shown(value: Any) -> str:
+    return f"[{', '.join(map(repr, value))}]" if isinstance(value, tuple) else repr(value)
 
 
 class StopRule:

@@ -3,7 +3,6 @@ materialised and initialised shard by shard."""
 
 from __future__ import annotations
 
-import functools
 import os
 from typing import Any, Callable, Optional
 
@@ -74,10 +73,12 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
     With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
     reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
     initialisation, each rank reading only its own slices: a ``transformers`` Llama export
-    (``config.json`` with ``model_type: llama``) or our own names.
+    (``config.json`` with ``model_type: llama``) or our own names; a ``config.json`` there must
+    describe this model (heads, sizes, rope_theta, tied embeddings).
 
     Raises:
-        ConfigError: ``model.init_from`` cannot be read or does not fit the model.
+        ConfigError: ``model.init_from`` cannot be read, or it or its ``config.json`` does not
+            fit the model.
     """
     with torch.device("meta"):
         model = Transformer(llama_config(model_cfg))
@@ -90,15 +91,11 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
     model.to_empty(device=device)
     model.init_weights(seed)  # the same values on every mesh and world size
     if model_cfg.init_from:
-        from hyper_parallel.checkpoint import CheckpointError, load_hf
-        from hyper_parallel.models.hf_llama import is_hf_llama_dir, load_hf_llama
+        from hyper_parallel.checkpoint import CheckpointError
+        from hyper_parallel.models.hf_llama import load_pretrained
 
-        path = os.path.expanduser(str(model_cfg.init_from))
         try:
-            if is_hf_llama_dir(path):  # transformers names and rotary layout
-                load_hf_llama(model, path, llama_config(model_cfg))
-            else:
-                load_hf(model, path)
+            load_pretrained(model, os.path.expanduser(str(model_cfg.init_from)), llama_config(model_cfg))
         except (CheckpointError, KeyError, ValueError, OSError) as err:
             raise ConfigError(f"model.init_from={model_cfg.init_from}: {err}") from None
     return model

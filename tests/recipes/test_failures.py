@@ -7,10 +7,12 @@ import json
 import os
 
 import numpy as np
+import pytest
 import torch
 import torch.distributed as dist
 
 from hyper_parallel.checkpoint import CheckpointManager, ModelState, load
+from hyper_parallel.core.distributed_checkpoint.manager import committed_steps
 from hyper_parallel.data import TokenWindows
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform
@@ -104,6 +106,21 @@ def test_resuming_with_another_model_or_batch_names_the_difference(tmp_path):
     assert reports[1] is None and "global_batch_size: saved 8, now 4" in reports[0], reports
 
 
+def test_resuming_with_fewer_layers_or_toggled_tied_embeddings_names_the_difference(tmp_path):
+    # Fewer parameters than the checkpoint (fewer layers, or a tied output head) is the same one
+    # line as more parameters, not the optimizer's KeyError.
+    for i, (first, changed, detail) in enumerate([(["model.n_layers=2"], "model.n_layers=1", "model.n_layers: saved 2, now 1"),
+                                   (["model.tie_embeddings=false"], "model.tie_embeddings=true",
+                                    "model.tie_embeddings: saved False, now True"),
+                                   (["model.tie_embeddings=true"], "model.tie_embeddings=false",
+                                    "model.tie_embeddings: saved True, now False")]):
+        out = f"output_dir={tmp_path / str(i)}"
+        assert run_on_ranks(2, _train, [out, "training.steps=1", *first], timeout=120) == ["ok", "ok"]
+        reports = run_on_ranks(2, _train, [out, "training.steps=2", changed], timeout=120)
+        assert reports[1] is None and reports[0] is not None and "\n" not in reports[0], reports
+        assert reports[0].startswith(f"cannot resume from {tmp_path / str(i)}/checkpoints/step-1 ({detail}). "), reports
+
+
 def test_job_failed_reports():
     err = ConfigError("bad")
     assert JobFailed(err, 1).report(1, 4) == "(rank 1 of 4) bad"
@@ -141,3 +158,42 @@ def test_a_bad_token_in_the_validation_split_is_found_before_training(tmp_path):
     assert reports[1] == (f"(rank 1 of 2) data=tokens: {tmp_path}/tokens.bin (validation split: its tokens 3,584 "
                           "to the end): token id 300 is outside the model's vocab_size=256 (token 220 of 416)")
     assert not os.path.exists(tmp_path / "out" / "metrics.jsonl")  # found before the first step
+
+
+def _train_with_a_full_disk(overrides):
+    """As _train, with rank 1's writes of the second checkpoint failing with ENOSPC."""
+    import errno
+
+    from hyper_parallel.core.distributed_checkpoint import filesystem
+
+    original, saves = filesystem.write_safetensors, set()
+
+    def write(path, *args, **kwargs):
+        saves.add(os.path.dirname(path))
+        if dist.get_rank() == 1 and len(saves) == 2:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+        return original(path, *args, **kwargs)
+
+    filesystem.write_safetensors = write
+    try:
+        return _train(overrides)
+    finally:
+        filesystem.write_safetensors = original
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_full_disk_is_one_line_and_the_earlier_checkpoint_is_intact(tmp_path, async_save):
+    out = tmp_path / "out"
+    reports = run_on_ranks(2, _train_with_a_full_disk, [f"output_dir={out}", "training.steps=4",
+                                                        "checkpoint.interval=2", f"checkpoint.async_save={async_save}"],
+                           timeout=120)
+    folder = out / "checkpoints"
+    assert reports[0] is None and "\n" not in reports[1], reports
+    assert reports[1].startswith(f"(rank 1 of 2) no space left on device while saving the checkpoint of step 4 "
+                                 f"to {folder}: it needs about "), reports
+    assert "are free; the previous checkpoints (step-2) are intact and nothing of step 4 was kept" in reports[1]
+    assert committed_steps(folder) == [2]
+    assert sorted(os.listdir(folder)) == [".hyper_parallel.lock", "step-2"]  # no part of step 4 left
+    model = Transformer(llama_config(compose_config(TINY).model))
+    state = {"model": ModelState(model).state_dict()}
+    load(state, checkpoint_id=str(folder / "step-2"), no_dist=True)  # loads, checksums verified

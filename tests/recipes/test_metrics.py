@@ -55,3 +55,80 @@ def test_tensorboard_scalars_are_written(tmp_path):
     losses = [(e.step, e.value) for e in events.Scalars("loss")]
     assert losses == [(step, pytest.approx(2.0 / step)) for step in range(1, 4)]
     assert {"lr", "tokens_per_s", "grad_norm"} <= set(events.Tags()["scalars"])
+
+
+def _wandb_records(output_dir):
+    """The records of the offline W&B run in ``output_dir/wandb`` (its leveldb-style log file:
+    a 7-byte header, then 32 KiB blocks of records with 7-byte headers)."""
+    import glob
+    import struct
+
+    from wandb.proto import wandb_internal_pb2
+
+    (path,) = glob.glob(str(output_dir / "wandb" / "offline-run-*" / "run-*.wandb"))
+    data, block, pos, pending, records = open(path, "rb").read(), 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is padding
+            pos += block - pos % block
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if kind == 0 and length == 0:
+            break
+        pending += data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):  # a full record, or the last part of one
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(pending)
+            records.append(record)
+            pending = b""
+    return records
+
+
+def test_wandb_offline_run_records_every_step(tmp_path, monkeypatch):
+    wandb = pytest.importorskip("wandb")
+    from hyper_parallel.trainer.sinks import WANDB_RUN_ID_FILE, WandbSettings
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    out = tmp_path / "run"
+    settings = WandbSettings(project="proj", run_name="tiny", config={"training": {"steps": 3}})
+    log = MetricsLogger(str(out), total_steps=3, is_main=True, wandb=settings, stream=io.StringIO())
+    for step in range(1, 4):
+        log.log_step({**_record(step), "mfu": None})  # None (no peak on CPU) is left out
+    log.close()
+    wandb.teardown()  # the W&B service writes the run file in the background: wait for it
+    records = _wandb_records(out)
+    (run,) = [r.run for r in records if r.WhichOneof("record_type") == "run"]
+    assert run.project == "proj" and run.display_name == "tiny"
+    assert run.run_id == (out / WANDB_RUN_ID_FILE).read_text().strip()  # a resumed job reuses it
+    assert json.loads({u.key: u.value_json for u in run.config.update}["training"]) == {"steps": 3}
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    assert [(h["_step"], h["loss"]) for h in history] == [(s, pytest.approx(2.0 / s)) for s in range(1, 4)]
+    assert {"lr", "tokens_per_s", "grad_norm", "loss_floor"} <= set(history[0]) and "mfu" not in history[0]
+
+
+def test_wandb_without_the_package_is_one_line_naming_the_extra(tmp_path, monkeypatch):
+    from hyper_parallel.trainer import compose_config, validate_config
+    from hyper_parallel.trainer.config import ConfigError
+    from hyper_parallel.trainer.sinks import WandbSettings
+
+    monkeypatch.setitem(sys.modules, "wandb", None)  # makes the import fail
+    with pytest.raises(RuntimeError, match=r"needs the 'wandb' package: pip install 'hyper_parallel\[wandb\]'"):
+        MetricsLogger(str(tmp_path), total_steps=1, is_main=True, wandb=WandbSettings(project="p"))
+    monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "wandb" else object())
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config(["logging.wandb=true"]), 1)
+    assert str(err.value) == ("logging.wandb=true needs the 'wandb' package: pip install 'hyper_parallel[wandb]', "
+                              "or set logging.wandb=false")
+
+
+def test_the_logging_keys_make_the_wandb_settings():
+    from hyper_parallel.trainer import compose_config
+    from hyper_parallel.trainer.sinks import wandb_settings
+
+    assert wandb_settings(compose_config([])) is None
+    settings = wandb_settings(compose_config(["logging.wandb=true", "logging.wandb_project=p",
+                                              "logging.wandb_run_name=r", "training.steps=7"]))
+    assert (settings.project, settings.run_name, settings.config["training"]["steps"]) == ("p", "r", 7)

@@ -1,0 +1,132 @@
+"""Hugging Face interop in-process (no ranks): model.init_from checks the directory's config.json
+against the model; scripts/export_hf.py puts the run's tokenizer next to the model."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from safetensors.torch import save_file
+
+from hyper_parallel.checkpoint import save
+from hyper_parallel.data import prepare_tokens
+from hyper_parallel.models import hf_llama
+from hyper_parallel.models.llama import Transformer
+from hyper_parallel.trainer import compose_config
+from hyper_parallel.trainer.config import ConfigError, llama_config
+from hyper_parallel.trainer.parallelize import build_model
+from tests.recipes.corpus import MODEL_VOCAB, make_corpus
+from tests.recipes.launch import TINY
+from tests.recipes.script_main import script_main
+
+# Same tensor shapes as TINY's 4 heads / 2 kv heads (dim 32), other head counts.
+EIGHT_HEADS = ["model.n_heads=8", "model.n_kv_heads=4"]
+
+
+def _export(folder, overrides, *, layout):
+    """A plain model of ``overrides`` written to ``folder`` in ``layout``, with its config.json."""
+    cfg = llama_config(compose_config([*TINY, *overrides]).model)
+    model = Transformer(cfg)
+    model.init_weights(seed=3)
+    folder.mkdir()
+    if layout is hf_llama.Layout.TRANSFORMERS:
+        tensors = dict(item for item in (hf_llama.to_hf(k, v, cfg) for k, v in model.state_dict().items()) if item)
+        config = hf_llama.hf_config(cfg, torch.float32)
+    else:
+        tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+        config = {"architectures": [hf_llama.NATIVE_ARCHITECTURE], **dataclasses.asdict(cfg)}
+    save_file(tensors, folder / "model.safetensors")
+    (folder / "config.json").write_text(json.dumps(config))
+    return model
+
+
+def _build(overrides):
+    cfg = compose_config([*TINY, *overrides])
+    return build_model(cfg.model, mesh=None, device=torch.device("cpu"), seed=0)
+
+
+@pytest.mark.parametrize("layout", list(hf_llama.Layout))
+def test_init_from_loads_an_export_of_the_same_model(tmp_path, layout):
+    source = _export(tmp_path / "hf", [], layout=layout)
+    loaded = _build([f"model.init_from={tmp_path / 'hf'}"])
+    for (name, expected), actual in zip(source.state_dict().items(), loaded.state_dict().values()):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.parametrize("layout", list(hf_llama.Layout))
+def test_init_from_refuses_an_export_of_other_head_counts_with_the_same_shapes(tmp_path, layout):
+    _export(tmp_path / "hf", [], layout=layout)
+    with pytest.raises(ConfigError) as err:
+        _build([f"model.init_from={tmp_path / 'hf'}", *EIGHT_HEADS])
+    message = str(err.value)
+    assert "\n" not in message and f"{tmp_path / 'hf' / 'config.json'} does not describe this model" in message
+    if layout is hf_llama.Layout.TRANSFORMERS:
+        assert "num_attention_heads 4 vs model.n_heads=8; num_key_value_heads 2 vs model.n_kv_heads=4" in message
+    else:
+        assert "n_heads 4 vs model.n_heads=8; n_kv_heads 2 vs model.n_kv_heads=4" in message
+
+
+def test_init_from_names_every_differing_field(tmp_path):
+    _export(tmp_path / "hf", ["model.rope_theta=500000", "model.tie_embeddings=true"],
+            layout=hf_llama.Layout.TRANSFORMERS)
+    with pytest.raises(ConfigError, match=r"rope_theta 500000(\.0)? vs model\.rope_theta=10000\.0; "
+                                          r"tie_word_embeddings True vs model\.tie_embeddings=False"):
+        _build([f"model.init_from={tmp_path / 'hf'}"])
+
+
+@pytest.mark.parametrize("text, problem", [("{not json", "is not valid JSON"), ("[1, 2]", "holds a JSON list"),
+                                           ('{"model_type": "gpt2"}', "describes neither a transformers Llama")])
+def test_an_unreadable_or_foreign_config_json_is_an_error_naming_it(tmp_path, text, problem):
+    _export(tmp_path / "hf", [], layout=hf_llama.Layout.TRANSFORMERS)
+    (tmp_path / "hf" / "config.json").write_text(text)
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'hf' / 'config.json'} {problem}"):
+        _build([f"model.init_from={tmp_path / 'hf'}"])
+
+
+def _run_folder(root, data):
+    """A run's output folder: config.yaml with ``data`` and a model checkpoint at step 1."""
+    cfg = compose_config([*TINY, f"model.vocab_size={MODEL_VOCAB}", f"output_dir={root}/run", *data])
+    os.makedirs(f"{root}/run")
+    OmegaConf.save(cfg, f"{root}/run/config.yaml")
+    model = Transformer(llama_config(cfg.model))
+    model.init_weights(seed=0)
+    save({"model": model.state_dict()}, checkpoint_id=f"{root}/run/checkpoints/step-1", no_dist=True)
+    return f"{root}/run/checkpoints"
+
+
+@pytest.mark.parametrize("kind", ["text", "tokens"])
+def test_the_export_carries_the_runs_tokenizer(tmp_path, monkeypatch, capsys, kind):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    transformers = pytest.importorskip("transformers")
+    (tmp_path / "corpus").mkdir()
+    docs, tokenizer, _ = make_corpus(str(tmp_path / "corpus"))
+    if kind == "text":  # data.tokenizer names it
+        data = ["data=text", f"data.paths={tmp_path / 'corpus' / 'text'}", f"data.tokenizer={tokenizer}"]
+    else:  # a token file without data.tokenizer: its sidecar names it
+        prepare_tokens([str(tmp_path / "corpus" / "text")], str(tmp_path / "tokens.bin"), tokenizer=tokenizer)
+        data = ["data=tokens", f"data.path={tmp_path / 'tokens.bin'}"]
+    out = tmp_path / "hf"
+    assert script_main("export_hf")([_run_folder(tmp_path, data), str(out)]) == 0
+    assert f"and the tokenizer {tokenizer}" in capsys.readouterr().out
+    loaded = transformers.AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    from tokenizers import Tokenizer
+
+    reference = Tokenizer.from_file(tokenizer)
+    eos_id = reference.token_to_id("<|endoftext|>")
+    assert loaded.eos_token == loaded.bos_token == "<|endoftext|>" and loaded.eos_token_id == eos_id
+    assert loaded(docs[0], add_special_tokens=False)["input_ids"] == reference.encode(docs[0]).ids
+    config = transformers.AutoConfig.from_pretrained(str(out), local_files_only=True)
+    assert config.eos_token_id == config.bos_token_id == eos_id
+
+
+def test_a_byte_level_run_exports_no_tokenizer(tmp_path):
+    corpus = tmp_path / "doc.txt"
+    corpus.write_text("some text " * 200)
+    out = tmp_path / "hf"
+    assert script_main("export_hf")([_run_folder(tmp_path, ["data=text", f"data.paths={corpus}"]), str(out)]) == 0
+    assert not (out / "tokenizer.json").exists()
+    assert "eos_token_id" not in json.loads((out / "config.json").read_text())
