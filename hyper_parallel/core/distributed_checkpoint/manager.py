@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint import api
+from hyper_parallel.core.distributed_checkpoint._fileio import local_path, open_regular
 from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaveFuture
 from hyper_parallel.core.distributed_checkpoint.commit import is_checkpoint, staging_target, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError
@@ -37,8 +38,10 @@ def _lock_folder(folder: str) -> Optional[str]:
     if held is not None:
         held[1] += 1
         return None
-    try:
-        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    try:  # never through a symbolic link or into a file with other names: we truncate it below
+        fd = open_regular(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    except CheckpointError as exc:
+        return f"cannot lock {folder}: {exc}"
     except OSError as exc:  # e.g. a read-only folder, used only to resume from
         _log.warning("cannot lock %s (%s): a second job on this folder would not be detected", folder, exc)
         return None
@@ -122,7 +125,7 @@ class CheckpointManager:
             raise ValueError(f"interval must be an integer >= 1, got {interval!r}")
         if keep_last_n is not None and (not isinstance(keep_last_n, int) or keep_last_n < 1):
             raise ValueError(f"keep_last_n must be None or an integer >= 1, got {keep_last_n!r}")
-        self.folder = os.fspath(folder)
+        self.folder = local_path(folder)
         self.interval = interval
         self.keep_last_n = keep_last_n
         if stage_in_background and not async_save:

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 from typing import Dict, List, Tuple
 
+from hyper_parallel.core.distributed_checkpoint._fileio import open_regular
 from hyper_parallel.core.distributed_checkpoint.checksum import crc32, crc32_combine
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     CheckpointError,
@@ -135,9 +136,11 @@ def open_data_file(directory: str, name: str, metadata: Metadata) -> int:
     if expected is None:
         raise CheckpointError(f"checkpoint file {path} is not listed in the metadata")
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot open checkpoint file {path}: {exc.strerror or exc}") from None
     actual = os.fstat(fd).st_size
     if actual != expected.size:
         os.close(fd)
