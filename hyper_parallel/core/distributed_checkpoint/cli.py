@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 from typing import Any, Dict, List, Optional, TextIO
 
@@ -107,6 +109,13 @@ def main(argv: Optional[List[str]] = None) -> int:
             files = sorted(set(index["weight_map"].values()))
             print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']} bytes) "
                   f"to {args.out} in {len(files)} file(s)")
+    except BrokenPipeError:
+        # The reader went away (``inspect DIR | head``): stop quietly, as unix tools do. What
+        # is still buffered for stdout goes to /dev/null, or its flush at exit fails again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
