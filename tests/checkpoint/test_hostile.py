@@ -156,6 +156,25 @@ def test_values_nested_too_deep_are_refused_by_load_and_verify(tmp_path):
     assert cli_main(["verify", path]) == 1
 
 
+def test_value_relabelled_as_pickle_is_refused_by_verify_as_by_load(ckpt):
+    doc = _doc(ckpt)
+    _entry(doc, "train.step")["encoding"] = "pickle"
+    _write_doc(ckpt, doc)
+    _refused(ckpt, "'train.step' is pickled; refusing")
+    hdcp.verify_checkpoint(ckpt, allow_pickle=True)  # the bytes match their checksums (never unpickled)
+
+
+def test_verify_of_a_pickled_checkpoint_needs_the_same_opt_in_as_load(tmp_path, capsys):
+    path = str(tmp_path / "ckpt")
+    hdcp.save({"w": torch.ones(2), "s": {1, 2}}, storage_writer=hdcp.FileSystemWriter(path, allow_pickle=True),
+              no_dist=True)
+    with pytest.raises(hdcp.CheckpointError, match="'s' is pickled"):
+        hdcp.verify_checkpoint(path)
+    assert cli_main(["verify", path]) == 1 and "--allow-pickle" in capsys.readouterr().err
+    hdcp.verify_checkpoint(path, allow_pickle=True)
+    assert cli_main(["verify", "--allow-pickle", path]) == 0
+
+
 def test_hf_import_caps_the_safetensors_header(tmp_path):
     path = tmp_path / "model.safetensors"
     length = 200_000_000  # a sparse file: the header "fits" in the file but exceeds the cap

@@ -87,6 +87,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p = sub.add_parser("verify", help="check every byte of every data file against its checksum")
     p.add_argument("dir")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="accept pickled values (checksummed, never unpickled) as load with allow_pickle=True does")
     p = sub.add_parser("export-hf", help="write HF-style safetensors shards + model.safetensors.index.json")
     p.add_argument("dir")
     p.add_argument("out")
@@ -101,7 +103,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "inspect":
             inspect(args.dir, sys.stdout)
         elif args.command == "verify":
-            metadata = verify_checkpoint(args.dir)
+            metadata = verify_checkpoint(args.dir, allow_pickle=args.allow_pickle)
             total = sum(f.size for f in metadata.files.values())
             print(f"OK: {args.dir}: {len(metadata.files)} file(s), {total} bytes match their checksums")
         else:

@@ -317,14 +317,16 @@ def is_checkpoint(path: str) -> bool:
     return True
 
 
-def verify_checkpoint(checkpoint_dir: str) -> Metadata:
+def verify_checkpoint(checkpoint_dir: str, *, allow_pickle: bool = False) -> Metadata:
     """Run every check ``load`` runs, without loading: the metadata's schema and consistency
     (chunks tile each tensor, byte ranges inside their files), every file's size, every
-    item's and every file's checksum (every byte is read once), and every JSON value decodes.
+    item's and every file's checksum (every byte is read once), and every value decodes as
+    ``load`` decodes it: JSON, or pickled only with ``allow_pickle`` (as ``load`` needs
+    ``FileSystemReader(..., allow_pickle=True)``; verify never unpickles).
 
     Returns the metadata. Raises:
         CheckpointError: names what is uncommitted, inconsistent, missing, truncated or corrupt.
     """
     metadata = read_checkpoint_metadata(checkpoint_dir)
-    verify_files(checkpoint_dir, metadata)
+    verify_files(checkpoint_dir, metadata, allow_pickle)
     return metadata

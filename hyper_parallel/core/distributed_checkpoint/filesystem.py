@@ -51,14 +51,13 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
     RankWriteResult,
     StorageReader,
 )
-from hyper_parallel.core.distributed_checkpoint.validation import open_data_file
+from hyper_parallel.core.distributed_checkpoint.validation import decode_stored_value, open_data_file
 from hyper_parallel.core.distributed_checkpoint.verify_plan import (
     assign_duties,
     duties_of,
     mark_local_plan,
     reads_whole,
 )
-from hyper_parallel.core.distributed_checkpoint.values import decode_value
 from hyper_parallel.platform import get_platform
 
 
@@ -309,10 +308,7 @@ class FileSystemReader(StorageReader):
         read_exact(fd, data, info.offset, os.path.join(self.path, info.relative_path))
         if self._verifying:
             self._check(crc32(data), info, key)
-        try:
-            return decode_value(bytes(data), info.encoding, key, allow_pickle=self.allow_pickle)
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from None
+        return decode_stored_value(bytes(data), info.encoding, key, allow_pickle=self.allow_pickle)
 
     def _read_tensor(self, fd: int, info: StorageInfo, item: ReadItem, planner: LoadPlanner,
                      bounce: BounceReads, blocks: BlockReads, duties: Optional[FrozenSet[MetadataIndex]]) -> None:
