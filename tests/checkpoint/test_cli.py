@@ -76,3 +76,26 @@ def test_inspect_into_a_reader_that_stops_early_exits_quietly(tmp_path):
     proc.stdout.close()
     _, err = proc.communicate(timeout=120)
     assert err == b"" and proc.returncode == 128 + signal.SIGPIPE, err
+
+
+def test_inspect_and_verify_take_a_manager_folder_and_name_the_step(tmp_path, capsys):
+    folder = str(tmp_path / "checkpoints")
+    manager = hdcp.CheckpointManager(folder)
+    for step in (1, 2):
+        manager.save(step, {"w": torch.full((3,), float(step)), "n": step})
+    manager.close()
+    os.makedirs(os.path.join(folder, "step-9"))  # not committed: never chosen
+    newest = os.path.join(folder, "step-2")
+    assert main(["inspect", folder]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint: {newest} (the newest committed step in {folder})" in out
+    assert "step: 2" in out and "n = 2" in out
+    assert main(["verify", folder]) == 0
+    assert capsys.readouterr().out.startswith(f"OK: {newest} (the newest committed step in {folder}): ")
+    script = subprocess.run([sys.executable, "scripts/inspect_checkpoint.py", folder], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert script.returncode == 0 and "step: 2" in script.stdout, script.stderr
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    assert main(["verify", empty]) == 1
+    assert "not a committed checkpoint (metadata.json is missing) nor a folder" in capsys.readouterr().err

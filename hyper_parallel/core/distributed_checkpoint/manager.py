@@ -18,10 +18,10 @@ from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import local_path, open_regular
 from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaveFuture
 from hyper_parallel.core.distributed_checkpoint.commit import is_checkpoint, staging_target, verify_checkpoint
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.metadata import METADATA_FILE, CheckpointError
 from hyper_parallel.platform import get_platform
 
-__all__ = ["CheckpointManager", "checkpoint_step"]
+__all__ = ["CheckpointManager", "checkpoint_step", "committed_steps", "resolve_checkpoint"]
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 LOCK_FILE = ".hyper_parallel.lock"
@@ -84,6 +84,27 @@ def committed_steps(folder: Union[str, os.PathLike]) -> List[int]:
         return []
     steps = (checkpoint_step(name) for name in os.listdir(folder))
     return sorted(s for s in steps if s is not None and is_checkpoint(os.path.join(folder, f"step-{s}")))
+
+
+def resolve_checkpoint(path: Union[str, os.PathLike]) -> str:
+    """``path`` if it is a committed checkpoint, else the newest committed ``step-N`` in it
+    (a :class:`CheckpointManager` folder). A directory holding neither is returned as it is
+    when it has metadata files (reading it then names what is wrong with them).
+
+    Raises:
+        CheckpointError: ``path`` is neither a checkpoint nor a folder of committed ones.
+        ValueError: ``path`` is a URL.
+    """
+    path = local_path(path)
+    if is_checkpoint(path):
+        return path
+    steps = committed_steps(path)
+    if steps:
+        return os.path.join(path, f"step-{steps[-1]}")
+    if os.path.isdir(path) and any(name.startswith("metadata.") for name in os.listdir(path)):
+        return path
+    raise CheckpointError(f"{path} is not a committed checkpoint ({METADATA_FILE} is missing) nor a folder "
+                          "holding committed step-N checkpoints")
 
 
 class CheckpointManager:
