@@ -105,6 +105,7 @@ def _deep(n):
     (lambda d: _entry(d, "model.norm.weight").update(byte_offset=-5), "byte_offset must be an integer"),
     (lambda d: _entry(d, "model.norm.weight").update(length=7), "has 7 bytes"),
     (lambda d: _entry(d, "model.norm.weight").update(file="../x"), "outside the checkpoint directory"),
+    (lambda d: _entry(d, "model.norm.weight").update(file={"a": 1}), "names file {'a': 1}"),
     (lambda d: _entry(d, "train.step").update(length=6 << 30), "ends at byte"),
     (lambda d: d["files"][_entry(d, "model.norm.weight")["file"]].update(size=None), "size must be an integer"),
 ])
