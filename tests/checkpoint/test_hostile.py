@@ -176,6 +176,21 @@ def test_verify_of_a_pickled_checkpoint_needs_the_same_opt_in_as_load(tmp_path, 
     assert cli_main(["verify", "--allow-pickle", path]) == 0
 
 
+def test_damaged_pickle_with_a_matching_checksum_is_a_checkpoint_error(tmp_path):
+    path = str(tmp_path / "ckpt")
+    hdcp.save({"s": {1, 2}}, storage_writer=hdcp.FileSystemWriter(path, allow_pickle=True), no_dist=True)
+    doc = _doc(path)
+    entry = _entry(doc, "s")
+    data = b"\x80\x04garbage."
+    with open(os.path.join(path, entry["file"]), "wb") as f:
+        f.write(data)
+    entry.update(byte_offset=0, length=len(data), checksum=zlib.crc32(data))
+    doc["files"][entry["file"]] = {"size": len(data), "checksum": zlib.crc32(data)}
+    _write_doc(path, doc)
+    with pytest.raises(hdcp.CheckpointError, match="'s' is not a valid pickle"):
+        hdcp.load({"s": None}, storage_reader=hdcp.FileSystemReader(path, allow_pickle=True), no_dist=True)
+
+
 def test_hf_import_caps_the_safetensors_header(tmp_path):
     path = tmp_path / "model.safetensors"
     length = 200_000_000  # a sparse file: the header "fits" in the file but exceeds the cap

@@ -69,7 +69,7 @@ def decode_value(data: bytes, encoding: str, key: str, *, allow_pickle: bool) ->
 
     Raises:
         ValueError: the stored value is pickled and ``allow_pickle`` is False, the encoding
-            is unknown, or the JSON is corrupt (all name ``key``).
+            is unknown, or the JSON or pickle is corrupt (all name ``key``).
     """
     if encoding == "json":
         try:
