@@ -134,9 +134,10 @@ class CheckpointManager:
             saved tensors call :meth:`wait_for_staging` first.
 
     Raises:
-        ValueError: ``interval < 1``, ``keep_last_n < 1``, or ``stage_in_background``
-            without ``async_save``.
-        CheckpointError: another job's manager holds ``folder``.
+        ValueError: ``interval < 1``, ``keep_last_n < 1``, ``stage_in_background``
+            without ``async_save``, or ``folder`` is a URL.
+        CheckpointError: another job's manager holds ``folder``, or its lock file is not a
+            regular file of its own (a symbolic link, a hard link: never written through).
     """
 
     def __init__(self, folder: Union[str, os.PathLike], *, interval: int = 1,
