@@ -133,3 +133,6 @@ def test_urls_are_refused_everywhere(tmp_path, monkeypatch, capsys, url):
         assert cli_main([command, url]) == 1
         assert "URL" in capsys.readouterr().err
     assert os.listdir(tmp_path) == []
+    hdcp.save({"model": {"w": torch.ones(2)}}, checkpoint_id="ckpt", no_dist=True)
+    assert cli_main(["export-hf", "ckpt", url]) == 1 and "URL" in capsys.readouterr().err
+    assert os.listdir(tmp_path) == ["ckpt"]

@@ -9,6 +9,7 @@ import sys
 from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 from hyper_parallel.core.distributed_checkpoint import api
+from hyper_parallel.core.distributed_checkpoint._fileio import local_path
 from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
 from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, resolve_checkpoint
@@ -119,7 +120,7 @@ def main(argv: Optional[List[str]] = None) -> int:
             total = sum(f.size for f in metadata.files.values())
             print(f"OK: {shown}: {len(metadata.files)} file(s), {total} bytes match their checksums")
         else:
-            index = export_hf(_checkpoint(args.dir)[0], args.out, max_shard_bytes=args.max_shard_bytes)
+            index = export_hf(_checkpoint(args.dir)[0], local_path(args.out), max_shard_bytes=args.max_shard_bytes)
             files = sorted(set(index["weight_map"].values()))
             print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']} bytes) "
                   f"to {args.out} in {len(files)} file(s)")
