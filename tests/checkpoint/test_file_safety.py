@@ -15,7 +15,7 @@ from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint import commit
 from hyper_parallel.core.distributed_checkpoint.cli import main as cli_main
 from hyper_parallel.core.distributed_checkpoint.manager import LOCK_FILE
-from tests.checkpoint.helpers import blank_state
+from tests.checkpoint.test_hostile import _refused
 
 # ---------------------------------------------------------------- the manager's lock file
 
@@ -58,15 +58,6 @@ def test_rank_local_save_replaces_a_planted_tmp_link_instead_of_writing_through_
 # ---------------------------------------------------------------- special files are refused
 
 
-def _refused(path, match):
-    with pytest.raises(hdcp.CheckpointError, match=match):
-        hdcp.load(blank_state(), checkpoint_id=path, no_dist=True)
-    with pytest.raises(hdcp.CheckpointError, match=match):
-        hdcp.verify_checkpoint(path)
-    assert cli_main(["verify", path]) == 1
-    assert not hdcp.is_checkpoint(path) or os.path.isfile(os.path.join(path, "metadata.json"))
-
-
 def _replace(path, make):
     os.remove(path)
     make(path)
@@ -76,6 +67,7 @@ def _replace(path, make):
 def test_fifo_as_metadata_is_refused_without_blocking(ckpt):
     _replace(os.path.join(ckpt, "metadata.json"), os.mkfifo)
     _refused(ckpt, "metadata.json is a FIFO")
+    assert not hdcp.is_checkpoint(ckpt)
 
 
 @pytest.mark.timeout(60)
@@ -103,6 +95,7 @@ def test_special_data_file_is_refused_without_blocking(ckpt, special):
 def test_metadata_directory_is_one_checkpoint_error(ckpt):
     _replace(os.path.join(ckpt, "metadata.json"), os.mkdir)
     _refused(ckpt, "metadata.json is a directory")
+    assert not hdcp.is_checkpoint(ckpt)
 
 
 def test_metadata_beyond_the_cap_is_refused_unread(ckpt, monkeypatch):
