@@ -4,16 +4,16 @@
     scripts/inspect_checkpoint.py outputs/train/checkpoints          # the newest step-N in it
     scripts/inspect_checkpoint.py outputs/train/checkpoints/step-40
 
-Delegates to ``python -m hyper_parallel.checkpoint inspect``; exits 1 on a bad checkpoint.
+Delegates to ``python -m hyper_parallel.checkpoint inspect`` (which takes either); exits 1 on a
+bad checkpoint.
 """
 
 from __future__ import annotations
 
 import sys
 
-from _checkpoints import resolve_checkpoint
+import _checkpoints  # noqa: F401 - puts the repository on sys.path
 
-from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.distributed_checkpoint import cli
 
 
@@ -21,11 +21,7 @@ def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    try:
-        return cli.main(["inspect", resolve_checkpoint(argv[0])])
-    except CheckpointError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    return cli.main(["inspect", argv[0]])
 
 
 if __name__ == "__main__":

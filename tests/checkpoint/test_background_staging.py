@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel import fully_shard
 from hyper_parallel.core.distributed_checkpoint.async_saver import optimizers_in
+from hyper_parallel.core.distributed_checkpoint.staging import StagedSave
 from tests.checkpoint.helpers import full_state, load_and_check
 from tests.multirank import run_on_ranks
 
@@ -192,6 +193,28 @@ def test_next_load_into_the_same_tensors_waits_for_staging(tmp_path):
     hdcp.load(state, checkpoint_id=str(tmp_path / "one"), no_dist=True)  # overwrites in place
     future.result(timeout=60)
     assert load_and_check(str(tmp_path / "zero"), [None], seed=0, no_dist=True)
+
+
+def test_plain_tensor_changed_before_staging_still_commits_a_checkpoint_that_verifies(tmp_path, monkeypatch):
+    # Misuse (no wait_for_staging() before the in-place update), but the committed checkpoint
+    # must hold what was written, with the checksum of those bytes (issue 16). The standard
+    # planner (its planning checksums of plain tensors) with staging held back DELAY s.
+    produce = StagedSave.produce
+
+    def slow_produce(self, start_writer):
+        time.sleep(DELAY)
+        produce(self, start_writer)
+
+    monkeypatch.setattr(StagedSave, "produce", slow_produce)
+    path = str(tmp_path / "ckpt")
+    w = torch.ones(1000)
+    future = hdcp.async_save({"w": w, "n": 3}, checkpoint_id=path, no_dist=True, stage_in_background=True)
+    w.add_(1)
+    future.result(timeout=60)
+    hdcp.verify_checkpoint(path)
+    state = {"w": torch.zeros(1000), "n": 0}
+    hdcp.load(state, checkpoint_id=path, no_dist=True)
+    assert torch.equal(state["w"], torch.full((1000,), 2.0)) and state["n"] == 3
 
 
 def test_background_saves_reuse_staging_buffers(tmp_path):

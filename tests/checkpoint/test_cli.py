@@ -2,10 +2,14 @@
 
 import json
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from hyper_parallel import checkpoint as hdcp
 
 from hyper_parallel.core.distributed_checkpoint.cli import main
 from tests.checkpoint.test_hf import _save_sharded_checkpoint
@@ -60,3 +64,38 @@ def test_export_hf_and_errors(checkpoint, tmp_path, capsys):
     assert "tok_embeddings.weight" in index["weight_map"] and len(set(index["weight_map"].values())) > 1
     assert main(["inspect", str(tmp_path / "nothing")]) == 1
     assert "not a committed checkpoint" in capsys.readouterr().err
+
+
+def test_inspect_into_a_reader_that_stops_early_exits_quietly(tmp_path):
+    # ``inspect DIR | head -1``: more lines than a pipe holds, the reader closes after one.
+    path = str(tmp_path / "step-1")
+    hdcp.save({f"layer{i:04d}.weight": torch.zeros(1) for i in range(2000)}, checkpoint_id=path, no_dist=True)
+    proc = subprocess.Popen([sys.executable, "-m", "hyper_parallel.checkpoint", "inspect", path], cwd=ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.readline().startswith(b"checkpoint: ")
+    proc.stdout.close()
+    _, err = proc.communicate(timeout=120)
+    assert err == b"" and proc.returncode == 128 + signal.SIGPIPE, err
+
+
+def test_inspect_and_verify_take_a_manager_folder_and_name_the_step(tmp_path, capsys):
+    folder = str(tmp_path / "checkpoints")
+    manager = hdcp.CheckpointManager(folder)
+    for step in (1, 2):
+        manager.save(step, {"w": torch.full((3,), float(step)), "n": step})
+    manager.close()
+    os.makedirs(os.path.join(folder, "step-9"))  # not committed: never chosen
+    newest = os.path.join(folder, "step-2")
+    assert main(["inspect", folder]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint: {newest} (the newest committed step in {folder})" in out
+    assert "step: 2" in out and "n = 2" in out
+    assert main(["verify", folder]) == 0
+    assert capsys.readouterr().out.startswith(f"OK: {newest} (the newest committed step in {folder}): ")
+    script = subprocess.run([sys.executable, "scripts/inspect_checkpoint.py", folder], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert script.returncode == 0 and "step: 2" in script.stdout, script.stderr
+    empty = str(tmp_path / "empty")
+    os.makedirs(empty)
+    assert main(["verify", empty]) == 1
+    assert "not a committed checkpoint (metadata.json is missing) nor a folder" in capsys.readouterr().err

@@ -105,6 +105,7 @@ def _deep(n):
     (lambda d: _entry(d, "model.norm.weight").update(byte_offset=-5), "byte_offset must be an integer"),
     (lambda d: _entry(d, "model.norm.weight").update(length=7), "has 7 bytes"),
     (lambda d: _entry(d, "model.norm.weight").update(file="../x"), "outside the checkpoint directory"),
+    (lambda d: _entry(d, "model.norm.weight").update(file={"a": 1}), "names file {'a': 1}"),
     (lambda d: _entry(d, "train.step").update(length=6 << 30), "ends at byte"),
     (lambda d: d["files"][_entry(d, "model.norm.weight")["file"]].update(size=None), "size must be an integer"),
 ])
@@ -154,6 +155,40 @@ def test_values_nested_too_deep_are_refused_by_load_and_verify(tmp_path):
     with pytest.raises(hdcp.CheckpointError, match="nests deeper"):
         hdcp.verify_checkpoint(path)
     assert cli_main(["verify", path]) == 1
+
+
+def test_value_relabelled_as_pickle_is_refused_by_verify_as_by_load(ckpt):
+    doc = _doc(ckpt)
+    _entry(doc, "train.step")["encoding"] = "pickle"
+    _write_doc(ckpt, doc)
+    _refused(ckpt, "'train.step' is pickled; refusing")
+    hdcp.verify_checkpoint(ckpt, allow_pickle=True)  # the bytes match their checksums (never unpickled)
+
+
+def test_verify_of_a_pickled_checkpoint_needs_the_same_opt_in_as_load(tmp_path, capsys):
+    path = str(tmp_path / "ckpt")
+    hdcp.save({"w": torch.ones(2), "s": {1, 2}}, storage_writer=hdcp.FileSystemWriter(path, allow_pickle=True),
+              no_dist=True)
+    with pytest.raises(hdcp.CheckpointError, match="'s' is pickled"):
+        hdcp.verify_checkpoint(path)
+    assert cli_main(["verify", path]) == 1 and "--allow-pickle" in capsys.readouterr().err
+    hdcp.verify_checkpoint(path, allow_pickle=True)
+    assert cli_main(["verify", "--allow-pickle", path]) == 0
+
+
+def test_damaged_pickle_with_a_matching_checksum_is_a_checkpoint_error(tmp_path):
+    path = str(tmp_path / "ckpt")
+    hdcp.save({"s": {1, 2}}, storage_writer=hdcp.FileSystemWriter(path, allow_pickle=True), no_dist=True)
+    doc = _doc(path)
+    entry = _entry(doc, "s")
+    data = b"\x80\x04garbage."
+    with open(os.path.join(path, entry["file"]), "wb") as f:
+        f.write(data)
+    entry.update(byte_offset=0, length=len(data), checksum=zlib.crc32(data))
+    doc["files"][entry["file"]] = {"size": len(data), "checksum": zlib.crc32(data)}
+    _write_doc(path, doc)
+    with pytest.raises(hdcp.CheckpointError, match="'s' is not a valid pickle"):
+        hdcp.load({"s": None}, storage_reader=hdcp.FileSystemReader(path, allow_pickle=True), no_dist=True)
 
 
 def test_hf_import_caps_the_safetensors_header(tmp_path):

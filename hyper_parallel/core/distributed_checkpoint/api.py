@@ -101,7 +101,8 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     atomically (also when ``checkpoint_id`` already exists). Waits for a pending async save.
 
     Args:
-        checkpoint_id: the checkpoint directory (or configure ``storage_writer`` with it).
+        checkpoint_id: the checkpoint directory (or configure ``storage_writer`` with it);
+            a URL (``s3://...``) is refused with ValueError.
         no_dist: save from this process alone, even if a process group exists.
         use_collectives: False: no communication; each rank commits its own rank-local
             metadata into ``checkpoint_id`` (which must not hold a checkpoint yet).
@@ -242,7 +243,8 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     broadcast (``use_collectives``).
 
     Args:
-        checkpoint_id: the checkpoint directory (or configure ``storage_reader`` with it).
+        checkpoint_id: the checkpoint directory (or configure ``storage_reader`` with it);
+            a URL (``s3://...``) is refused with ValueError.
         no_dist: load in this process alone.
         use_collectives: False: no communication; each rank reads what it needs itself.
         verify: check every chunk read against its checksum (the default; False skips it,

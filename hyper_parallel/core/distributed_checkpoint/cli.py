@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 from hyper_parallel.core.distributed_checkpoint import api
+from hyper_parallel.core.distributed_checkpoint._fileio import local_path
 from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
-from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step
+from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, resolve_checkpoint
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     FORMAT_NAME,
     CheckpointError,
@@ -43,11 +46,22 @@ def _layout(metadata: Metadata, fqn: str) -> str:
     return f"mesh {mesh}{dims} placements [{placements}]"
 
 
+def _checkpoint(given: str) -> Tuple[str, str]:
+    """The checkpoint ``given`` names (itself, or a manager folder's newest ``step-N``) and
+    how to show it: its path, saying which step of the folder it is."""
+    path = resolve_checkpoint(given)
+    if path == given:
+        return path, path
+    return path, f"{path} (the newest committed step in {given})"
+
+
 def inspect(directory: str, out: TextIO) -> None:
-    """Print what a checkpoint holds: step, format, layouts at save time, tensors and sizes."""
+    """Print what a checkpoint holds: step, format, layouts at save time, tensors and sizes.
+    ``directory`` may be a folder of ``step-N`` checkpoints: its newest is shown."""
+    directory, shown = _checkpoint(directory)
     metadata = read_checkpoint_metadata(directory)
     step = checkpoint_step(directory)
-    print(f"checkpoint: {directory}", file=out)
+    print(f"checkpoint: {shown}", file=out)
     print(f"step: {step if step is not None else 'unknown'}", file=out)
     print(f"format: {FORMAT_NAME} version {metadata.version}, saved by {metadata.world_size} rank(s), "
           f"save id {metadata.save_id or '-'}", file=out)
@@ -82,9 +96,11 @@ def _parser() -> argparse.ArgumentParser:
                                      description="Inspect, verify and export hyper_parallel checkpoints.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("inspect", help="list tensors, shapes, dtypes, sizes and save-time layouts")
-    p.add_argument("dir")
+    p.add_argument("dir", help="a checkpoint, or a folder of step-N checkpoints (its newest)")
     p = sub.add_parser("verify", help="check every byte of every data file against its checksum")
-    p.add_argument("dir")
+    p.add_argument("dir", help="a checkpoint, or a folder of step-N checkpoints (its newest)")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="accept pickled values (checksummed, never unpickled) as load with allow_pickle=True does")
     p = sub.add_parser("export-hf", help="write HF-style safetensors shards + model.safetensors.index.json")
     p.add_argument("dir")
     p.add_argument("out")
@@ -99,14 +115,22 @@ def main(argv: Optional[List[str]] = None) -> int:
         if args.command == "inspect":
             inspect(args.dir, sys.stdout)
         elif args.command == "verify":
-            metadata = verify_checkpoint(args.dir)
+            directory, shown = _checkpoint(args.dir)
+            metadata = verify_checkpoint(directory, allow_pickle=args.allow_pickle)
             total = sum(f.size for f in metadata.files.values())
-            print(f"OK: {args.dir}: {len(metadata.files)} file(s), {total} bytes match their checksums")
+            print(f"OK: {shown}: {len(metadata.files)} file(s), {total} bytes match their checksums")
         else:
-            index = export_hf(args.dir, args.out, max_shard_bytes=args.max_shard_bytes)
+            index = export_hf(_checkpoint(args.dir)[0], local_path(args.out), max_shard_bytes=args.max_shard_bytes)
             files = sorted(set(index["weight_map"].values()))
             print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']} bytes) "
                   f"to {args.out} in {len(files)} file(s)")
+    except BrokenPipeError:
+        # The reader went away (``inspect DIR | head``): stop quietly, as unix tools do. What
+        # is still buffered for stdout goes to /dev/null, or its flush at exit fails again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 128 + signal.SIGPIPE
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -22,7 +22,14 @@ import threading
 import time
 from typing import Callable, Dict, List, Optional
 
-from hyper_parallel.core.distributed_checkpoint._fileio import fsync_dir, replace_dir, write_file_atomically
+from hyper_parallel.core.distributed_checkpoint._fileio import (
+    create_file,
+    fsync_dir,
+    local_path,
+    read_regular_file,
+    replace_dir,
+    write_file_atomically,
+)
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     METADATA_FILE,
     CheckpointError,
@@ -41,6 +48,9 @@ _FAILED_MARKER = ".failed.rank{}"
 _ALIVE_MARKER = ".alive.rank{}"
 HEARTBEAT_S = 0.5  # how often a writing rank touches its alive marker
 DEAD_AFTER_S = 5.0  # a rank whose marker has not changed for this long is presumed dead
+MAX_METADATA_BYTES = 4 << 30
+"""A metadata file larger than this is refused unread. 16,384 FSDP ranks' model-only metadata is
+367 MB (benchmarks/RESULTS.md), about 1.1 GB with AdamW state; parsing takes ~6x its size."""
 # ``.old``: a checkpoint swapped out by a commit where the OS has no atomic exchange.
 _STAGING_DIR = re.compile(r"\.(?P<target>.+)\.staging-[0-9a-f]+(\.old)?")
 
@@ -128,8 +138,7 @@ def start_heartbeat(staging: str, rank: int, timeout_s: float) -> None:
     so that ranks waiting for this one notice within ``DEAD_AFTER_S`` if its process dies.
     The thread stops when the marker is gone (commit or abort) or after ``timeout_s``."""
     marker = os.path.join(staging, _ALIVE_MARKER.format(rank))
-    with open(marker, "ab"):
-        pass
+    create_file(marker).close()
 
     def beat() -> None:
         deadline = time.monotonic() + timeout_s
@@ -240,10 +249,11 @@ def wait_committed(staging: str, path: str, save_id: str, timeout_s: float) -> M
 
 def _metadata_text(path: str) -> bytes:
     try:
-        with open(path, "rb") as f:
-            return f.read()
+        return read_regular_file(path, MAX_METADATA_BYTES, "checkpoint metadata")
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
 
 
 def _merge_rank_metadata(parts: List[Metadata], directory: str) -> Metadata:
@@ -281,9 +291,9 @@ def read_checkpoint_metadata(directory: str) -> Metadata:
     Raises:
         CheckpointError: nothing committed there, or the metadata is corrupt.
     """
-    directory = os.fspath(directory)
+    directory = local_path(directory)
     main = os.path.join(directory, METADATA_FILE)
-    if os.path.exists(main):
+    if os.path.lexists(main):
         metadata = Metadata.from_json(_metadata_text(main), main)
     else:
         rank_files = glob.glob(os.path.join(glob.escape(directory), RANK_METADATA.format("*")))
@@ -307,14 +317,16 @@ def is_checkpoint(path: str) -> bool:
     return True
 
 
-def verify_checkpoint(checkpoint_dir: str) -> Metadata:
+def verify_checkpoint(checkpoint_dir: str, *, allow_pickle: bool = False) -> Metadata:
     """Run every check ``load`` runs, without loading: the metadata's schema and consistency
     (chunks tile each tensor, byte ranges inside their files), every file's size, every
-    item's and every file's checksum (every byte is read once), and every JSON value decodes.
+    item's and every file's checksum (every byte is read once), and every value decodes as
+    ``load`` decodes it: JSON, or pickled only with ``allow_pickle`` (as ``load`` needs
+    ``FileSystemReader(..., allow_pickle=True)``; verify never unpickles).
 
     Returns the metadata. Raises:
         CheckpointError: names what is uncommitted, inconsistent, missing, truncated or corrupt.
     """
     metadata = read_checkpoint_metadata(checkpoint_dir)
-    verify_files(checkpoint_dir, metadata)
+    verify_files(checkpoint_dir, metadata, allow_pickle)
     return metadata

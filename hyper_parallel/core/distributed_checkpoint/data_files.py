@@ -8,7 +8,7 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Tuple
 
-from hyper_parallel.core.distributed_checkpoint._fileio import start_writeback
+from hyper_parallel.core.distributed_checkpoint._fileio import create_file, start_writeback, write_file
 from hyper_parallel.core.distributed_checkpoint.checksum import crc32, crc32_combine
 from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, FileInfo, StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner, WriteItem
@@ -36,7 +36,7 @@ def write_safetensors(path: str, items: List[WriteItem], source: ChunkSource, na
     file_crc = crc32(header)
     # crc32 and file writes both release the GIL: checksum each piece on a helper
     # thread while this one writes it, so the checksum costs no extra wall time.
-    with open(path, "wb") as f, ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-crc") as crc_pool:
+    with create_file(path) as f, ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-crc") as crc_pool:
         try:
             f.write(header)
             for item, (_, _, _, nbytes) in zip(items, entries):
@@ -88,11 +88,7 @@ def write_values(path: str, items: List[WriteItem], planner: SavePlanner, name: 
     if json_file:
         parts.append(b"}")
     blob = b"".join(parts)
-    with open(path, "wb") as f:
-        f.write(blob)
-        f.flush()
-        if sync:
-            os.fsync(f.fileno())
+    write_file(path, blob, sync)
     return results, FileInfo(len(blob), crc32(blob))
 
 

@@ -20,7 +20,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 
 from hyper_parallel.core.distributed_checkpoint import commit
-from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, fsync_dir, read_exact
+from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, fsync_dir, local_path, read_exact
 from hyper_parallel.core.distributed_checkpoint.bounce import BounceReads, read_box
 from hyper_parallel.core.distributed_checkpoint.block_reads import BlockReads
 from hyper_parallel.core.distributed_checkpoint.checksum import crc32
@@ -51,14 +51,13 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
     RankWriteResult,
     StorageReader,
 )
-from hyper_parallel.core.distributed_checkpoint.validation import open_data_file
+from hyper_parallel.core.distributed_checkpoint.validation import decode_stored_value, open_data_file
 from hyper_parallel.core.distributed_checkpoint.verify_plan import (
     assign_duties,
     duties_of,
     mark_local_plan,
     reads_whole,
 )
-from hyper_parallel.core.distributed_checkpoint.values import decode_value
 from hyper_parallel.platform import get_platform
 
 
@@ -77,14 +76,14 @@ class FileSystemWriter(AsyncCommitWriter):
                  allow_pickle: bool = False, commit_timeout_s: float = 1800.0) -> None:
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
-        self.path = None if path is None else os.fspath(path)
+        self.path = None if path is None else local_path(path)
         self.thread_count, self.sync_files = thread_count, sync_files
         self.allow_pickle, self.commit_timeout_s = allow_pickle, commit_timeout_s
         self.is_coordinator, self.rank, self.world_size, self.use_collectives = True, 0, 1, True
 
     def initialize_writer(self, checkpoint_id: Optional[str]) -> None:
         if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
+            self.path = local_path(checkpoint_id)
         if not self.path:
             raise ValueError("no checkpoint path: pass checkpoint_id or FileSystemWriter(path)")
         self.path = os.path.abspath(self.path)
@@ -204,14 +203,14 @@ class FileSystemReader(StorageReader):
                  allow_pickle: bool = False, thread_count: int = 1) -> None:
         if thread_count < 1:
             raise ValueError(f"thread_count must be >= 1, got {thread_count}")
-        self.path = None if checkpoint_dir is None else os.fspath(checkpoint_dir)
+        self.path = None if checkpoint_dir is None else local_path(checkpoint_dir)
         self.verify, self.allow_pickle, self.thread_count = verify, allow_pickle, thread_count
         self.metadata: Optional[Metadata] = None
         self._verifying = verify
 
     def initialize_reader(self, checkpoint_id: Optional[str]) -> None:
         if checkpoint_id is not None:
-            self.path = os.fspath(checkpoint_id)
+            self.path = local_path(checkpoint_id)
         if not self.path:
             raise ValueError("no checkpoint path: pass checkpoint_id or FileSystemReader(path)")
 
@@ -309,10 +308,7 @@ class FileSystemReader(StorageReader):
         read_exact(fd, data, info.offset, os.path.join(self.path, info.relative_path))
         if self._verifying:
             self._check(crc32(data), info, key)
-        try:
-            return decode_value(bytes(data), info.encoding, key, allow_pickle=self.allow_pickle)
-        except ValueError as exc:
-            raise CheckpointError(str(exc)) from None
+        return decode_stored_value(bytes(data), info.encoding, key, allow_pickle=self.allow_pickle)
 
     def _read_tensor(self, fd: int, info: StorageInfo, item: ReadItem, planner: LoadPlanner,
                      bounce: BounceReads, blocks: BlockReads, duties: Optional[FrozenSet[MetadataIndex]]) -> None:

@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint import api
+from hyper_parallel.core.distributed_checkpoint._fileio import local_path, open_regular
 from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaveFuture
 from hyper_parallel.core.distributed_checkpoint.commit import is_checkpoint, staging_target, verify_checkpoint
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.metadata import METADATA_FILE, CheckpointError
 from hyper_parallel.platform import get_platform
 
-__all__ = ["CheckpointManager", "checkpoint_step"]
+__all__ = ["CheckpointManager", "checkpoint_step", "committed_steps", "resolve_checkpoint"]
 
 _STEP_DIR = re.compile(r"step-(\d+)")
 LOCK_FILE = ".hyper_parallel.lock"
@@ -37,8 +38,10 @@ def _lock_folder(folder: str) -> Optional[str]:
     if held is not None:
         held[1] += 1
         return None
-    try:
-        fd = os.open(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    try:  # never through a symbolic link or into a file with other names: we truncate it below
+        fd = open_regular(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
+    except CheckpointError as exc:
+        return f"cannot lock {folder}: {exc}"
     except OSError as exc:  # e.g. a read-only folder, used only to resume from
         _log.warning("cannot lock %s (%s): a second job on this folder would not be detected", folder, exc)
         return None
@@ -83,6 +86,27 @@ def committed_steps(folder: Union[str, os.PathLike]) -> List[int]:
     return sorted(s for s in steps if s is not None and is_checkpoint(os.path.join(folder, f"step-{s}")))
 
 
+def resolve_checkpoint(path: Union[str, os.PathLike]) -> str:
+    """``path`` if it is a committed checkpoint, else the newest committed ``step-N`` in it
+    (a :class:`CheckpointManager` folder). A directory holding neither is returned as it is
+    when it has metadata files (reading it then names what is wrong with them).
+
+    Raises:
+        CheckpointError: ``path`` is neither a checkpoint nor a folder of committed ones.
+        ValueError: ``path`` is a URL.
+    """
+    path = local_path(path)
+    if is_checkpoint(path):
+        return path
+    steps = committed_steps(path)
+    if steps:
+        return os.path.join(path, f"step-{steps[-1]}")
+    if os.path.isdir(path) and any(name.startswith("metadata.") for name in os.listdir(path)):
+        return path
+    raise CheckpointError(f"{path} is not a committed checkpoint ({METADATA_FILE} is missing) nor a folder "
+                          "holding committed step-N checkpoints")
+
+
 class CheckpointManager:
     """Saves every ``interval`` steps into ``folder/step-{N}`` and keeps the newest ``keep_last_n``.
 
@@ -110,9 +134,10 @@ class CheckpointManager:
             saved tensors call :meth:`wait_for_staging` first.
 
     Raises:
-        ValueError: ``interval < 1``, ``keep_last_n < 1``, or ``stage_in_background``
-            without ``async_save``.
-        CheckpointError: another job's manager holds ``folder``.
+        ValueError: ``interval < 1``, ``keep_last_n < 1``, ``stage_in_background``
+            without ``async_save``, or ``folder`` is a URL.
+        CheckpointError: another job's manager holds ``folder``, or its lock file is not a
+            regular file of its own (a symbolic link, a hard link: never written through).
     """
 
     def __init__(self, folder: Union[str, os.PathLike], *, interval: int = 1,
@@ -122,7 +147,7 @@ class CheckpointManager:
             raise ValueError(f"interval must be an integer >= 1, got {interval!r}")
         if keep_last_n is not None and (not isinstance(keep_last_n, int) or keep_last_n < 1):
             raise ValueError(f"keep_last_n must be None or an integer >= 1, got {keep_last_n!r}")
-        self.folder = os.fspath(folder)
+        self.folder = local_path(folder)
         self.interval = interval
         self.keep_last_n = keep_last_n
         if stage_in_background and not async_save:
@@ -276,7 +301,8 @@ class CheckpointManager:
         if get_platform().rank != 0:
             return False, None
         try:
-            verify_checkpoint(self.checkpoint_path(step))
+            # Damage only: pickled values are no corruption (load refused them, not verify).
+            verify_checkpoint(self.checkpoint_path(step), allow_pickle=True)
         except CheckpointError:
             earlier = [s for s in self.committed_steps() if s < step]
             return True, earlier[-1] if earlier else None

@@ -300,7 +300,8 @@ def _check_document(doc: Dict[str, Any], source: str) -> None:
         if (type(e) is dict and type(e.get("fqn")) is str
                 and "offset" in e and (e["offset"] is None or _dims_ok(e["offset"]))
                 and "index" in e and (e["index"] is None or _int_in(e["index"], 1))
-                and e.get("file") in files_ok and _int_in(e.get("byte_offset")) and _int_in(e.get("length"))
+                and type(e.get("file")) is str and e["file"] in files_ok
+                and _int_in(e.get("byte_offset")) and _int_in(e.get("length"))
                 and _int_in(e.get("checksum"), 0, 2**32 - 1) and e.get("encoding") in _ENCODINGS):
             continue  # the common case, checked without building messages
         where = f"storage_data[{i}]"

@@ -7,7 +7,8 @@ share (one place).
 - :func:`open_data_file`: a data file exists and has its recorded size, checked before any
   buffer is sized from the metadata.
 - :func:`verify_files`: every stored item of each data file and the whole file match their
-  checksums, in one sequential pass per file, and JSON values decode.
+  checksums, in one sequential pass per file, and values pass :func:`decode_stored_value`
+  (what ``load`` checks: JSON decodes, pickles only with the opt-in).
 
 The metadata document's field types, ranges and nesting are checked while parsing it
 (``Metadata.from_json``).
@@ -16,8 +17,9 @@ The metadata document's field types, ranges and nesting are checked while parsin
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple
+from typing import Any, Dict, List, Tuple
 
+from hyper_parallel.core.distributed_checkpoint._fileio import open_regular
 from hyper_parallel.core.distributed_checkpoint.checksum import crc32, crc32_combine
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     CheckpointError,
@@ -135,15 +137,33 @@ def open_data_file(directory: str, name: str, metadata: Metadata) -> int:
     if expected is None:
         raise CheckpointError(f"checkpoint file {path} is not listed in the metadata")
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = open_regular(path)
     except FileNotFoundError:
         raise CheckpointError(f"checkpoint file {path} is missing") from None
+    except OSError as exc:
+        raise CheckpointError(f"cannot open checkpoint file {path}: {exc.strerror or exc}") from None
     actual = os.fstat(fd).st_size
     if actual != expected.size:
         os.close(fd)
         raise CheckpointError(f"checkpoint file {path} has {actual} bytes, metadata says {expected.size} "
                               "(truncated or replaced)")
     return fd
+
+
+def decode_stored_value(data: bytes, encoding: str, key: str, *, allow_pickle: bool, unpickle: bool = True) -> Any:
+    """The value stored as ``data``: the one check of stored values ``load`` and ``verify``
+    share. JSON is decoded (nesting bounded); a pickle is refused without ``allow_pickle``,
+    else unpickled, or with ``unpickle=False`` (verify) accepted unrun; other encodings are refused.
+
+    Raises:
+        CheckpointError: names the key and what is wrong.
+    """
+    if encoding == "pickle" and allow_pickle and not unpickle:
+        return None
+    try:
+        return decode_value(data, encoding, key, allow_pickle=allow_pickle)
+    except ValueError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 def _crc_range(fd: int, start: int, length: int, path: str, keep: bool) -> Tuple[int, bytes]:
@@ -160,9 +180,10 @@ def _crc_range(fd: int, start: int, length: int, path: str, keep: bool) -> Tuple
     return crc, b"".join(parts)
 
 
-def verify_files(directory: str, metadata: Metadata) -> None:
+def verify_files(directory: str, metadata: Metadata, allow_pickle: bool = False) -> None:
     """Check every data file of the checkpoint in name order (:func:`_verify_file`), the stored
-    items grouped by file in one pass over the storage table.
+    items grouped by file in one pass over the storage table. Pickled values are refused
+    unless ``allow_pickle`` (as ``load`` does; they are never unpickled here).
 
     Raises:
         CheckpointError: names the file and the item or byte range that does not match.
@@ -171,13 +192,14 @@ def verify_files(directory: str, metadata: Metadata) -> None:
     for entry in metadata.storage_data.entries():
         by_file.setdefault(entry.relative_path, []).append(entry)
     for name in sorted(metadata.files):
-        _verify_file(directory, name, metadata, by_file[name])
+        _verify_file(directory, name, metadata, by_file[name], allow_pickle)
 
 
-def _verify_file(directory: str, name: str, metadata: Metadata, entries: List[StorageEntry]) -> None:
+def _verify_file(directory: str, name: str, metadata: Metadata, entries: List[StorageEntry],
+                 allow_pickle: bool) -> None:
     """Check the items ``entries`` stored in data file ``name`` (all of them) and the whole
-    file against their checksums in one sequential read, and decode its JSON values (pickled
-    ones are not unpickled).
+    file against their checksums in one sequential read, and its values as ``load`` would
+    (:func:`decode_stored_value`; pickled ones are not unpickled).
 
     Raises:
         CheckpointError: names the file and the item or byte range that does not match.
@@ -197,11 +219,8 @@ def _verify_file(directory: str, name: str, metadata: Metadata, entries: List[St
             if crc != entry.checksum:
                 raise CheckpointError(f"checkpoint file {path} fails its checksum at bytes {entry.byte_offset}.."
                                       f"{entry.byte_offset + entry.length} ({entry.fqn}): the file is corrupt")
-            if entry.encoding == "json":
-                try:
-                    decode_value(data, "json", entry.fqn, allow_pickle=False)
-                except ValueError as exc:
-                    raise CheckpointError(str(exc)) from None
+            if entry.encoding != "raw":
+                decode_stored_value(data, entry.encoding, entry.fqn, allow_pickle=allow_pickle, unpickle=False)
             file_crc = crc32_combine(file_crc, crc, entry.length)
             position = entry.byte_offset + entry.length
     finally:

@@ -69,7 +69,7 @@ def decode_value(data: bytes, encoding: str, key: str, *, allow_pickle: bool) ->
 
     Raises:
         ValueError: the stored value is pickled and ``allow_pickle`` is False, the encoding
-            is unknown, or the JSON is corrupt (all name ``key``).
+            is unknown, or the JSON or pickle is corrupt (all name ``key``).
     """
     if encoding == "json":
         try:
@@ -79,8 +79,12 @@ def decode_value(data: bytes, encoding: str, key: str, *, allow_pickle: bool) ->
     if encoding == "pickle":
         if not allow_pickle:
             raise ValueError(
-                f"stored value of {key!r} is pickled; refusing to unpickle it. Pass "
-                "FileSystemReader(..., allow_pickle=True) only for checkpoints you trust"
+                f"stored value of {key!r} is pickled; refusing to unpickle it. Opt in only for checkpoints "
+                "you trust: FileSystemReader(..., allow_pickle=True), verify_checkpoint(..., allow_pickle=True), "
+                "CLI verify --allow-pickle"
             )
-        return pickle.loads(data)  # noqa: S301 - explicit opt-in by the caller
+        try:
+            return pickle.loads(data)  # noqa: S301 - explicit opt-in by the caller
+        except Exception as exc:  # a damaged pickle raises whatever its opcodes lead to
+            raise ValueError(f"stored value of {key!r} is not a valid pickle: {type(exc).__name__}: {exc}") from None
     raise ValueError(f"stored value of {key!r} has unknown encoding {encoding!r}")
