@@ -33,6 +33,7 @@ from _checkpoints import resolve_checkpoint
 from omegaconf import OmegaConf
 
 from hyper_parallel.checkpoint import CheckpointError, export_hf, read_checkpoint_metadata
+from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from hyper_parallel.models.hf_llama import NATIVE_ARCHITECTURE, hf_config, to_hf
 from hyper_parallel.trainer.config import llama_config
@@ -82,8 +83,7 @@ def main(argv: list[str]) -> int:
             config.update(special_token_ids(tokenizer) if tokenizer is not None else {})
         else:
             config = {"architectures": [NATIVE_ARCHITECTURE], **dataclasses.asdict(cfg)}
-        with open(os.path.join(args.out_dir, "config.json"), "w") as f:
-            json.dump(config, f, indent=2)
+        write_file_atomically(os.path.join(args.out_dir, "config.json"), json.dumps(config, indent=2).encode())
     print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']:,} bytes) "
           f"from {checkpoint} to {args.out_dir}" + (" with config.json" if config_path else "")
           + (f" and the tokenizer {tokenizer.path}" if tokenizer is not None else ""))

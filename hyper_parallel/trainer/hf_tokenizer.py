@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 from typing import Dict, NamedTuple, Optional
 
 from omegaconf import DictConfig
 
+from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
 from hyper_parallel.data import load_tokenizer
 from hyper_parallel.data.prepare import read_sidecar
 from hyper_parallel.data.tokenizer import BYTES
@@ -53,12 +53,12 @@ def write_tokenizer_files(tokenizer: RunTokenizer, out_dir: str, *, max_length: 
     """Copy ``tokenizer.json`` to ``out_dir`` and write ``tokenizer_config.json``: the
     end-of-document token is both ``bos_token`` and ``eos_token`` (documents were joined by
     it alone, so it also precedes each one)."""
-    shutil.copyfile(tokenizer.path, os.path.join(out_dir, TOKENIZER_FILE))
+    with open(tokenizer.path, "rb") as f:
+        write_file_atomically(os.path.join(out_dir, TOKENIZER_FILE), f.read())
     config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tokenizer.eos_token,
               "eos_token": tokenizer.eos_token, "model_max_length": max_length,
               "clean_up_tokenization_spaces": False}
-    with open(os.path.join(out_dir, TOKENIZER_CONFIG_FILE), "w") as f:
-        json.dump(config, f, indent=2)
+    write_file_atomically(os.path.join(out_dir, TOKENIZER_CONFIG_FILE), json.dumps(config, indent=2).encode())
 
 
 def special_token_ids(tokenizer: RunTokenizer) -> Dict[str, int]:

@@ -15,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.checkpoint import CheckpointError
+from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
 from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
@@ -262,7 +263,7 @@ def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Run
     plan = resume(job)
     step = plan.start_step if plan is not None else 0
     if platform.rank == 0:
-        OmegaConf.save(cfg, os.path.join(cfg.output_dir, "config.yaml"))
+        write_file_atomically(os.path.join(cfg.output_dir, "config.yaml"), OmegaConf.to_yaml(cfg).encode())
     job.log.print(describe(job))
     job.log.print(starting_point(cfg, plan))
     if plan is not None and "optim" in plan.keys:

@@ -8,6 +8,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, TextIO
 
+from hyper_parallel.core.distributed_checkpoint._fileio import open_regular
 from hyper_parallel.trainer.sinks import MetricsSink, TensorBoardSink, WandbSettings, WandbSink
 
 
@@ -56,7 +57,8 @@ class MetricsLogger:
         if wandb is not None:
             self._sinks.append(WandbSink(output_dir, wandb))
         self.path = os.path.join(output_dir, "metrics.jsonl")
-        self._jsonl = open(self.path, "a", encoding="utf-8")
+        # Appended to, never through a symbolic link or into another file's hard link.
+        self._jsonl = os.fdopen(open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
 
     def print(self, message: str) -> None:
         if self.is_main:

@@ -19,6 +19,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hyper_parallel._optional import MissingDependency, require
 from hyper_parallel.checkpoint import is_checkpoint
+from hyper_parallel.core.distributed_checkpoint._fileio import local_path
 from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step
 from hyper_parallel.data import MarkovSource, load_tokenizer
 from hyper_parallel.data.text import TEXT_SUFFIXES, expand_paths
@@ -51,6 +52,11 @@ def folder_problems(cfg: DictConfig) -> List[str]:
     """``output_dir`` and ``checkpoint.folder`` can be created and written."""
     problems = []
     for key, path in (("output_dir", cfg.output_dir), ("checkpoint.folder", cfg.checkpoint.folder)):
+        try:
+            local_path(path)  # a URL would become a local folder named "s3:"
+        except ValueError as err:
+            problems.append(f"{key}: {err}")
+            continue
         try:
             os.makedirs(path, exist_ok=True)
             with tempfile.TemporaryFile(dir=path):

@@ -15,6 +15,7 @@ from typing import Any, Dict, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from hyper_parallel._optional import install_hint
+from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
 
 WANDB_RUN_ID_FILE = "wandb_run_id"  # in output_dir: a resumed job continues the same W&B run
 
@@ -92,8 +93,7 @@ class WandbSink(MetricsSink):
                 run_id = f.read().strip()
         else:
             run_id = uuid.uuid4().hex[:12]
-            with open(id_path, "w") as f:
-                f.write(run_id + "\n")
+            write_file_atomically(id_path, f"{run_id}\n".encode())
         name = settings.run_name or os.path.basename(os.path.abspath(output_dir))
         self._run = wandb.init(project=settings.project, name=name, id=run_id, resume="allow",
                                dir=output_dir, config=settings.config)

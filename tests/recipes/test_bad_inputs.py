@@ -124,6 +124,13 @@ def test_output_folder_under_a_file(check, tmp_path):
     _one_line_error(code, err, f"checkpoint.folder={blocker}/ckpt cannot be used: {blocker} is a file")
 
 
+def test_a_url_checkpoint_folder_is_refused_before_anything_is_created(check, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = check(f"output_dir={tmp_path}/run", "checkpoint.folder=s3://bucket/run")
+    _one_line_error(code, err, "checkpoint.folder: checkpoint path 's3://bucket/run' is a s3:// URL")
+    assert not (tmp_path / "s3:").exists()
+
+
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
 def test_read_only_output_folder(check, tmp_path):
     locked = tmp_path / "locked"

@@ -130,3 +130,20 @@ def test_a_byte_level_run_exports_no_tokenizer(tmp_path):
     assert script_main("export_hf")([_run_folder(tmp_path, ["data=text", f"data.paths={corpus}"]), str(out)]) == 0
     assert not (out / "tokenizer.json").exists()
     assert "eos_token_id" not in json.loads((out / "config.json").read_text())
+
+
+def test_the_export_replaces_planted_symlinks_instead_of_writing_through_them(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    _, tokenizer, _ = make_corpus(str(tmp_path / "corpus"))
+    data = ["data=text", f"data.paths={tmp_path / 'corpus' / 'text'}", f"data.tokenizer={tokenizer}"]
+    out = tmp_path / "hf"
+    out.mkdir()
+    victims = {}
+    for name in ("config.json", "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"):
+        victims[name] = tmp_path / f"victim-{name}"
+        victims[name].write_text("precious")
+        os.symlink(victims[name], out / name)
+    assert script_main("export_hf")([_run_folder(tmp_path, data), str(out)]) == 0
+    for name, victim in victims.items():
+        assert victim.read_text() == "precious", name
+        assert not os.path.islink(out / name) and (out / name).stat().st_size > 0, name

@@ -2,6 +2,7 @@
 
 import io
 import json
+import os
 import sys
 
 import pytest
@@ -132,3 +133,15 @@ def test_the_logging_keys_make_the_wandb_settings():
     settings = wandb_settings(compose_config(["logging.wandb=true", "logging.wandb_project=p",
                                               "logging.wandb_run_name=r", "training.steps=7"]))
     assert (settings.project, settings.run_name, settings.config["training"]["steps"]) == ("p", "r", 7)
+
+
+def test_metrics_jsonl_is_never_written_through_a_symlink(tmp_path):
+    from hyper_parallel.checkpoint import CheckpointError
+
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    (tmp_path / "out").mkdir()
+    os.symlink(victim, tmp_path / "out" / "metrics.jsonl")
+    with pytest.raises(CheckpointError, match="metrics.jsonl is a symbolic link"):
+        MetricsLogger(str(tmp_path / "out"), total_steps=1, is_main=True)
+    assert victim.read_text() == "precious"

@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.distributed_checkpoint import api
+from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
 from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -126,8 +127,7 @@ def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.Pa
         total_size += sum(t.numel() * t.element_size() for t in written.values())
         del tensors, written
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    with open(os.path.join(out_dir, INDEX_FILE), "w") as f:
-        json.dump(index, f, indent=2)
+    write_file_atomically(os.path.join(out_dir, INDEX_FILE), json.dumps(index, indent=2).encode())
     for stale in set(os.listdir(out_dir)) - set(files):
         if _SHARD_FILE.fullmatch(stale):
             os.remove(os.path.join(out_dir, stale))
