@@ -1,10 +1,13 @@
 """torch DCP interop: a checkpoint written by torch's own ``fully_shard`` + ``dcp.save`` (in the
 layout torchtitan writes) is imported, loaded directly with resharding, exported back to DCP;
-hostile or damaged ``.metadata`` files are refused without running anything."""
+hostile or damaged ``.metadata`` files are refused without running anything; import memory is
+bounded by the largest tensor."""
 
 import datetime
 import os
 import pickle
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -24,6 +27,7 @@ from tests.checkpoint.test_state_dict import make_llama, shard_params
 from tests.multirank import run_on_ranks
 
 SEED = 5
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # torchtitan's layout: model keys at the top level, the optimizer flattened under "optimizer".
 TITAN_RULES = ["--exclude", "optimizer.param_groups.", "--exclude", "lr_scheduler.", "--exclude", "train_state.",
                "--rename", "optimizer.state.=optim.state.", "--rename", "=model."]
@@ -224,3 +228,40 @@ def test_transforms_and_non_plain_values_are_refused_by_key(tmp_path):
         pickle.dump(metadata, f)
     with pytest.raises(CheckpointError, match=r"'w' is stored through the transforms \['stream.zstd'\]"):
         hdcp.load({"w": torch.zeros(6)}, checkpoint_id=src, no_dist=True)
+
+
+# ------------------------------------------------------------------------ bounded memory
+
+_MEASURE = """
+import sys
+from hyper_parallel import checkpoint as hdcp
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import translate_metadata
+
+def peak_rss():  # VmHWM: this process's own peak (ru_maxrss would include the forking parent's)
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+translate_metadata(sys.argv[1])
+before = peak_rss()
+hdcp.import_dcp(sys.argv[1], sys.argv[2])
+print(peak_rss() - before)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak RSS from /proc (Linux)")
+def test_import_memory_is_bounded_by_the_largest_tensor_not_the_checkpoint(tmp_path):
+    largest = 16 << 20
+    sizes = [largest // 4 // (1 + i % 2) for i in range(8)]  # 16 and 8 MiB tensors, 96 MiB in all
+    src, dst = str(tmp_path / "dcp"), str(tmp_path / "ours")
+    torch_dcp.save({f"t{i}": torch.full((n,), float(i)) for i, n in enumerate(sizes)}, checkpoint_id=src,
+                   no_dist=True)
+    total = sum(sizes) * 4
+    result = subprocess.run([sys.executable, "-c", _MEASURE, src, dst], cwd=ROOT, capture_output=True, text=True,
+                            timeout=120, env={**os.environ, "PYTHONPATH": ROOT})
+    assert result.returncode == 0, result.stderr
+    grown = int(result.stdout.split()[-1])
+    # About one tensor at a time (the chunk being read; the one written before it is let go).
+    assert grown < 2 * largest < total / 2, f"import grew the peak RSS by {grown} bytes for a {total}-byte checkpoint"
+    loaded = {f"t{i}": torch.zeros(n) for i, n in enumerate(sizes)}
+    hdcp.load(loaded, checkpoint_id=dst, no_dist=True)
+    assert all(torch.equal(t, torch.full_like(t, float(i))) for i, t in enumerate(loaded.values()))
