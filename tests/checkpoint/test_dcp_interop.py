@@ -131,6 +131,13 @@ def test_load_reads_a_dcp_directory_directly_with_resharding(dcp_checkpoint):
             assert torch.equal(tensor, reference[key]), key
 
 
+def test_cli_verify_of_a_dcp_directory_says_it_has_no_checksums(dcp_checkpoint, capsys):
+    src, _ = dcp_checkpoint
+    assert main(["verify", src]) == 1
+    err = capsys.readouterr().err
+    assert "is a torch DCP checkpoint, which has no checksums to verify" in err and "import-dcp" in err
+
+
 def test_load_from_dcp_says_once_there_are_no_checksums(dcp_checkpoint, tmp_path, caplog):
     src, reference = dcp_checkpoint
     fresh = str(tmp_path / "copy")  # a directory this process has not loaded yet

@@ -6,7 +6,8 @@ import argparse
 from typing import Tuple
 
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.convert import export_dcp, import_dcp
-from hyper_parallel.core.distributed_checkpoint.metadata import TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import is_dcp_checkpoint
+from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.resharding import numel
 
 __all__ = ["add_dcp_commands", "run_dcp_command"]
@@ -36,7 +37,15 @@ def add_dcp_commands(sub: "argparse._SubParsersAction") -> None:
 
 
 def run_dcp_command(args: argparse.Namespace) -> bool:
-    """Run ``args.command`` if it is one of ours; False if it is not."""
+    """Run ``args.command`` if it is one of ours; False if it is not.
+
+    Raises:
+        CheckpointError: ``inspect``/``verify`` of a torch DCP directory (it has no checksums
+            to verify; ``import-dcp`` makes a checkpoint that has them).
+    """
+    if args.command in ("inspect", "verify") and is_dcp_checkpoint(args.dir):
+        raise CheckpointError(f"{args.dir} is a torch DCP checkpoint, which has no checksums to verify and no "
+                              f"metadata.json to inspect: `import-dcp {args.dir} DST` converts it into one that has")
     if args.command == "import-dcp":
         metadata = import_dcp(args.src, args.dst, rename=args.rename, exclude=args.exclude)
         tensors = [md for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata)]
