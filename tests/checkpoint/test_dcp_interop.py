@@ -212,6 +212,20 @@ def test_unknown_class_and_truncated_metadata_are_refused(dcp_checkpoint, tmp_pa
         read_dcp_metadata(path)
 
 
+def test_truncated_data_file_is_named(dcp_checkpoint, tmp_path):
+    src, reference = dcp_checkpoint
+    broken = str(tmp_path / "broken")
+    shutil.copytree(src, broken)
+    data = os.path.join(broken, "__1_0.distcp")
+    os.truncate(data, os.path.getsize(data) // 2)
+    with pytest.raises(CheckpointError, match=r"__1_0.distcp is truncated: '.*' needs bytes"):
+        hdcp.import_dcp(broken, str(tmp_path / "out"))
+    assert not (tmp_path / "out").exists()  # nothing committed
+    state = {k: torch.zeros_like(v) for k, v in reference.items()}
+    with pytest.raises(CheckpointError, match=r"__1_0.distcp is truncated"):
+        hdcp.load(state, checkpoint_id=broken, no_dist=True, verify=False)
+
+
 def test_transforms_and_non_plain_values_are_refused_by_key(tmp_path):
     src = str(tmp_path / "dcp")
     torch_dcp.save({"w": torch.arange(6.0), "when": datetime.timedelta(days=1), "n": 3}, checkpoint_id=src,

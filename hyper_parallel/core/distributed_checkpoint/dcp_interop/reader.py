@@ -136,10 +136,14 @@ def read_dcp_item(fd: int, path: str, info: StorageInfo, index: MetadataIndex, m
     ``torch.load(weights_only=True)``.
 
     Raises:
-        CheckpointError: not a ``torch.save`` record, a value that is not plain data, or a
-            chunk of another dtype/shape (names the key and the file).
+        CheckpointError: a truncated file, not a ``torch.save`` record, a value that is not
+            plain data, or a chunk of another dtype/shape (names the key and the file).
     """
     key = index.fqn
+    end = os.fstat(fd).st_size
+    if info.offset + info.length > end:
+        raise CheckpointError(f"{path} is truncated: {key!r} needs bytes {info.offset}..{info.offset + info.length} "
+                              f"but the file ends at {end}")
     magic = bytearray(min(len(_ZIP_MAGIC), info.length))
     read_exact(fd, magic, info.offset, path)
     if magic != _ZIP_MAGIC:
