@@ -23,7 +23,7 @@ import hyper_parallel as hp
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.cli import main
-from hyper_parallel.core.distributed_checkpoint.dcp_interop import read_dcp_metadata
+from hyper_parallel.core.distributed_checkpoint.dcp_interop import map_keys, read_dcp_metadata
 from tests.checkpoint.test_state_dict import make_llama, shard_params
 from tests.multirank import run_on_ranks
 
@@ -110,6 +110,15 @@ def test_torchtitan_weights_reach_model_init_from_through_export_hf(dcp_checkpoi
     hdcp.load_hf(model, hf)  # what model.init_from does
     for key, tensor in model.state_dict().items():
         assert torch.equal(tensor, reference[key]), key
+
+
+def test_map_keys_excludes_then_renames_by_first_matching_prefix_and_refuses_collisions():
+    keys = ["w", "optimizer.state.w.exp_avg", "optimizer.param_groups.w.lr", "train_state.step"]
+    assert map_keys(keys, rename=[("optimizer.state.", "optim.state."), ("", "model.")],
+                    exclude=["optimizer.param_groups.", "train_state."]) == {
+        "model.w": "w", "optim.state.w.exp_avg": "optimizer.state.w.exp_avg"}
+    with pytest.raises(CheckpointError, match=r"'a.x' and 'b.x' both map to 'x'"):
+        map_keys(["a.x", "b.x"], rename=[("a.", ""), ("b.", "")])
 
 
 def _load_dcp_directly_resharded(path):
