@@ -14,6 +14,12 @@ from typing import Callable, Dict, Optional
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401  (re-exported)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
+# What a torch DCP ``.metadata`` pickle references besides DCP's public dataclasses: the
+# per-item storage location, TensorProperties' memory-format enum, and torch.layout's reducer
+# (re-exported; the restricted unpickler in distributed_checkpoint/dcp_interop admits exactly these).
+from torch.distributed.checkpoint.filesystem import _StorageInfo as dcp_storage_info  # noqa: F401
+from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as dcp_mem_format_encoding  # noqa: F401
+from torch.serialization import _get_layout as get_layout  # noqa: F401
 
 __all__ = [
     "DTensorSpec",
@@ -21,10 +27,13 @@ __all__ = [
     "chunk_cat",
     "compute_local_shape_and_global_offset",
     "current_graph_task_id",
+    "dcp_mem_format_encoding",
+    "dcp_storage_info",
     "disable_functorch_if_active",
     "dtensor_spec",
     "dump_cuda_memory_snapshot",
     "foreach_mul_",
+    "get_layout",
     "init_fake_process_group",
     "local_tensor",
     "lookup_compile_backend",

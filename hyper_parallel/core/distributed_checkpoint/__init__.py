@@ -72,7 +72,10 @@ from hyper_parallel.core.distributed_checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from hyper_parallel.core.distributed_checkpoint.dcp_interop import DcpReader, export_dcp, import_dcp
+
 __all__ += [
+    "DcpReader", "export_dcp", "import_dcp",
     "export_hf", "load_hf", "CheckpointManager", "ModelState", "OptimizerState", "StateDictOptions",
     "get_model_state_dict", "get_optimizer_state_dict", "set_model_state_dict", "set_optimizer_state_dict",
 ]

@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaveFuture, AsyncSaver, optimizers_in
 from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpReader, is_dcp_checkpoint
 from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.plan_cache import PlannedSave, SavePlanCache
@@ -254,11 +255,17 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
         CheckpointError: not a committed checkpoint, corrupt or missing data (names the file),
             or a key missing / of another shape or dtype (names the key; see
             ``StandardLoadPlanner(strict=False)`` to record these instead).
+
+    A torch DCP checkpoint directory is read directly (``dcp_interop.DcpReader``; it has no
+    checksums, so ``verify`` has nothing to check and says so once in the log).
     """
     _SAVER.wait()
     caller_state_dict = state_dict
     state_dict, stateful = resolve_stateful(state_dict)
-    reader = storage_reader if storage_reader is not None else FileSystemReader()
+    if storage_reader is not None:
+        reader = storage_reader
+    else:  # a torch DCP directory (``.metadata``, none of ours) is read as it is
+        reader = DcpReader() if is_dcp_checkpoint(checkpoint_id) else FileSystemReader()
     reader.initialize_reader(None if checkpoint_id is None else os.fspath(checkpoint_id))
     planner = planner if planner is not None else StandardLoadPlanner()
     with_dist = _dist_ready(no_dist)

@@ -1,4 +1,4 @@
-"""``python -m hyper_parallel.checkpoint inspect|verify|export-hf DIR ...``"""
+"""``python -m hyper_parallel.checkpoint inspect|verify|export-hf|import-dcp|export-dcp DIR ...``"""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import local_path
 from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata, verify_checkpoint
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.commands import add_dcp_commands, run_dcp_command
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
 from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, resolve_checkpoint
 from hyper_parallel.core.distributed_checkpoint.metadata import (
@@ -105,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dir")
     p.add_argument("out")
     p.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
+    add_dcp_commands(sub)
     return parser
 
 
@@ -112,7 +114,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; returns the exit code (1 on a bad or corrupt checkpoint)."""
     args = _parser().parse_args(argv)
     try:
-        if args.command == "inspect":
+        if run_dcp_command(args):
+            pass
+        elif args.command == "inspect":
             inspect(args.dir, sys.stdout)
         elif args.command == "verify":
             directory, shown = _checkpoint(args.dir)

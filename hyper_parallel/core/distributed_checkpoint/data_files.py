@@ -54,6 +54,7 @@ def write_safetensors(path: str, items: List[WriteItem], source: ChunkSource, na
                     written += len(data)
                     if pending is not None:
                         crc = pending.result()
+                piece = data = None  # not held while a streaming source reads the next item
                 if written != nbytes:
                     raise CheckpointError(f"{item.index.fqn!r}: {written} bytes staged, the plan says {nbytes}")
                 crc = known if known is not None else crc

@@ -36,7 +36,7 @@ from hyper_parallel.core.distributed_checkpoint.values import decode_value
 _BLOCK = 1 << 24  # bytes read at a time by _verify_file
 
 
-def _check_tiling(fqn: str, md: TensorStorageMetadata, source: str) -> None:
+def check_tiling(fqn: str, md: TensorStorageMetadata, source: str) -> None:
     """The chunks of ``md`` cover every element exactly once, or CheckpointError."""
     for chunk in md.chunks:
         if any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, md.size)):
@@ -93,7 +93,7 @@ def check_metadata(metadata: Metadata, source: str) -> None:
     primary = metadata.storage_data.primary_counts()
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
-            _check_tiling(fqn, md, source)
+            check_tiling(fqn, md, source)
             # Stored items are distinct and (checked below) each one a chunk: as many primary
             # copies as chunks means every chunk is stored. Otherwise name a chunk that is not.
             if primary[fqn] != len(md.chunks):

@@ -1,0 +1,60 @@
+"""The ``import-dcp`` and ``export-dcp`` subcommands of ``python -m hyper_parallel.checkpoint``."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Tuple
+
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.convert import export_dcp, import_dcp
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import is_dcp_checkpoint
+from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint.resharding import numel
+
+__all__ = ["add_dcp_commands", "run_dcp_command"]
+
+
+def _rename_rule(text: str) -> Tuple[str, str]:
+    old, sep, new = text.partition("=")
+    if not sep:
+        raise argparse.ArgumentTypeError(f"--rename takes OLD=NEW (a key prefix and its replacement), not {text!r}")
+    return old, new
+
+
+def add_dcp_commands(sub: "argparse._SubParsersAction") -> None:
+    p = sub.add_parser("import-dcp", help="convert a torch DCP (e.g. torchtitan) checkpoint into ours, "
+                                          "chunk by chunk; never unpickles anything but DCP's metadata classes")
+    p.add_argument("src")
+    p.add_argument("dst")
+    p.add_argument("--rename", action="append", default=[], type=_rename_rule, metavar="OLD=NEW",
+                   help="replace key prefix OLD by NEW (the first matching rule applies; '=model.' prefixes "
+                        "every key)")
+    p.add_argument("--exclude", action="append", default=[], metavar="PREFIX",
+                   help="leave out keys starting with PREFIX (applied before --rename)")
+    p = sub.add_parser("export-dcp", help="write a checkpoint as a torch DCP checkpoint (torch.distributed."
+                                          "checkpoint.load reads it)")
+    p.add_argument("src")
+    p.add_argument("dst")
+
+
+def run_dcp_command(args: argparse.Namespace) -> bool:
+    """Run ``args.command`` if it is one of ours; False if it is not.
+
+    Raises:
+        CheckpointError: ``inspect``/``verify`` of a torch DCP directory (it has no checksums
+            to verify; ``import-dcp`` makes a checkpoint that has them).
+    """
+    if args.command in ("inspect", "verify") and is_dcp_checkpoint(args.dir):
+        raise CheckpointError(f"{args.dir} is a torch DCP checkpoint, which has no checksums to verify and no "
+                              f"metadata.json to inspect: `import-dcp {args.dir} DST` converts it into one that has")
+    if args.command == "import-dcp":
+        metadata = import_dcp(args.src, args.dst, rename=args.rename, exclude=args.exclude)
+        tensors = [md for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata)]
+        nbytes = sum(numel(md.size) * md.dtype.itemsize for md in tensors)
+        print(f"imported {len(tensors)} tensors ({nbytes} bytes) and "
+              f"{len(metadata.state_dict_metadata) - len(tensors)} values from {args.src} into {args.dst}")
+        return True
+    if args.command == "export-dcp":
+        count = export_dcp(args.src, args.dst)
+        print(f"exported {count} entries of {args.src} as a torch DCP checkpoint to {args.dst}")
+        return True
+    return False

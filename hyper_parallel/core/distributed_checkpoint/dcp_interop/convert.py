@@ -1,0 +1,203 @@
+"""``import_dcp`` (torch DCP -> ours) and ``export_dcp`` (ours -> torch DCP), both run in a
+plain process (no process group) and both stream one stored chunk at a time.
+
+import: each DCP chunk becomes one chunk of ours (same global offsets), read when the writer
+asks for it and written before the next is read, so host memory holds about one chunk (at
+most the largest tensor), never the checkpoint. Values are read at planning time (they are
+small) and stored as JSON.
+
+export: torch's own ``FileSystemWriter`` writes the DCP checkpoint (so torch reads it back
+by construction); its planner asks for each tensor when it writes it, and the tensor is then
+loaded whole from our checkpoint: memory is about the largest tensor.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch.distributed.checkpoint import FileSystemWriter as TorchFileSystemWriter
+from torch.distributed.checkpoint import save as torch_dcp_save
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpFiles, translate_metadata
+from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, FileSystemWriter
+from hyper_parallel.core.distributed_checkpoint.global_save_plan import build_global_save_plan
+from hyper_parallel.core.distributed_checkpoint.load_planner import StandardLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.metadata import (
+    DTYPE_TO_SAFETENSORS,
+    CheckpointError,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    TensorStorageMetadata,
+)
+from hyper_parallel.core.distributed_checkpoint.planner import (
+    BytesIOWriteData,
+    SavePlan,
+    SavePlanner,
+    TensorWriteData,
+    WriteItem,
+    WriteItemType,
+)
+from hyper_parallel.core.distributed_checkpoint.resharding import numel
+from hyper_parallel.core.distributed_checkpoint.values import encode_value
+
+__all__ = ["export_dcp", "import_dcp", "map_keys"]
+
+
+def map_keys(keys: Sequence[str], rename: Sequence[Tuple[str, str]] = (),
+             exclude: Sequence[str] = ()) -> Dict[str, str]:
+    """{new key: DCP key}: keys starting with a prefix in ``exclude`` are left out; the first
+    ``(old, new)`` of ``rename`` whose ``old`` prefixes a key replaces that prefix by ``new``
+    (``("", "model.")`` prefixes every key left).
+
+    Raises:
+        CheckpointError: two keys map to one name (names both).
+    """
+    mapped: Dict[str, str] = {}
+    for key in keys:
+        if any(key.startswith(prefix) for prefix in exclude):
+            continue
+        new = next((to + key[len(old):] for old, to in rename if key.startswith(old)), key)
+        if new in mapped:
+            raise CheckpointError(f"DCP keys {mapped[new]!r} and {key!r} both map to {new!r}: change --rename")
+        mapped[new] = key
+    return mapped
+
+
+class _DcpImportPlanner(SavePlanner):
+    """Plans the writes of a DCP checkpoint's items (under their new names) and serves each
+    chunk from the DCP files when the writer asks for it."""
+
+    def __init__(self, src: str, metadata: Metadata, names: Dict[str, str]) -> None:
+        self.src, self.metadata, self.names = src, metadata, names
+        self._values: Dict[str, bytes] = {}
+        self._files = DcpFiles(src, metadata)
+
+    def configure_planner(self, state_dict: Dict[str, Any], **kwargs: Any) -> None:
+        """The state comes from the DCP checkpoint, not from ``state_dict``."""
+
+    def _read(self, old: str, offsets: Optional[Tuple[int, ...]]) -> Any:
+        return self._files.read(MetadataIndex(old, offsets))
+
+    def build_local_plan(self) -> SavePlan:
+        items: List[WriteItem] = []
+        for new in sorted(self.names):
+            old = self.names[new]
+            md = self.metadata.state_dict_metadata[old]
+            if not isinstance(md, TensorStorageMetadata):
+                self._values[new], encoding = encode_value(self._read(old, None), new, allow_pickle=False)
+                items.append(WriteItem(MetadataIndex(new), WriteItemType.BYTE_IO,
+                                       bytes_io_data=BytesIOWriteData(len(self._values[new]), encoding)))
+                continue
+            if md.dtype not in DTYPE_TO_SAFETENSORS:
+                raise CheckpointError(f"DCP tensor {old!r} has dtype {md.dtype}, which safetensors cannot store; "
+                                      "leave it out (--exclude)")
+            chunks = [c for c in md.chunks if numel(c.sizes)] or [ChunkStorageMetadata((0,) * len(md.size), md.size)]
+            for chunk in chunks:
+                items.append(WriteItem(MetadataIndex(new, chunk.offsets), WriteItemType.TENSOR,
+                                       TensorWriteData(chunk, md.dtype, md.size)))
+        return SavePlan(items)
+
+    def build_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
+        return build_global_save_plan(all_plans, check_coverage=True)
+
+    def finalize_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def get_data(self, item: WriteItem) -> Any:
+        if item.type == WriteItemType.BYTE_IO:
+            return self._values[item.index.fqn]
+        old, td = self.names[item.index.fqn], item.tensor_data
+        if not numel(td.size):
+            return torch.empty(td.size, dtype=td.dtype)
+        return self._read(old, td.chunk.offsets).contiguous()
+
+    def close(self) -> None:
+        self._files.close()
+
+
+def import_dcp(src: str, dst: str, *, rename: Sequence[Tuple[str, str]] = (),
+               exclude: Sequence[str] = ()) -> Metadata:
+    """Convert the torch DCP checkpoint ``src`` into a checkpoint of ours at ``dst`` (committed
+    atomically), chunk by chunk: host memory stays about one chunk, whatever the checkpoint's
+    size. Keys are kept, or mapped by ``rename``/``exclude`` (:func:`map_keys`).
+
+    Raises:
+        CheckpointError: ``src`` is not a readable DCP checkpoint, refuses a class, holds a
+            value that is not plain data or a dtype safetensors cannot store (names the key).
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    metadata = translate_metadata(src)
+    planner = _DcpImportPlanner(src, metadata, map_keys(list(metadata.state_dict_metadata), rename, exclude))
+    writer = FileSystemWriter(dst)
+    writer.initialize_writer(dst)
+    plan = None
+    try:
+        planner.configure_planner({})
+        writer.configure_writer(True, rank=0, world_size=1, use_collectives=True)
+        (plan,), ours = planner.build_global_plan([writer.optimize_local_plan(planner.build_local_plan())])
+        plan.save_id = ours.save_id = uuid.uuid4().hex
+        (plan,) = writer.optimize_global_plan([plan])
+        plan = planner.finalize_plan(plan)
+        # The writer asks the planner for one chunk at a time (no staging pipeline reading ahead).
+        writer.finalize_checkpoint(ours, [writer.execute_write(plan, planner)])
+    except BaseException:
+        if plan is not None and plan.save_id:
+            writer.abort_checkpoint(plan)
+        raise
+    finally:
+        planner.close()
+    return ours
+
+
+class _LazyExportPlanner(DefaultSavePlanner):
+    """torch's planner over meta tensors of our checkpoint's shapes; each tensor is loaded
+    from our checkpoint only when torch's writer resolves it."""
+
+    def __init__(self, reader: FileSystemReader, metadata: Metadata) -> None:
+        super().__init__()
+        self._reader, self._metadata = reader, metadata
+
+    def resolve_data(self, write_item: Any) -> Any:
+        md = self._metadata.state_dict_metadata.get(write_item.index.fqn)
+        if not isinstance(md, TensorStorageMetadata):
+            return super().resolve_data(write_item)
+        tensor = torch.empty(md.size, dtype=md.dtype)
+        planner = StandardLoadPlanner()
+        planner.configure_planner({write_item.index.fqn: tensor}, self._metadata, use_collectives=False)
+        self._reader.execute_read(planner.build_local_plan(), planner)
+        return tensor
+
+
+def export_dcp(src: str, dst: str, *, verify: bool = True) -> int:
+    """Write our checkpoint ``src`` as a torch DCP checkpoint at ``dst`` (flat keys, e.g.
+    ``model.layers.0.attention.wq.weight``), readable by ``torch.distributed.checkpoint.load``
+    into the same nested state dict; tensors are read one at a time (checked against their
+    checksums with ``verify``). Values are written as DCP writes them (``torch.save``'d).
+    Returns the number of entries written.
+
+    Raises:
+        CheckpointError: ``src`` is not a committed checkpoint, or is corrupt (names the file).
+    """
+    src, dst = os.fspath(src), os.fspath(dst)
+    metadata = read_checkpoint_metadata(src)
+    reader = FileSystemReader(src, verify=verify)
+    reader.configure_reader(metadata, True)
+    state: Dict[str, Any] = {}
+    values = {k: None for k, md in metadata.state_dict_metadata.items() if not isinstance(md, TensorStorageMetadata)}
+    if values:
+        planner = StandardLoadPlanner()
+        planner.configure_planner(values, metadata, use_collectives=False)
+        reader.execute_read(planner.build_local_plan(), planner)
+        state.update(planner.flat)
+    for fqn, md in metadata.state_dict_metadata.items():
+        if isinstance(md, TensorStorageMetadata):
+            state[fqn] = torch.empty(md.size, dtype=md.dtype, device="meta")
+    torch_dcp_save(state, storage_writer=TorchFileSystemWriter(dst), planner=_LazyExportPlanner(reader, metadata),
+                   no_dist=True)
+    return len(state)
