@@ -300,3 +300,19 @@ def test_import_memory_is_bounded_by_the_largest_tensor_not_the_checkpoint(tmp_p
     loaded = {f"t{i}": torch.zeros(n) for i, n in enumerate(sizes)}
     hdcp.load(loaded, checkpoint_id=dst, no_dist=True)
     assert all(torch.equal(t, torch.full_like(t, float(i))) for i, t in enumerate(loaded.values()))
+
+
+@pytest.mark.timeout(60)
+def test_fifo_as_dcp_metadata_or_data_file_is_refused_without_blocking(dcp_checkpoint, tmp_path):
+    src, reference = dcp_checkpoint
+    broken = tmp_path / "fifo-metadata"
+    broken.mkdir()
+    os.mkfifo(broken / ".metadata")
+    with pytest.raises(CheckpointError, match=r"\.metadata is a FIFO, not a regular file"):
+        read_dcp_metadata(str(broken))
+    broken = str(tmp_path / "fifo-data")
+    shutil.copytree(src, broken)
+    os.remove(os.path.join(broken, "__1_0.distcp"))
+    os.mkfifo(os.path.join(broken, "__1_0.distcp"))
+    with pytest.raises(CheckpointError, match=r"__1_0.distcp is a FIFO, not a regular file"):
+        hdcp.import_dcp(broken, str(tmp_path / "out"))

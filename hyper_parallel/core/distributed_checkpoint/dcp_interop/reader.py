@@ -20,7 +20,7 @@ from typing import Any, Dict, Optional, Set
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from hyper_parallel.core.distributed_checkpoint._fileio import read_exact
+from hyper_parallel.core.distributed_checkpoint._fileio import open_regular, read_exact
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.unpickler import DCP_METADATA_FILE, read_dcp_metadata
 from hyper_parallel.core.distributed_checkpoint.metadata import (
     METADATA_FILE,
@@ -194,7 +194,7 @@ class DcpFiles:
         path = os.path.join(self.directory, info.relative_path)
         if info.relative_path not in self._fds:
             try:
-                self._fds[info.relative_path] = os.open(path, os.O_RDONLY)
+                self._fds[info.relative_path] = open_regular(path)
             except FileNotFoundError:
                 raise CheckpointError(f"{path} is missing: the DCP checkpoint is incomplete") from None
         return read_dcp_item(self._fds[info.relative_path], path, info, index,

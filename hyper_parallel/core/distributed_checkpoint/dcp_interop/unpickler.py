@@ -23,6 +23,8 @@ import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from hyper_parallel._torch_compat import dcp_mem_format_encoding, dcp_storage_info, get_layout
+from hyper_parallel.core.distributed_checkpoint._fileio import read_regular_file
+from hyper_parallel.core.distributed_checkpoint.commit import MAX_METADATA_BYTES
 from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, check_relative_path
 
 __all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "unpickle_dcp_metadata"]
@@ -136,8 +138,7 @@ def read_dcp_metadata(directory: str) -> Any:
     """
     source = os.path.join(directory, DCP_METADATA_FILE)
     try:
-        with open(source, "rb") as f:
-            data = f.read()
+        data = read_regular_file(source, MAX_METADATA_BYTES, "DCP metadata")
     except FileNotFoundError:
         raise CheckpointError(f"{directory} is not a torch DCP checkpoint: it has no {DCP_METADATA_FILE}") from None
     metadata = unpickle_dcp_metadata(data, source)
