@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from hyper_parallel._torch_compat import current_graph_task_id, queue_autograd_callback
-from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
+from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup, finish_offloads
 from hyper_parallel.core.fully_shard.policy import MixedPrecisionPolicy
 from hyper_parallel.core.fully_shard.tree import cast_floating, iter_tensors, map_tensors
 from hyper_parallel.platform import get_platform
@@ -136,6 +136,7 @@ class _RootContext:
                 state.post_backward()
         if self.is_last_backward:
             self.finish_reductions()
+        finish_offloads([state.group for state in self.states])  # CPU offload: the host waits once
         for state in self.states:
             if state.group.reshard_after_backward:
                 state.group.reshard()
