@@ -238,6 +238,9 @@ class _FakeStream:
 
 
 class _FakeEvent:
+    def __init__(self, blocking: bool = False):
+        self.blocking = blocking
+
     def record(self, stream) -> None:
         self.stream = stream
 
@@ -248,13 +251,13 @@ class _FakeDeviceModule:
     def __init__(self):
         self.compute = _FakeStream("compute")
 
-    def Stream(self, priority: int = 0) -> _FakeStream:
+    def Stream(self, priority: int = 0, device=None) -> _FakeStream:
         return _FakeStream("side")
 
-    def Event(self) -> _FakeEvent:
-        return _FakeEvent()
+    def Event(self, blocking: bool = False) -> _FakeEvent:
+        return _FakeEvent(blocking)
 
-    def current_stream(self) -> _FakeStream:
+    def current_stream(self, device=None) -> _FakeStream:
         return self.compute
 
 
@@ -274,3 +277,20 @@ def test_accelerator_streams_free_gathered_buffers_in_the_all_gather_streams_ord
     assert [e.stream.name for e in streams.all_gather.waited] == ["compute"] and alive() is None
     streams.reclaim(streams.all_gather)  # nothing more to wait for
     assert len(streams.all_gather.waited) == 1
+
+
+def test_events_the_host_waits_for_are_blocking_sync():
+    """A host thread waiting for a default CUDA event spins a core; the events it waits for
+    (offloaded gradients, checkpoint copies) are created with ``blocking=True``."""
+    from hyper_parallel.platform import AcceleratorStreams, Platform
+    from hyper_parallel.platform.copy_stream import CopyStream
+
+    module = _FakeDeviceModule()
+    streams = AcceleratorStreams(module)
+    assert streams.record_host_event().blocking
+    assert not streams.record_event().blocking  # waited for by a stream only
+
+    class _FakeCuda(Platform):
+        device_module = property(lambda self: module)
+
+    assert CopyStream(_FakeCuda("cuda", "nccl"), torch.device("cuda", 0)).record().blocking
