@@ -118,10 +118,17 @@ def test_hsdp_drops_the_reduce_scatter_input_once_the_reduce_scatter_is_done():
 
 def _offload_copies_waited_once():
     """CPU offload: each reduced gradient is copied to host memory without blocking on the
-    reduce-scatter stream, and the host waits for the copies once, at the end of backward."""
+    reduce-scatter stream, and the host waits for the copies once, at the end of backward; the
+    copies' device sources are dropped as the compute stream waits for them."""
     harness = _Harness(hp.init_device_mesh("cpu", (2,)), offload_policy=hp.CPUOffloadPolicy())
-    copies = []
+    copies, alive_at_wait = [], []
     original_to = torch._C.TensorBase.to
+    synchronize = harness.streams.synchronize
+
+    def counted_synchronize(event):  # (on CPU the host copy is the source itself: count the records)
+        groups = [m._state.group for m in harness.model.modules() if isinstance(m, hp.FSDPModule)]
+        alive_at_wait.append(sum(item.source is not None for g in groups for item in g._offloading))
+        synchronize(event)
 
     def to(tensor, *args, **kwargs):
         if tensor.data_ptr() in harness.reduced_ptrs and "cpu" in (*args, kwargs.get("device")):
@@ -135,19 +142,24 @@ def _offload_copies_waited_once():
                 module._state.group.pin_memory = True  # as on an accelerator; nothing is re-pinned
         harness.streams.log.clear()
         harness.reduced_ptrs.clear()
-        with mock.patch.object(torch.Tensor, "to", to, create=True):
+        with mock.patch.object(torch.Tensor, "to", to, create=True), \
+                mock.patch.object(harness.streams, "synchronize", counted_synchronize):
             lm_loss(harness.model, harness.batch).backward()
         log = harness.streams.log
         waits = [i for i, e in enumerate(log) if e[0] == "synchronize"]
         grads = all(p.grad is not None for p in harness.model.parameters())
-        return copies, waits, len(log), [i for i, e in enumerate(log) if e[0] == "reduce_scatter"], grads
+        scatters = [i for i, e in enumerate(log) if e[0] == "reduce_scatter"]
+        return copies, waits, alive_at_wait, scatters, grads
     finally:
         harness.close()
 
 
 def test_cpu_offload_copies_on_the_reduce_scatter_stream_and_waits_once():
-    for copies, waits, end, scatters, grads in run_on_ranks(2, _offload_copies_waited_once, timeout=120):
+    for copies, waits, alive, scatters, grads in run_on_ranks(2, _offload_copies_waited_once, timeout=120):
         assert len(copies) == len(scatters) == 3, (copies, scatters)
+        # The device sources of earlier copies were dropped once the compute stream waited for
+        # them (the next pipeline step), not held to the end of backward.
+        assert len(alive) == 1 and alive[0] <= 1, alive
         assert all(stream == "reduce_scatter" and non_blocking for _, stream, non_blocking in copies), copies
         assert len(waits) == 1 and waits[0] > max(i for i, _, _ in copies), (waits, copies)
         assert grads

@@ -47,6 +47,8 @@ class OffloadedGrads(NamedTuple):
 
     bucket: FlatBucket
     host: torch.Tensor  # the copy's destination (pinned where the platform has pinned memory)
-    source: torch.Tensor  # the device gradients the copy reads, held until it is done
+    # The device gradients the copy reads, held until the compute stream waited for the copy
+    # (HSDPParamGroup.release_offload_sources) or the host did.
+    source: Optional[torch.Tensor]
     local: List[bool]  # FlatBucket.take_local_grads() of this reduction
     event: Optional[Any]  # the copy done (reduce-scatter stream); the host waits once, at the end

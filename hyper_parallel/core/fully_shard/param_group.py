@@ -405,6 +405,16 @@ class HSDPParamGroup:
         if any(post_accumulate_grad_hooks(p.sharded_param) for p in bucket.trainable):
             self.finish_offload()
 
+    def release_offload_sources(self) -> None:
+        """Order the compute stream after this group's gradient copies to host memory issued
+        so far and drop their device sources (the compute stream allocated them), as FSDP2's
+        next post-backward waits for the previous group's post-reduce event: device memory
+        for at most about one group's copies is held."""
+        for i, item in enumerate(self._offloading):
+            if item.source is not None:
+                self._streams.wait_event(item.event)
+                self._offloading[i] = item._replace(source=None)
+
     def finish_offload(self, waited: bool = False) -> None:
         """Wait for this group's gradient copies to host memory (unless ``waited``: the caller
         did, see :func:`finish_offloads`) and set the sharded gradients from them."""

@@ -121,6 +121,8 @@ class _RootContext:
     def advance_reductions(self) -> None:
         """Pipeline step: finish the all-reduces in flight, then move finished
         reduce-scatters on to their all-reduce (HSDP) or set their gradients (FSDP)."""
+        for state in self.states:  # CPU offload: the previous copies' device sources
+            state.group.release_offload_sources()
         for group in self.all_reducing:
             group.finish_all_reduce()
         self.all_reducing = [group for group in self.reducing if group.finish_scatter()]
