@@ -4,8 +4,8 @@ checked on CPU with the recording streams of test_streams.py and weak references
 On an accelerator a tensor allocated on the compute stream and read by a collective on a side
 stream must stay referenced until the compute stream has waited for that collective (NCCL in
 stream order holds no reference; the caching allocator would hand the memory to the compute
-stream's next kernels), and no longer than that. The collectives here run synchronously, so
-nothing but fully_shard's own records can keep a buffer alive.
+stream's next kernels), and no longer than that. The collectives here run synchronously on a
+copy of their input, so nothing but fully_shard's own records can keep a buffer alive.
 """
 
 from __future__ import annotations
@@ -43,6 +43,8 @@ class _Harness:
                     self.reduce_inputs[id(output)] = weakref.ref(args[0])
                     self.reduced_ptrs.append(output.data_ptr())
                 self.streams.log.append((name, self.streams.current))
+                if name != "all_reduce":  # gloo's worker thread may hold its input a while after
+                    args = (args[0].clone(), *args[1:])  # the wait: it must not keep ours alive
                 return originals[name](output, *args, async_op=False)
             return call
 
@@ -88,7 +90,8 @@ def _post_forward_pieces_held_until_the_copy_out():
 def test_post_forward_pieces_live_until_the_compute_stream_waited_for_their_all_gather():
     for held, waited, freed in run_on_ranks(4, _post_forward_pieces_held_until_the_copy_out, timeout=120):
         assert held, "the pieces were dropped while their all-gather was in flight"
-        assert waited and freed
+        assert waited, "the compute stream did not wait for the all-gather"
+        assert freed, "the pieces outlived the copy-out"
 
 
 def _hsdp_reduce_scatter_input_dropped_before_the_all_reduce():
@@ -127,7 +130,7 @@ def _offload_copies_waited_once():
 
     def counted_synchronize(event):  # (on CPU the host copy is the source itself: count the records)
         groups = [m._state.group for m in harness.model.modules() if isinstance(m, hp.FSDPModule)]
-        alive_at_wait.append(sum(item.source is not None for g in groups for item in g._offloading))
+        alive_at_wait.append(sum(item.source is not None for g in groups for item in g.offloads._copies))
         synchronize(event)
 
     def to(tensor, *args, **kwargs):

@@ -48,7 +48,7 @@ class OffloadedGrads(NamedTuple):
     bucket: FlatBucket
     host: torch.Tensor  # the copy's destination (pinned where the platform has pinned memory)
     # The device gradients the copy reads, held until the compute stream waited for the copy
-    # (HSDPParamGroup.release_offload_sources) or the host did.
+    # (GradOffload.release_sources) or the host did.
     source: Optional[torch.Tensor]
     local: List[bool]  # FlatBucket.take_local_grads() of this reduction
     event: Optional[Any]  # the copy done (reduce-scatter stream); the host waits once, at the end

@@ -16,11 +16,11 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
-from hyper_parallel._torch_compat import (disable_functorch_if_active, local_tensor, module_parameters,
-                                          post_accumulate_grad_hooks)
+from hyper_parallel._torch_compat import disable_functorch_if_active, local_tensor, module_parameters
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
-from hyper_parallel.core.fully_shard.in_flight import InFlightGather, OffloadedGrads, PendingReduce
+from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingReduce
+from hyper_parallel.core.fully_shard.offload import GradOffload
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh
 from hyper_parallel.core.fully_shard.param import HSDPParam
 from hyper_parallel.core.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -84,7 +84,7 @@ class HSDPParamGroup:
         self._streams = get_platform().streams()
         self._pending: List[PendingReduce] = []  # reduce-scatters in flight
         self._all_reducing: List[PendingReduce] = []  # HSDP all-reduces in flight
-        self._offloading: List[OffloadedGrads] = []  # reduced gradients copied to host memory
+        self.offloads = GradOffload(self._streams)  # reduced gradients copied to host memory
         self._initialized = False
         self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
         # The input-gradient nodes (one per forward call of a module using this group's
@@ -287,9 +287,8 @@ class HSDPParamGroup:
         (HSDP) sums and unreduced unsharded gradients; reshard."""
         for item in self._pending + self._all_reducing:
             self._wait_reduction(item)
-        for item in self._offloading:
-            self._streams.synchronize(item.event)
-        self._pending, self._all_reducing, self._offloading = [], [], []
+        self.offloads.discard()
+        self._pending, self._all_reducing = [], []
         for bucket in self.buckets:
             bucket.partial_grad, bucket.local_grads = None, None
         for param in self.params:
@@ -387,54 +386,6 @@ class HSDPParamGroup:
         if self._all_reduce_hook is not None:
             self._run_all_reduce_hook(reduced[:bucket.grad_total])
         if self.offload:
-            self._offload(bucket, reduced)
+            self.offloads.copy(bucket, reduced, self.pin_memory)
             return
         bucket.assign_grads(reduced, bucket.take_local_grads())
-
-    def _offload(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
-        """Copy reduced gradients to host memory on the reduce-scatter stream, as FSDP2 does:
-        into pinned memory without blocking the host, which waits once, at the end of backward
-        (:func:`finish_offloads`). A post-accumulate-grad hook reads the gradient on the host
-        as soon as it is set, so such a bucket's copy is waited for at once."""
-        streams = self._streams
-        streams.wait_for_current(streams.reduce_scatter)  # divided (and hooked) on the compute stream
-        with record_function("hp::offload_grads"), streams.use(streams.reduce_scatter):
-            host = reduced.to("cpu", non_blocking=self.pin_memory)
-            event = streams.record_host_event()
-        self._offloading.append(OffloadedGrads(bucket, host, reduced, bucket.take_local_grads(), event))
-        if any(post_accumulate_grad_hooks(p.sharded_param) for p in bucket.trainable):
-            self.finish_offload()
-
-    def release_offload_sources(self) -> None:
-        """Order the compute stream after this group's gradient copies to host memory issued
-        so far and drop their device sources (the compute stream allocated them), as FSDP2's
-        next post-backward waits for the previous group's post-reduce event: device memory
-        for at most about one group's copies is held."""
-        for i, item in enumerate(self._offloading):
-            if item.source is not None:
-                self._streams.wait_event(item.event)
-                self._offloading[i] = item._replace(source=None)
-
-    def finish_offload(self, waited: bool = False) -> None:
-        """Wait for this group's gradient copies to host memory (unless ``waited``: the caller
-        did, see :func:`finish_offloads`) and set the sharded gradients from them."""
-        items, self._offloading = self._offloading, []
-        if items and not waited:
-            self._streams.synchronize(items[-1].event)
-        for item in items:
-            item.bucket.assign_grads(item.host, item.local)
-
-
-def finish_offloads(groups: List[HSDPParamGroup]) -> None:
-    """End of backward (CPU offload): the host waits once for every gradient copy to host
-    memory (they run in order on the reduce-scatter stream), then the groups set their sharded
-    gradients from them."""
-    pending = [group for group in groups if group._offloading]
-    if not pending:
-        return
-    streams = get_platform().streams()
-    with streams.use(streams.reduce_scatter):
-        done = streams.record_host_event()
-    streams.synchronize(done)
-    for group in pending:
-        group.finish_offload(waited=True)
