@@ -1,5 +1,7 @@
 """fully_shard and checkpoints on the accelerator itself: streams, casts on the all-gather
-stream, inductor, a post-optimizer event, GPU-resident checkpoints.
+stream, inductor, a post-optimizer event, HSDP on a (1, 1) mesh, CPU offload, activation
+checkpointing, GPU-resident checkpoints (a small staging budget, checked and unchecked loads
+with 1 and 2 reader threads into strided device tensors, slabs unpinned by ``release()``).
 
 The rest of the suite runs gloo ranks on CPU, where streams are no-ops. This module runs one
 rank on ``HP_TEST_DEVICE`` (default: ``cuda`` when a GPU is present, else ``cpu``), so on a
