@@ -1,7 +1,12 @@
 #!/usr/bin/env bash
 # What a session lent a GPU machine runs, in the order that matters, each part within one
-# device call (at most 10 minutes): the accelerator tests first (correctness on CUDA), then
-# the step benchmark eager and compiled, then the checkpoint benchmark from GPU memory.
+# device call (at most 10 minutes): the accelerator tests first (correctness on CUDA), plain
+# and again under the CUDA stream sanitizer; then the step benchmark eager and compiled and
+# the optimizer step; then the checkpoint benchmark from GPU memory, verification off and on.
+# tests/accelerator covers (besides float64/bf16/inductor/post-optimizer-event training):
+# HSDP on a (1, 1) mesh (a real NCCL all-reduce on one GPU), CPU offload on CUDA, activation
+# checkpointing, async_save through a small staging budget, loads checked and unchecked with
+# 1 and 2 reader threads into strided device tensors, and release() unpinning the slabs.
 #
 #   benchmarks/gpu_session.sh tests|step|checkpoint|all
 #
@@ -46,13 +51,22 @@ tests | all)
     "$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" \
         | tee -a "$OUT/summary.txt"
     run accelerator_tests "$PY" -m pytest -q -p no:cacheprovider tests/accelerator
+    # The sanitizer reports kernels that touch a tensor on two streams without an event
+    # between them (stream-order bugs the plain run may not show); the ranks inherit it.
+    run accelerator_tests_sanitizer env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
+        tests/accelerator
     ;;&
 step | all)
     step eager
     step compiled --compile
+    run optimizer_step "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+        benchmarks/optimizer_step.py --device cuda
     ;;&
 checkpoint | all)
-    run checkpoint_io "$PY" benchmarks/checkpoint_io.py --device cuda --gb 4 --reps 2 --dir /tmp/hp_ckpt_bench
+    for verify in off on; do
+        run "checkpoint_io_verify_$verify" "$PY" benchmarks/checkpoint_io.py --device cuda --gb 2 --reps 2 \
+            --verify "$verify" --dir /tmp/hp_ckpt_bench
+    done
     ;;
 tests | step) ;;
 *)

@@ -9,7 +9,7 @@ the README (``make test-torch TORCH=<version>`` runs the suite on another one).
 from __future__ import annotations
 
 import functools
-from typing import Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional
 
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401  (re-exported)
@@ -63,6 +63,11 @@ def module_parameters(module: torch.nn.Module) -> Dict[str, Optional[torch.nn.Pa
     """The dict holding ``module``'s own parameters: fully_shard swaps its sharded and
     unsharded parameters in there directly (as FSDP2 does), without ``nn.Module.__setattr__``."""
     return module._parameters
+
+
+def post_accumulate_grad_hooks(param: torch.Tensor) -> Dict[Any, Callable]:
+    """The hooks registered with ``register_post_accumulate_grad_hook`` on ``param`` (empty if none)."""
+    return param._post_accumulate_grad_hooks or {}
 
 
 def local_tensor(dtensor: torch.Tensor) -> torch.Tensor:

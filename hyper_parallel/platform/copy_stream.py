@@ -53,10 +53,12 @@ class CopyStream:
             yield
 
     def record(self) -> Optional[Any]:
-        """An event marking the copies issued so far on this stream (None on CPU: done)."""
+        """An event marking the copies issued so far on this stream (None on CPU: done). A
+        blocking-sync event: a host thread waiting for it (:func:`wait_event`) sleeps instead
+        of spinning a core."""
         if self._stream is None:
             return None
-        event = self._module.Event()
+        event = self._module.Event(blocking=True)
         event.record(self._stream)
         return event
 

@@ -8,6 +8,7 @@ import importlib.util
 import os
 import resource
 import socket
+import weakref
 from dataclasses import dataclass
 from typing import Optional
 
@@ -113,6 +114,40 @@ class Platform:
 
     def pin_memory_available(self) -> bool:
         return self.is_accelerator
+
+    def pinned_host_buffer(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of host memory (uint8) that the accelerator copies to and from without the
+        host waiting, and whose pages go back to the system when its last reference is dropped.
+
+        CUDA: a plain CPU tensor page-locked with ``cudaHostRegister`` and unregistered when its
+        storage is freed (DCP's stager does the same); memory from ``pin_memory=True`` belongs
+        to torch's caching host allocator instead and stays locked for the life of the process.
+        Other accelerators: ``pin_memory=True`` (their caching allocator). CPU: plain memory.
+        """
+        if not self.pin_memory_available():
+            return torch.empty(nbytes, dtype=torch.uint8)
+        if self.device_type != "cuda":
+            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        if nbytes:
+            storage = buffer.untyped_storage()
+            self.host_register(storage.data_ptr(), nbytes)
+            # Unregistered once nothing (no view) holds the storage; not at exit, when the CUDA
+            # context may already be gone.
+            weakref.finalize(storage, self.host_unregister, storage.data_ptr()).atexit = False
+        return buffer
+
+    def host_register(self, address: int, nbytes: int) -> None:
+        """Page-lock host memory for the accelerator (CUDA: ``cudaHostRegister``, portable)."""
+        code = int(self.device_module.cudart().cudaHostRegister(address, nbytes, 1))
+        if code != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {code}")
+
+    def host_unregister(self, address: int) -> None:
+        """Undo :meth:`host_register` (CUDA: ``cudaHostUnregister``)."""
+        code = int(self.device_module.cudart().cudaHostUnregister(address))
+        if code != 0:
+            raise RuntimeError(f"cudaHostUnregister failed with cudaError {code}")
 
     def reset_peak_memory(self) -> None:
         if self.is_accelerator:

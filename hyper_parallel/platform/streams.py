@@ -63,6 +63,15 @@ class Streams(ABC):
         """Make the current stream wait for ``event``."""
 
     @abstractmethod
+    def record_host_event(self) -> Optional[Any]:
+        """Like :meth:`record_event`, for an event the host will wait for (:meth:`synchronize`):
+        a blocking-sync event, so the waiting thread sleeps instead of spinning a core."""
+
+    @abstractmethod
+    def synchronize(self, event: Optional[Any]) -> None:
+        """Block the calling host thread until ``event`` (from :meth:`record_host_event`) completed."""
+
+    @abstractmethod
     def free_after_use(self, tensor: torch.Tensor, stream: Any) -> None:
         """``tensor``, allocated on ``stream``, was last used by the current stream: keep it
         referenced until :meth:`reclaim` orders ``stream`` after that use."""
@@ -99,6 +108,12 @@ class CpuStreams(Streams):
         return None
 
     def wait_event(self, event: Optional[Any]) -> None:
+        pass
+
+    def record_host_event(self) -> Optional[Any]:
+        return None
+
+    def synchronize(self, event: Optional[Any]) -> None:
         pass
 
     def free_after_use(self, tensor: torch.Tensor, stream: Any) -> None:
@@ -145,6 +160,15 @@ class AcceleratorStreams(Streams):
     def wait_event(self, event: Optional[Any]) -> None:
         if event is not None:
             self._module.current_stream().wait_event(event)
+
+    def record_host_event(self) -> Optional[Any]:
+        event = self._module.Event(blocking=True)
+        event.record(self._module.current_stream())
+        return event
+
+    def synchronize(self, event: Optional[Any]) -> None:
+        if event is not None:
+            event.synchronize()
 
     def free_after_use(self, tensor: torch.Tensor, stream: Any) -> None:
         self._used.setdefault(stream, []).append((tensor, self.record_event()))

@@ -25,6 +25,7 @@ from hyper_parallel.trainer.config import MODEL_RECIPE_KEYS, ConfigError, Parall
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
+from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
@@ -39,12 +40,6 @@ def build_loader(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int,
         source = build_sources(cfg, vocab_size, with_val=False).train
     return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                                   seed=cfg.training.seed, shuffle=bool(cfg.data.get("shuffle", False)))
-
-
-def build_optimizer(model: nn.Module, optim_cfg: DictConfig) -> torch.optim.Optimizer:
-    # foreach=False: the per-parameter path handles DTensor parameters on every mesh shape.
-    return torch.optim.AdamW(model.parameters(), lr=optim_cfg.lr, betas=tuple(optim_cfg.betas),
-                             eps=optim_cfg.eps, weight_decay=optim_cfg.weight_decay, foreach=False)
 
 
 def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -1,5 +1,7 @@
 """fully_shard and checkpoints on the accelerator itself: streams, casts on the all-gather
-stream, inductor, a post-optimizer event, GPU-resident checkpoints.
+stream, inductor, a post-optimizer event, HSDP on a (1, 1) mesh, CPU offload, activation
+checkpointing, GPU-resident checkpoints (a small staging budget, checked and unchecked loads
+with 1 and 2 reader threads into strided device tensors, slabs unpinned by ``release()``).
 
 The rest of the suite runs gloo ranks on CPU, where streams are no-ops. This module runs one
 rank on ``HP_TEST_DEVICE`` (default: ``cuda`` when a GPU is present, else ``cpu``), so on a
@@ -24,6 +26,7 @@ from torch.distributed.tensor import DTensor
 
 import hyper_parallel as hp
 from hyper_parallel import checkpoint as hdcp
+from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
 from tests.fully_shard._helpers import CountingBackend, full_params, global_batch, max_diff, tiny_llama, train
 from tests.multirank import run_on_ranks
 
@@ -163,6 +166,34 @@ def test_post_optim_event_training_matches_the_unwrapped_model():
     assert _on_ranks(_post_optim_event) <= TOL
 
 
+def _variant_parity(variant: str):
+    """Float64 training on the device against the unwrapped model: HSDP on a (1, 1) mesh (one
+    GPU runs a real NCCL reduce-scatter and all-reduce), CPU offload (gradients copied on the
+    reduce-scatter stream into pinned memory, waited for at the end of backward), activation
+    checkpointing (recomputed forwards inside backward)."""
+    torch.manual_seed(0)
+    reference = tiny_llama().to(DEVICE)
+    model = copy.deepcopy(reference)
+    if variant == "hsdp_1x1":
+        mesh = init_device_mesh(DEVICE, (1, 1), mesh_dim_names=("replicate", "shard"))
+        _shard_blocks_and_root(model, lambda m: hp.fully_shard(m, mesh=mesh))
+    elif variant == "cpu_offload":
+        policy = hp.CPUOffloadPolicy(pin_memory=True)
+        _shard_blocks_and_root(model, lambda m: hp.fully_shard(m, mesh=_mesh(), offload_policy=policy))
+    else:
+        apply_activation_checkpointing(model)
+        _shard_blocks_and_root(model, lambda m: hp.fully_shard(m, mesh=_mesh()))
+    batches = _batches(3)
+    train(reference, batches)
+    train(model, [b.to(DEVICE) for b in batches])
+    return max_diff(full_params(model), full_params(reference))
+
+
+@pytest.mark.parametrize("variant", ["hsdp_1x1", "cpu_offload", "activation_checkpointing"])
+def test_variants_match_the_unwrapped_model(variant):
+    assert _on_ranks(_variant_parity, variant) <= TOL
+
+
 # -- checkpoints of device-resident state ------------------------------------------------------
 def _model_and_optimizer(seed: int):
     torch.manual_seed(seed)
@@ -220,3 +251,69 @@ def _round_trip(path: str, background: bool):
 @pytest.mark.parametrize("background", [False, True], ids=["save", "async_save-in-background"])
 def test_device_state_round_trips_exactly(tmp_path, background):
     assert _on_ranks(_round_trip, str(tmp_path / "ckpt"), background)
+
+
+def _small_budget_save_and_strided_loads(path: str, verify: bool, threads: int):
+    """An async save from device memory through a staging budget of a few slabs, then a load
+    (checked or not, 1 or 2 reader threads) into device tensors that are strided views: the
+    bounce slabs and the copy stream, ordered after the caller's stream."""
+    pool = hdcp.staging_buffers()
+    sizes = dict(slab_bytes=pool.slab_bytes, budget_bytes=pool.budget_bytes, sync_window_bytes=pool.sync_window_bytes)
+    pool.configure(slab_bytes=16 << 10, budget_bytes=64 << 10, sync_window_bytes=32 << 10)
+    try:
+        g = torch.Generator().manual_seed(0)
+        state = {"a": torch.randn(160, 96, generator=g, dtype=torch.float64).to(DEVICE),
+                 "b": torch.arange(5000, dtype=torch.int64).to(DEVICE)}
+        _sleep_on_device()  # the staging copies queue behind it
+        hdcp.async_save(state, checkpoint_id=path, no_dist=True).result(timeout=T)
+        target = {"a": torch.zeros(96, 160, dtype=torch.float64, device=DEVICE).t(),
+                  "b": torch.zeros(5000, 2, dtype=torch.int64, device=DEVICE)[:, 1]}
+        _sleep_on_device()  # the load's copies must wait for the caller's queued work
+        hdcp.load(target, storage_reader=hdcp.FileSystemReader(path, verify=verify, thread_count=threads),
+                  no_dist=True)
+        return all(torch.equal(target[k], state[k]) for k in state) and pool.in_use == 0
+    finally:
+        pool.configure(**sizes)
+        pool.release()
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
+def test_small_budget_save_and_strided_device_loads(tmp_path, verify, threads):
+    assert _on_ranks(_small_budget_save_and_strided_loads, str(tmp_path / "ckpt"), verify, threads)
+
+
+def _pinned_release(path: str):
+    """Slabs pinned for a save are unregistered by release() (CUDA: cudaHostUnregister
+    succeeds for every cudaHostRegister; CPU: nothing is pinned)."""
+    import gc
+    from unittest import mock
+
+    from hyper_parallel.platform import Platform
+
+    calls = {"register": 0, "unregister": 0}
+    register, unregister = Platform.host_register, Platform.host_unregister
+
+    def counted(name, real):
+        def call(self, *args):
+            real(self, *args)
+            calls[name] += 1
+        return call
+
+    pool = hdcp.staging_buffers()
+    pool.release()
+    with mock.patch.object(Platform, "host_register", counted("register", register)), \
+            mock.patch.object(Platform, "host_unregister", counted("unregister", unregister)):
+        state = {"w": torch.randn(1 << 20, generator=torch.Generator().manual_seed(0)).to(DEVICE)}
+        hdcp.async_save(state, checkpoint_id=path, no_dist=True).result(timeout=T)
+        held = calls["register"] - calls["unregister"]
+        pool.release()
+        gc.collect()
+    return held, calls
+
+
+def test_released_staging_slabs_are_unpinned(tmp_path):
+    held, calls = _on_ranks(_pinned_release, str(tmp_path / "ckpt"))
+    assert calls["register"] == calls["unregister"], calls
+    if DEVICE == "cuda":
+        assert held > 0, calls  # the save's slabs were pinned until release()

@@ -8,6 +8,9 @@ the same slabs.
 
 from __future__ import annotations
 
+import contextlib
+import gc
+import sys
 import threading
 import zlib
 
@@ -15,6 +18,9 @@ import pytest
 import torch
 
 from hyper_parallel import checkpoint as hdcp
+from hyper_parallel.core.distributed_checkpoint.staging_buffers import StagingBuffers
+from hyper_parallel.platform import Platform
+from hyper_parallel.platform.copy_stream import CopyStream
 from tests.checkpoint.helpers import distribute_state, full_state, load_and_check
 from tests.multirank import run_on_ranks
 
@@ -167,17 +173,52 @@ def test_a_failure_on_either_side_stops_both_and_frees_the_slabs(tmp_path, small
     assert hdcp.is_checkpoint(path)
 
 
+class _CopyStreamSpy:
+    """Which ``apply_tensor`` calls of non-contiguous destinations ran with the copy stream
+    active in their thread (there, a device copy they make is covered by the caller's wait)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.inside, self.applies = threading.local(), []
+        active, apply = CopyStream.active, hdcp.StandardLoadPlanner.apply_tensor
+        spy = self
+
+        @contextlib.contextmanager
+        def spied_active(stream):
+            with active(stream):
+                spy.inside.on = True
+                try:
+                    yield
+                finally:
+                    spy.inside.on = False
+
+        def spied_apply(planner, item, tensor):
+            if not tensor.is_contiguous():
+                spy.applies.append(getattr(spy.inside, "on", False))
+            return apply(planner, item, tensor)
+
+        monkeypatch.setattr(CopyStream, "active", spied_active)
+        monkeypatch.setattr(hdcp.StandardLoadPlanner, "apply_tensor", spied_apply)
+
+
 @pytest.mark.timeout(60)
-def test_loads_into_strided_destinations_bounce_through_a_bounded_window(tmp_path, small_slabs):
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("verify", [True, False], ids=["verified", "unverified"])
+def test_loads_into_strided_destinations_bounce_through_a_bounded_window(tmp_path, small_slabs, monkeypatch,
+                                                                         verify, threads):
+    """Destinations not filled in place (device memory on an accelerator; here strided views
+    and another dtype) take one path, checked or not, with one or several reader threads:
+    pinned slabs and the copy stream, applied with the copy stream active."""
     state, start = _state(), small_slabs.allocations
     hdcp.save(state, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     target = _blank(state)
     target["big"] = torch.zeros(100, 64, dtype=torch.float64).t()  # not contiguous: cannot read in place
     target["ints"] = torch.zeros(1000, 2, dtype=torch.int64)[:, 1]
-    # verify=False: verified loads read whole chunks into a scratch tensor, not the slabs
-    hdcp.load(target, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True, verify=False)
+    spy = _CopyStreamSpy(monkeypatch)
+    reader = hdcp.FileSystemReader(str(tmp_path / "ckpt"), verify=verify, thread_count=threads)
+    hdcp.load(target, storage_reader=reader, no_dist=True)
     _assert_equal(target, state)
     assert 0 < small_slabs.allocations - start <= WINDOW // SLAB and small_slabs.in_use == 0
+    assert spy.applies and all(spy.applies), spy.applies
 
 
 def _reshard_with_small_slabs(path):
@@ -191,3 +232,53 @@ def _reshard_with_small_slabs(path):
 
 def test_resharding_loads_through_bounce_slabs_on_2_ranks(tmp_path):
     assert all(run_on_ranks(2, _reshard_with_small_slabs, str(tmp_path / "ckpt"), timeout=120))
+
+
+class _RegisteringPlatform(Platform):
+    """A CUDA platform whose host registration is recorded instead of calling the CUDA runtime."""
+
+    def __init__(self) -> None:
+        super().__init__(device_type="cuda", backend="nccl")
+        object.__setattr__(self, "registered", {})  # address -> bytes, while registered
+
+    def pin_memory_available(self) -> bool:
+        return True
+
+    def host_register(self, address: int, nbytes: int) -> None:
+        assert address not in self.registered
+        self.registered[address] = nbytes
+
+    def host_unregister(self, address: int) -> None:
+        del self.registered[address]
+
+
+def test_pinned_buffers_are_unregistered_when_their_memory_is_freed():
+    platform = _RegisteringPlatform()
+    buffer = platform.pinned_host_buffer(4096)
+    assert platform.registered == {buffer.data_ptr(): 4096}
+    view = buffer[100:200].view(torch.int32)  # e.g. a piece still being copied
+    del buffer
+    gc.collect()
+    assert len(platform.registered) == 1  # a view still uses the pages
+    del view
+    gc.collect()
+    assert platform.registered == {}
+
+
+def test_released_slabs_give_their_pinned_pages_back(monkeypatch):
+    """Slabs are pinned by host registration, so release() really unlocks them (memory from
+    pin_memory=True stays with torch's caching host allocator for the life of the process)."""
+    platform = _RegisteringPlatform()
+    monkeypatch.setattr(sys.modules[StagingBuffers.__module__], "get_platform", lambda: platform)
+    pool = StagingBuffers(slab_bytes=SLAB, budget_bytes=BUDGET, sync_window_bytes=WINDOW)
+    window = pool.window(snapshot=True)
+    slabs = [pool.acquire(window, lambda: None) for _ in range(BUDGET // SLAB)]
+    assert len(platform.registered) == BUDGET // SLAB and all(n == SLAB for n in platform.registered.values())
+    for slab in slabs:
+        pool.give_back(window, slab)
+    del slabs, slab
+    gc.collect()
+    assert len(platform.registered) == BUDGET // SLAB  # free slabs stay pinned for the next save
+    pool.release()
+    gc.collect()
+    assert platform.registered == {} and pool.nbytes == 0

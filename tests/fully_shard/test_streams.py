@@ -54,6 +54,13 @@ class _RecordingStreams(Streams):
     def wait_event(self, event: Optional[Any]) -> None:
         self.log.append(("wait_event", event[1] if event else None, self.current))
 
+    def record_host_event(self) -> Optional[Any]:
+        self.log.append(("record_host_event", self.current))
+        return ("host event", self.current, len(self.log))
+
+    def synchronize(self, event: Optional[Any]) -> None:
+        self.log.append(("synchronize", event[1] if event else None))
+
     def free_after_use(self, tensor: torch.Tensor, stream: Any) -> None:
         self.log.append(("free_after_use", stream, self.current))
 
@@ -127,9 +134,14 @@ def _check(log, hsdp: bool):
     for i, entry in enumerate(log):
         if entry[0] == "all_gather":
             assert ("reclaim", "all_gather", "all_gather") in log[max(0, i - 3):i], (i, log)
-    # Reduce-scatters and all-reduces record no event: the compute stream orders itself after
-    # them with Work.wait() before it sets the gradients.
-    assert not [e for e in log if e[0] == "record_event" and e[1] != "all_gather"], log
+    # Reduce-scatters and all-reduces are issued in stream order too (NCCL would otherwise run
+    # them on the process group's own normal-priority stream), each followed by an event on the
+    # reduce-scatter stream that the compute stream waits for before it reads the result.
+    reductions = [i for i, e in enumerate(log) if e[0] in ("reduce_scatter", "all_reduce")]
+    assert all(log[i][2] == "stream ordered" for i in reductions), log
+    assert all(log[i + 1] == ("record_event", "reduce_scatter") for i in reductions), log
+    rs_waits = [e for e in log if e[0] == "wait_event" and e[1] == "reduce_scatter"]
+    assert len(rs_waits) == len(reductions) and all(e[2] == "compute" for e in rs_waits), log
     return True
 
 
@@ -226,6 +238,9 @@ class _FakeStream:
 
 
 class _FakeEvent:
+    def __init__(self, blocking: bool = False):
+        self.blocking = blocking
+
     def record(self, stream) -> None:
         self.stream = stream
 
@@ -236,13 +251,13 @@ class _FakeDeviceModule:
     def __init__(self):
         self.compute = _FakeStream("compute")
 
-    def Stream(self, priority: int = 0) -> _FakeStream:
+    def Stream(self, priority: int = 0, device=None) -> _FakeStream:
         return _FakeStream("side")
 
-    def Event(self) -> _FakeEvent:
-        return _FakeEvent()
+    def Event(self, blocking: bool = False) -> _FakeEvent:
+        return _FakeEvent(blocking)
 
-    def current_stream(self) -> _FakeStream:
+    def current_stream(self, device=None) -> _FakeStream:
         return self.compute
 
 
@@ -262,3 +277,20 @@ def test_accelerator_streams_free_gathered_buffers_in_the_all_gather_streams_ord
     assert [e.stream.name for e in streams.all_gather.waited] == ["compute"] and alive() is None
     streams.reclaim(streams.all_gather)  # nothing more to wait for
     assert len(streams.all_gather.waited) == 1
+
+
+def test_events_the_host_waits_for_are_blocking_sync():
+    """A host thread waiting for a default CUDA event spins a core; the events it waits for
+    (offloaded gradients, checkpoint copies) are created with ``blocking=True``."""
+    from hyper_parallel.platform import AcceleratorStreams, Platform
+    from hyper_parallel.platform.copy_stream import CopyStream
+
+    module = _FakeDeviceModule()
+    streams = AcceleratorStreams(module)
+    assert streams.record_host_event().blocking
+    assert not streams.record_event().blocking  # waited for by a stream only
+
+    class _FakeCuda(Platform):
+        device_module = property(lambda self: module)
+
+    assert CopyStream(_FakeCuda("cuda", "nccl"), torch.device("cuda", 0)).record().blocking

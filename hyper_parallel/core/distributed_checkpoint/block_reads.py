@@ -11,8 +11,10 @@
 - row reads: the rows of a chunk that a box with many small pieces lies in, read in a few
   large reads and copied out in memory, instead of one syscall per piece.
 
-From the block buffers the box a rank needs is copied to its destination (any device, any
-strides) while the helper checksums the block.
+From the block buffers the box a rank needs is copied to its destination while the helper
+checksums the block: by ``copy(source, target)``, which for device memory, strided views and
+other dtypes stages it in pinned slabs for the copy stream (``BounceReads.copy``), so checked
+and unchecked loads reach device memory the same way.
 """
 
 from __future__ import annotations
@@ -30,6 +32,12 @@ from hyper_parallel.core.distributed_checkpoint.resharding import narrow, numel
 
 BLOCK_BYTES = 8 << 20
 """Bytes read (and checksummed) at a time."""
+
+_Copier = Callable[[torch.Tensor, torch.Tensor], None]  # copy(source, target)
+
+
+def _copy_now(source: torch.Tensor, target: torch.Tensor) -> None:
+    target.copy_(source)
 
 
 class _RunningCrc:
@@ -82,11 +90,12 @@ class BlockReads:
                    path, then)
 
     def read_box(self, fd: int, offset: int, sizes: Sequence[int], item: ReadItem, dest: torch.Tensor,
-                 dtype: torch.dtype, path: str, then: Callable[[int], None]) -> None:
+                 dtype: torch.dtype, path: str, then: Callable[[int], None], copy: Optional[_Copier] = None) -> None:
         """Read the row-major chunk of ``sizes`` stored at ``offset`` whole, copying the box
-        ``item.storage_offsets``/``item.lengths`` of it into ``dest``; ``then(crc32)`` runs
-        once the chunk's crc32 is known."""
-        copier = self._box_copier(sizes, item, dest, dtype)
+        ``item.storage_offsets``/``item.lengths`` of it into ``dest`` (by ``copy(source,
+        target)``, default ``target.copy_(source)``, before the block is refilled);
+        ``then(crc32)`` runs once the chunk's crc32 is known."""
+        copier = self._box_copier(sizes, item, dest, dtype, copy or _copy_now)
         self._read(fd, offset, copier.length, copier.block, self._next_buffer, copier.use, path, then)
 
     def read_rows(self, fd: int, offset: int, sizes: Sequence[int], item: ReadItem, dest: torch.Tensor,
@@ -100,7 +109,8 @@ class BlockReads:
             read_exact(fd, view, offset + at, path)
             copier.use(at, view)
 
-    def _box_copier(self, sizes: Sequence[int], item: ReadItem, dest: torch.Tensor, dtype: torch.dtype) -> _BoxCopy:
+    def _box_copier(self, sizes: Sequence[int], item: ReadItem, dest: torch.Tensor, dtype: torch.dtype,
+                    copy: _Copier = _copy_now) -> _BoxCopy:
         starts, lengths = tuple(item.storage_offsets), tuple(item.lengths)
         if not sizes:  # a scalar: one row of one element
             sizes, starts, lengths, dest = (1,), (0,), (1,), dest.reshape(1)
@@ -118,7 +128,7 @@ class BlockReads:
                 rows = torch.from_numpy(view).view(dtype).view((len(view) // row_bytes,) + tuple(sizes[1:]))
                 part = narrow(rows, (lo - row,) + starts[1:], (hi - lo,) + lengths[1:])
                 with torch.no_grad():
-                    dest.narrow(0, lo - first, hi - lo).copy_(part)
+                    copy(part, dest.narrow(0, lo - first, hi - lo))
 
         return _BoxCopy(length, block, first * row_bytes, (first + count) * row_bytes, use)
 

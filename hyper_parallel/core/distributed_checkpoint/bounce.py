@@ -1,7 +1,9 @@
 """Reads into destinations the reader cannot fill in place: device memory, strided views,
 another dtype. Each box is read into a host slab of the staging pool (pinned on
-accelerators) and copied into its destination on the copy stream while the next box is
-read; ``apply_tensor`` runs once a box's copies have completed.
+accelerators), or, for a verified read, copied there from the block being checksummed, and
+copied into its destination on the copy stream while the next box is read; ``apply_tensor``
+runs once a box's copies have completed (and, verified, its chunk's checksum matched), on
+the copy stream too, so the caller's wait covers whatever device copy it makes.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ class _Copy(NamedTuple):
 
     done: Any  # the copy's event (None: completed)
     slab: Optional[Slab]
-    buffer: torch.Tensor  # keeps the source bytes alive until the copy ran
+    buffer: Optional[torch.Tensor]  # keeps the source bytes alive until the copy ran
     apply: Optional[ReadItem]  # the box whose last copy this is: apply_tensor after it
     dest: torch.Tensor
 
@@ -71,7 +73,6 @@ class BounceReads:
         self._pool, self._window, self._planner = pool, window, planner
         self._stream = CopyStream(get_platform(), device)
         self._stream.after_current_work()  # destinations may still be in use by queued work
-        self._pin = get_platform().pin_memory_available()
         self._slabs: Deque[Slab] = deque()  # in order of use; the last one is being filled
         self._copies: Deque[_Copy] = deque()
 
@@ -97,11 +98,31 @@ class BounceReads:
             last = first + n >= rows
             self._copies.append(_Copy(self._stream.record(), slab, buffer, item if last else None, dest))
 
+    def copy(self, source: torch.Tensor, target: torch.Tensor, key: str) -> None:
+        """Copy the host tensor ``source`` (a view of a block buffer that is refilled once this
+        returns) into ``target`` (``key``'s, of the same shape): into slabs first, in
+        slab-sized groups of rows, then on the copy stream."""
+        check_copy_device(self._stream, target, key)
+        row_bytes = numel(source.shape[1:]) * source.element_size()
+        per_slab = max(1, self._pool.slab_bytes // max(row_bytes, 1))
+        for first in range(0, source.shape[0], per_slab):
+            part = source[first:first + per_slab]
+            slab, buffer = self._space(part.numel() * part.element_size())
+            staged = buffer.view(part.dtype).view(part.shape)
+            staged.copy_(part)
+            with self._stream.active():
+                target[first:first + per_slab].copy_(staged, non_blocking=True)
+            self._copies.append(_Copy(self._stream.record(), slab, buffer, None, target))
+
+    def apply_after_copies(self, item: ReadItem, dest: torch.Tensor) -> None:
+        """``apply_tensor(item, dest)`` once the copies issued so far have completed."""
+        self._copies.append(_Copy(self._stream.record(), None, None, item, dest))
+
     def _space(self, nbytes: int):
         """``nbytes`` of host memory: the rest of the current slab, a new or the oldest slab,
         or (bigger than a slab) a buffer of its own."""
         if nbytes > self._pool.slab_bytes:
-            return None, torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+            return None, get_platform().pinned_host_buffer(nbytes)
         slab = self._slabs[-1] if self._slabs else None
         at = 0 if slab is None else -(-slab.used // _ALIGN) * _ALIGN
         if slab is None or at + nbytes > slab.buffer.numel():
@@ -123,7 +144,8 @@ class BounceReads:
         copy = self._copies.popleft()
         wait_event(copy.done)
         if copy.apply is not None:
-            self._planner.apply_tensor(copy.apply, copy.dest)
+            with self._stream.active():  # a copy apply_tensor makes is covered by make_current_wait
+                self._planner.apply_tensor(copy.apply, copy.dest)
 
     def _drain(self) -> None:
         while self._copies:

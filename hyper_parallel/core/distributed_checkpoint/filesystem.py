@@ -13,6 +13,7 @@ markers) is ``commit.py``; the data files are written by ``data_files.py``.
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
@@ -325,14 +326,20 @@ class FileSystemReader(StorageReader):
             # The checksum covers the whole chunk, so read it whole: straight into the
             # destination when that is the whole chunk in plain memory. Checked (then applied)
             # once its crc is known, while the next chunk is read.
+            # Destinations not filled in place (device memory, strided, another dtype) get
+            # their boxes through the bounce slabs and the copy stream, as unchecked reads do.
             def then(crc: int) -> None:
                 self._check(crc, info, f"{key} chunk {item.storage_index.offset}")
-                planner.apply_tensor(item, dest)
+                if plain:
+                    planner.apply_tensor(item, dest)
+                else:
+                    bounce.apply_after_copies(item, dest)
 
             if whole and plain:
                 blocks.read_into(fd, flat_bytes(dest), info.offset, path, then)
             else:
-                blocks.read_box(fd, info.offset, sizes, item, dest, md.dtype, path, then)
+                copy = None if plain else functools.partial(bounce.copy, key=key)
+                blocks.read_box(fd, info.offset, sizes, item, dest, md.dtype, path, then, copy)
         elif plain:  # not checked here: verify=False, or another rank checks this chunk
             box = BoxGeometry(sizes, item.storage_offsets, item.lengths)
             if box.contiguous or (box.span - box.volume) * box.run * md.dtype.itemsize >= _SPAN_GAP_BYTES * box.volume:

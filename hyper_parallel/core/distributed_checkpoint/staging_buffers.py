@@ -1,6 +1,7 @@
 """The process's pool of host staging memory: slabs (pinned on accelerators) allocated on
 first use, lent to saves (staging.py) and loads (bounce.py) within a window each, reused
-across them, and released on request.
+across them, and released on request: a released slab's pages are unlocked and given back
+to the system (``Platform.pinned_host_buffer``), not kept by torch's caching host allocator.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ class Slab:
     """One host buffer of the pool: ``used`` bytes handed out, ``pending`` pieces not yet
     consumed (a save's bookkeeping; loads track their copies themselves)."""
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    def __init__(self, nbytes: int) -> None:
+        self.buffer = get_platform().pinned_host_buffer(nbytes)
         self.used = 0
         self.pending = 0
 
@@ -154,7 +155,7 @@ class StagingBuffers:
         """A claimed slab, allocated now if ``slab`` is None, with nothing handed out."""
         if slab is None:
             try:
-                slab = Slab(self.slab_bytes, get_platform().pin_memory_available())
+                slab = Slab(self.slab_bytes)
             except BaseException:
                 with self._cond:
                     self._allocated -= 1

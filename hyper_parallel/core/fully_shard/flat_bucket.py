@@ -164,11 +164,17 @@ class FlatBucket:
             for param in self.trainable:
                 param.accumulate_unreduced_grad(self.reduce_dtype)
 
-    def assign_grads(self, reduced: torch.Tensor) -> None:
-        """Set the sharded gradients from a reduced flat buffer (see [Note: gradient presence
-        flags]); parameters no rank computed a gradient for keep ``grad = None``."""
-        grads, flags = reduced.split([self.grad_total, len(self.trainable)])
+    def take_local_grads(self) -> List[bool]:
+        """Which trainable parameters had a gradient on this rank in the reduction finishing
+        now (for :meth:`assign_grads`); the next reduction starts afresh."""
         local, self.local_grads = self.local_grads, None
+        return local
+
+    def assign_grads(self, reduced: torch.Tensor, local: List[bool]) -> None:
+        """Set the sharded gradients from a reduced flat buffer (see [Note: gradient presence
+        flags]); parameters no rank computed a gradient for keep ``grad = None``. ``local``:
+        :meth:`take_local_grads` of the reduction."""
+        grads, flags = reduced.split([self.grad_total, len(self.trainable)])
         # Only a parameter without a local gradient needs the flags (a device-to-host read).
         agreed = (flags > 0).tolist() if not all(local) else local
         grads = grads.to(self.dtype)

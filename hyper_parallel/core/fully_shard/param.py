@@ -11,6 +11,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from hyper_parallel._torch_compat import (DTensorSpec, TensorMeta, dtensor_spec, local_tensor, module_parameters,
+                                          post_accumulate_grad_hooks,
                                           set_local_tensor)
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh, sharded_layout
 
@@ -228,10 +229,8 @@ class HSDPParam:
             param.grad = DTensor(local, self.spec, requires_grad=False)
         else:
             local_tensor(param.grad).add_(local)
-        hooks = param._post_accumulate_grad_hooks  # private torch attribute: None or a dict
-        if hooks:
-            for hook in tuple(hooks.values()):
-                hook(param)
+        for hook in tuple(post_accumulate_grad_hooks(param).values()):
+            hook(param)
 
     def use_sharded(self) -> None:
         for module, name in self.slots:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import enum
 import weakref
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,6 +19,8 @@ from torch.profiler import record_function
 from hyper_parallel._torch_compat import disable_functorch_if_active, local_tensor, module_parameters
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
+from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingReduce
+from hyper_parallel.core.fully_shard.offload import GradOffload
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh
 from hyper_parallel.core.fully_shard.param import HSDPParam
 from hyper_parallel.core.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
@@ -43,28 +45,6 @@ def _divide_factors(world: int) -> Tuple[float, float]:
     if pre == 1 and world > 1:
         pre = world
     return float(pre), world / pre
-
-
-class _InFlightGather(NamedTuple):
-    """A bucket's all-gather, issued on the all-gather stream."""
-
-    bucket: FlatBucket
-    work: Optional[dist.Work]  # None: issued in stream order (accelerators), synchronous, or one rank
-    # Rank-major result, allocated on the all-gather stream and read by the copy-out on the
-    # compute stream, then handed back to the all-gather stream (Streams.free_after_use).
-    gathered: torch.Tensor
-    event: Optional[Any]  # all-gather stream's work (the copy-in cast) done; the copy-out waits
-
-
-class _PendingReduce(NamedTuple):
-    """A bucket's reduce-scatter (then, for HSDP, all-reduce) in flight."""
-
-    bucket: FlatBucket
-    work: Optional[dist.Work]  # None: no collective (one rank)
-    # The collective's input while it may still be read there (None on CPU: see
-    # Streams.hold_for_collective).
-    grad_input: Optional[torch.Tensor]
-    output: torch.Tensor  # allocated on the compute stream, which sets it as the gradients
 
 
 class UnshardHandle:
@@ -100,10 +80,11 @@ class HSDPParamGroup:
         self.requires_all_reduce = True
         self.state = ShardState.SHARDED
         self.device = get_platform().current_device()
-        self._gathers: List[_InFlightGather] = []
+        self._gathers: List[InFlightGather] = []
         self._streams = get_platform().streams()
-        self._pending: List[_PendingReduce] = []  # reduce-scatters in flight
-        self._all_reducing: List[_PendingReduce] = []  # HSDP all-reduces in flight
+        self._pending: List[PendingReduce] = []  # reduce-scatters in flight
+        self._all_reducing: List[PendingReduce] = []  # HSDP all-reduces in flight
+        self.offloads = GradOffload(self._streams)  # reduced gradients copied to host memory
         self._initialized = False
         self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
         # The input-gradient nodes (one per forward call of a module using this group's
@@ -234,7 +215,8 @@ class HSDPParamGroup:
     def _issue_gathers(self, gather: Callable[[FlatBucket, Any], tuple], inputs: List[Any],
                        wait_for_compute: bool, after: Optional[Any] = None) -> None:
         """Run ``gather(bucket, input)`` for every bucket on the all-gather stream, after what
-        the compute stream has queued (``wait_for_compute``) and after the event ``after``."""
+        the compute stream has queued (``wait_for_compute``) and after the event ``after``;
+        the inputs stay referenced by the in-flight records until :meth:`wait_for_unshard`."""
         streams = self._streams
         if wait_for_compute:
             streams.wait_for_current(streams.all_gather)
@@ -242,9 +224,9 @@ class HSDPParamGroup:
             streams.reclaim(streams.all_gather)  # earlier results: reused after their copy-outs
             if after is not None:
                 streams.wait_event(after)
-            issued = [(b, *gather(b, x)) for b, x in zip(self.buckets, inputs)]
+            issued = [(b, *gather(b, x), x) for b, x in zip(self.buckets, inputs)]
             event = streams.record_event()
-        self._gathers = [_InFlightGather(*item, event) for item in issued]
+        self._gathers = [InFlightGather(b, work, gathered, event, x) for b, work, gathered, x in issued]
         self._post_forward_event = None
         self.state = ShardState.UNSHARDING
 
@@ -304,8 +286,8 @@ class HSDPParamGroup:
         """After an aborted step: wait for and drop this group's reductions in flight, partial
         (HSDP) sums and unreduced unsharded gradients; reshard."""
         for item in self._pending + self._all_reducing:
-            if item.work is not None:
-                item.work.wait()
+            self._wait_reduction(item)
+        self.offloads.discard()
         self._pending, self._all_reducing = [], []
         for bucket in self.buckets:
             bucket.partial_grad, bucket.local_grads = None, None
@@ -322,9 +304,10 @@ class HSDPParamGroup:
             bucket.accumulate_unreduced_grads()
 
     def reduce_grads(self) -> None:
-        """Issue the reduce-scatter of every bucket's unsharded gradients (async): of every
-        bucket with trainable parameters, also one without gradients on this rank (other
-        ranks may have some: the ranks issue the same collectives)."""
+        """Issue the reduce-scatter of every bucket's unsharded gradients on the reduce-scatter
+        stream: of every bucket with trainable parameters, also one without gradients on this
+        rank (other ranks may have some: the ranks issue the same collectives)."""
+        streams = self._streams
         for bucket in self.buckets:
             grad_input = bucket.gradient_input()
             if grad_input is None:
@@ -332,24 +315,31 @@ class HSDPParamGroup:
             if self._pre_factor != 1:
                 grad_input.div_(self._pre_factor)
             if self.dp.shard_size == 1:  # nothing to scatter: the input is this rank's result
-                self._pending.append(_PendingReduce(bucket, None, grad_input, grad_input))
+                self._pending.append(PendingReduce(bucket, None, None, None, grad_input))
                 continue
             output = torch.empty(bucket.reduced_numel, dtype=bucket.reduce_dtype, device=grad_input.device)
-            streams = self._streams
             streams.wait_for_current(streams.reduce_scatter)  # the copy-in ran on the compute stream
             with record_function("hp::reduce_scatter"), streams.use(streams.reduce_scatter):
-                work = collectives.reduce_scatter(output, grad_input, self.dp.shard_group, async_op=True)
-            self._pending.append(_PendingReduce(bucket, work, streams.hold_for_collective(grad_input), output))
+                work = collectives.reduce_scatter(output, grad_input, self.dp.shard_group,
+                                                  async_op=streams.async_collectives)
+                event = streams.record_event()
+            self._pending.append(PendingReduce(bucket, work, event, streams.hold_for_collective(grad_input), output))
+
+    def _wait_reduction(self, item: PendingReduce) -> None:
+        """Order the compute stream (CPU: the host) after ``item``'s collective."""
+        if item.work is not None:
+            item.work.wait()
+        self._streams.wait_event(item.event)
 
     def finish_scatter(self) -> bool:
         """Wait for the issued reduce-scatters. FSDP: set the sharded gradients. HSDP: issue
-        the all-reduce over the replicate dim (async) and return True: call
-        :meth:`finish_all_reduce` later. (With ``requires_all_reduce=False`` the result is
-        kept as a partial sum for the next all-reduce instead.)"""
+        the all-reduce over the replicate dim and return True: call :meth:`finish_all_reduce`
+        later. (With ``requires_all_reduce=False`` the result is kept as a partial sum for the
+        next all-reduce instead.)"""
         pending, self._pending = self._pending, []
+        streams = self._streams
         for item in pending:
-            if item.work is not None:
-                item.work.wait()
+            self._wait_reduction(item)  # from here the compute stream may reuse the input's memory
             bucket, reduced = item.bucket, item.output
             if not self.dp.is_hsdp:
                 self._set_grads(bucket, reduced)
@@ -360,18 +350,18 @@ class HSDPParamGroup:
             if not self.requires_all_reduce:
                 bucket.partial_grad = reduced
                 continue
-            streams = self._streams
             streams.wait_for_current(streams.reduce_scatter)  # the partial sum was added here
             with record_function("hp::all_reduce"), streams.use(streams.reduce_scatter):
-                work = collectives.all_reduce(reduced, self.dp.replicate_group, async_op=True)
-            self._all_reducing.append(item._replace(work=work))
+                work = collectives.all_reduce(reduced, self.dp.replicate_group, async_op=streams.async_collectives)
+                event = streams.record_event()
+            self._all_reducing.append(PendingReduce(bucket, work, event, None, reduced))
         return bool(self._all_reducing)
 
     def finish_all_reduce(self) -> None:
         """Wait for the replicate all-reduces (HSDP) and set the sharded gradients."""
         items, self._all_reducing = self._all_reducing, []
         for item in items:
-            item.work.wait()
+            self._wait_reduction(item)
             self._set_grads(item.bucket, item.output)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], stream: Optional[Any]) -> None:
@@ -396,5 +386,6 @@ class HSDPParamGroup:
         if self._all_reduce_hook is not None:
             self._run_all_reduce_hook(reduced[:bucket.grad_total])
         if self.offload:
-            reduced = reduced.to("cpu")
-        bucket.assign_grads(reduced)
+            self.offloads.copy(bucket, reduced, self.pin_memory)
+            return
+        bucket.assign_grads(reduced, bucket.take_local_grads())

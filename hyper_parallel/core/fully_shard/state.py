@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from hyper_parallel._torch_compat import current_graph_task_id, queue_autograd_callback
+from hyper_parallel.core.fully_shard.offload import finish_offloads
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.core.fully_shard.policy import MixedPrecisionPolicy
 from hyper_parallel.core.fully_shard.tree import cast_floating, iter_tensors, map_tensors
@@ -121,6 +122,8 @@ class _RootContext:
     def advance_reductions(self) -> None:
         """Pipeline step: finish the all-reduces in flight, then move finished
         reduce-scatters on to their all-reduce (HSDP) or set their gradients (FSDP)."""
+        for state in self.states:  # CPU offload: the previous copies' device sources
+            state.group.offloads.release_sources()
         for group in self.all_reducing:
             group.finish_all_reduce()
         self.all_reducing = [group for group in self.reducing if group.finish_scatter()]
@@ -136,6 +139,7 @@ class _RootContext:
                 state.post_backward()
         if self.is_last_backward:
             self.finish_reductions()
+        finish_offloads([state.group.offloads for state in self.states])  # CPU offload: the host waits once
         for state in self.states:
             if state.group.reshard_after_backward:
                 state.group.reshard()
