@@ -158,7 +158,7 @@ def estimate_memory(cfg: TrainConfig, dims: ParallelDims) -> MemoryEstimate:
     t = cfg.training
     micro_batch = t.global_batch_size // (dims.dp_size * t.grad_accum_steps)
     data = (MarkovSource.memory_bytes(llama.vocab_size, cfg.data.branching)
-            if cfg.data.kind == "synthetic" else 0)
+            if isinstance(cfg.data, SyntheticDataConfig) else 0)
     return MemoryEstimate(
         parameters=parameters,
         model_state=_STATE_BYTES_PER_PARAM * parameters // dims.shard,
