@@ -23,7 +23,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from hyper_parallel.platform import init_distributed  # noqa: E402
-from hyper_parallel.trainer import ConfigError, compose_config, run_training, validate_config  # noqa: E402
+from hyper_parallel.trainer import ConfigError, compose_config, run_training, typed_config, validate_config  # noqa: E402
 from hyper_parallel.trainer.agreement import JobFailed  # noqa: E402
 from hyper_parallel.trainer.preflight import check_environment  # noqa: E402
 
@@ -47,7 +47,7 @@ def main(argv: list[str]) -> int:
         if "--cfg" in argv:
             print(OmegaConf.to_yaml(cfg))
             return 0
-        check_environment(cfg, dims, ranks_per_node=_env_int("LOCAL_WORLD_SIZE"))
+        check_environment(typed_config(cfg), dims, ranks_per_node=_env_int("LOCAL_WORLD_SIZE"))
     except ConfigError as err:
         # The same on every rank (a function of the config and the machine): rank 0 reports.
         if int(os.environ.get("RANK", 0)) == 0:

@@ -1,6 +1,7 @@
 """The pieces the training recipes share: config, mesh + model setup, LR schedule, metrics, loop."""
 
-from hyper_parallel.trainer.config import ConfigError, ParallelDims, compose_config, validate_config
+from hyper_parallel.trainer.config import ConfigError, ParallelDims, compose_config, typed_config, validate_config
+from hyper_parallel.trainer.config_schema import TrainConfig
 from hyper_parallel.trainer.loop import RunSummary, TrainingJob, build_job, run_training, train_loop, train_step
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule, warmup_cosine_lr
 
@@ -8,6 +9,7 @@ __all__ = [
     "ConfigError",
     "ParallelDims",
     "RunSummary",
+    "TrainConfig",
     "TrainingJob",
     "WarmupCosineSchedule",
     "build_job",
@@ -15,6 +17,7 @@ __all__ = [
     "run_training",
     "train_loop",
     "train_step",
+    "typed_config",
     "validate_config",
     "warmup_cosine_lr",
 ]

@@ -1,59 +1,107 @@
-"""Compose the Hydra config from the command line and validate it before anything starts."""
+"""Compose the Hydra config from the command line, validate it against the schema
+(``config_schema.py``) before anything starts, and make the typed config the consumers read."""
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import os
 import re
-from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Set
+import typing
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from hyper_parallel._optional import available, install_hint
-from hyper_parallel.models.llama import LlamaConfig
-from hyper_parallel.trainer.schema import SCHEMA, all_keys, schema_problems, unknown_key_message
+from hyper_parallel.trainer.config_rules import Range, accepts, build, describe, field_rules, leaves
+from hyper_parallel.trainer.config_schema import (  # noqa: F401 (llama_config: re-exported)
+    DATA_KEYS, DATA_KINDS, DataConfig, ModelConfig, ParallelDims, TrainConfig, llama_config,
+    register_schemas, shape)
 
 CONFIG_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
 # Hydra's message for an override of a key the config lacks.
 _UNKNOWN_OVERRIDE = re.compile(r"Could not override '([^']+)'\.\s*To append to your config")
-# Keys of the ``model`` group that are recipe options, not LlamaConfig fields.
-MODEL_RECIPE_KEYS = ("name", "activation_checkpointing", "init_from")
 
 
 class ConfigError(ValueError):
     """The configuration cannot run; the message lists every problem found."""
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """The data-parallel layout: ``replicate`` x ``shard`` ranks."""
-
-    replicate: int
-    shard: int
-
-    @property
-    def dp_size(self) -> int:
-        return self.replicate * self.shard
-
-
-def llama_config(model_cfg: DictConfig) -> LlamaConfig:
-    """The ``LlamaConfig`` described by the ``model`` config group.
-
-    Raises:
-        ValueError: inconsistent sizes (e.g. ``dim`` not divisible by ``n_heads``).
-    """
-    return LlamaConfig(**{k: v for k, v in model_cfg.items() if k not in MODEL_RECIPE_KEYS})
+def _rules(data_cls: Optional[type]) -> Dict[str, Tuple[Any, Range]]:
+    """dotted key -> (type, Range) of the schema, with the keys of ``data_cls`` (if any)."""
+    rules = dict(field_rules(TrainConfig))
+    for group, cls in typing.get_type_hints(TrainConfig).items():
+        if dataclasses.is_dataclass(cls) and cls is not DataConfig:
+            rules.update({f"{group}.{name}": rule for name, rule in field_rules(cls).items()})
+    rules["data.kind"] = (str, Range(choices=tuple(DATA_KINDS)))
+    if data_cls is not None:
+        rules.update({f"data.{name}": rule for name, rule in field_rules(data_cls).items() if name != "kind"})
+    return rules
 
 
-def model_overrides(model_cfg: DictConfig, config_dir: str = CONFIG_DIR) -> Dict[str, Any]:
-    """The model-shape keys that differ from the preset ``configs/model/<name>.yaml`` (empty
-    when there is no such preset)."""
-    path = os.path.join(config_dir, "model", f"{model_cfg.name}.yaml")
+def all_keys() -> List[str]:
+    """Every key of the schema, those of every data kind included, sorted."""
+    keys = set(_rules(None))
+    for cls in DATA_KINDS.values():
+        keys |= set(_rules(cls))
+    return sorted(keys)
+
+
+def unknown_key_message(key: str, known: List[str], data_kind: Optional[str] = None) -> str:
+    """Why ``key`` is refused: another data kind's key, or unknown (with the closest known keys)."""
+    owners = [kind for kind, keys in DATA_KEYS.items() if key.startswith("data.") and key[5:] in keys]
+    if owners:
+        chosen = f"data={data_kind}" if data_kind else "the chosen data option"
+        return f"{key} is not a key of {chosen} (it belongs to data={' / data='.join(owners)})"
+    close = difflib.get_close_matches(key, known, n=2, cutoff=0.6)
+    hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+    return f"unknown key {key}{hint}; `recipes/train.py --cfg` lists every key"
+
+
+def _data_kind(values: Dict[str, Any]) -> Optional[str]:
+    data = values.get("data")
+    kind = data.get("kind") if isinstance(data, dict) else None
+    return kind if isinstance(kind, str) and kind in DATA_KINDS else None
+
+
+def schema_problems(values: Dict[str, Any]) -> Dict[str, str]:
+    """Every key of the plain config ``values`` that is unknown or not of its type and range:
+    dotted key -> one readable line (empty: none)."""
+    kind = _data_kind(values)
+    rules = _rules(DATA_KINDS[kind] if kind else None)
+    problems: Dict[str, str] = {}
+    for name, value in leaves(values):
+        rule = rules.get(name)
+        if rule is not None:
+            if not accepts(*rule, value):
+                problems[name] = f"{name}={value!r} must be {describe(*rule)}"
+        elif name.startswith("data.") and kind is None:
+            continue  # data.kind itself is wrong: its keys cannot be judged
+        else:
+            problems[name] = unknown_key_message(name, sorted(rules), kind)
+    return problems
+
+
+def _typed(values: Dict[str, Any]) -> TrainConfig:
+    def pick(hint: type, node: Any) -> Optional[type]:
+        if hint is DataConfig:
+            return DATA_KINDS.get(node.get("kind")) if isinstance(node, dict) else None
+        return hint
+    return build(TrainConfig, values, pick)
+
+
+def typed_config(cfg: DictConfig) -> TrainConfig:
+    """The typed config of a composed, validated ``cfg`` (what the consumers read)."""
+    return _typed(OmegaConf.to_container(cfg, resolve=True))
+
+
+def model_overrides(model: ModelConfig, config_dir: str = CONFIG_DIR) -> Dict[str, Any]:
+    """The model-shape keys that differ from the preset ``configs/model/<name>.yaml`` (the
+    schema's defaults with the preset's values; empty when there is no such preset)."""
+    path = os.path.join(config_dir, "model", f"{model.name}.yaml")
     if not os.path.isfile(path):
         return {}
-    preset = OmegaConf.load(path)
-    return {k: v for k, v in model_cfg.items()
-            if k not in MODEL_RECIPE_KEYS and k in preset and preset[k] != v}
+    preset = {**shape(ModelConfig()), **OmegaConf.to_container(OmegaConf.load(path))}
+    return {k: v for k, v in shape(model).items() if preset[k] != v}
 
 
 def compose_config(overrides: Sequence[str], config_dir: str = CONFIG_DIR,
@@ -72,6 +120,7 @@ def compose_config(overrides: Sequence[str], config_dir: str = CONFIG_DIR,
     from hydra.errors import HydraException
     from omegaconf.errors import OmegaConfBaseException
 
+    register_schemas()
     try:
         with initialize_config_dir(config_dir=config_dir, version_base=None):
             cfg = compose(config_name=config_name, overrides=list(overrides))
@@ -91,29 +140,6 @@ def _first_lines(message: str, limit: int = 6) -> str:
     return "\n".join(lines[:limit])
 
 
-def resolve_parallel(cfg: DictConfig, world_size: int) -> ParallelDims:
-    """The mesh shape from ``parallel.dp_replicate`` / ``parallel.dp_shard`` (-1: the rest).
-
-    Raises:
-        ConfigError: the shape does not multiply to ``world_size``.
-    """
-    replicate, shard = int(cfg.parallel.dp_replicate), int(cfg.parallel.dp_shard)
-    if replicate < 1:
-        raise ConfigError(f"parallel.dp_replicate={replicate} must be >= 1")
-    if shard == -1:
-        if world_size % replicate:
-            raise ConfigError(
-                f"parallel.dp_replicate={replicate} does not divide the world size {world_size}"
-            )
-        shard = world_size // replicate
-    if shard < 1 or replicate * shard != world_size:
-        raise ConfigError(
-            f"parallel.dp_replicate={replicate} x parallel.dp_shard={cfg.parallel.dp_shard} does not "
-            f"factor the world size {world_size} (use dp_shard=-1 for the rest of the world)"
-        )
-    return ParallelDims(replicate, shard)
-
-
 def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
     """Check every key against the schema and the keys against each other; return the
     data-parallel layout.
@@ -126,8 +152,9 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
     if missing:
         raise ConfigError("required value(s) not set: " + ", ".join(missing)
                           + " (pass them as overrides, e.g. " + missing[0] + "=...)")
-    problems = schema_problems(cfg)
-    dims, relations = _relation_problems(cfg, world_size, bad=set(problems))
+    values = OmegaConf.to_container(cfg, resolve=True)
+    problems = schema_problems(values)
+    dims, relations = _typed(values).problems(world_size, lambda name: name not in problems)
     listing = list(problems.values()) + relations
     if listing:
         raise ConfigError(problems_message("invalid configuration", listing))
@@ -139,54 +166,3 @@ def problems_message(header: str, problems: Sequence[str]) -> str:
     if len(problems) == 1:
         return problems[0]
     return f"{header}:\n  - " + "\n  - ".join(problems)
-
-
-def _relation_problems(cfg: DictConfig, world_size: int,
-                       bad: Set[str]) -> tuple[Optional[ParallelDims], List[str]]:
-    """Checks between keys, each made only when the keys it reads passed the schema."""
-    def valid(*keys: str) -> bool:
-        return not bad.intersection(keys)
-
-    problems: List[str] = []
-    dims = None
-    t, m = cfg.training, cfg.model
-    if valid("parallel.dp_replicate", "parallel.dp_shard"):
-        try:
-            dims = resolve_parallel(cfg, world_size)
-        except ConfigError as err:
-            problems.append(str(err))
-    if dims is not None and valid("training.global_batch_size", "training.grad_accum_steps"):
-        ranks_x_accum = dims.dp_size * t.grad_accum_steps
-        if t.global_batch_size % ranks_x_accum:
-            problems.append(
-                f"training.global_batch_size={t.global_batch_size} does not divide over "
-                f"{dims.dp_size} data-parallel ranks x training.grad_accum_steps={t.grad_accum_steps}"
-                f" (needs a multiple of {ranks_x_accum})"
-            )
-    if valid(*(key for key in SCHEMA if key.startswith("model."))):
-        try:
-            llama = llama_config(m)
-            if llama.head_dim % 2:
-                problems.append(f"model: dim/n_heads = {llama.head_dim} must be even (RoPE rotates pairs)")
-        except (ValueError, TypeError) as err:
-            problems.append(f"model: {err}")
-    if valid("training.seq_len", "model.max_seq_len") and t.seq_len > m.max_seq_len:
-        problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
-    if (cfg.data.kind == "synthetic" and valid("data.branching", "model.vocab_size")
-            and cfg.data.branching > m.vocab_size):
-        problems.append(f"data.branching={cfg.data.branching} exceeds model.vocab_size={m.vocab_size}")
-    if t.compile is True and valid("training.compile_backend") and t.compile_backend not in _compile_backends():
-        problems.append(f"training.compile_backend={t.compile_backend!r} is not a torch.compile backend; "
-                        f"known: {', '.join(_compile_backends())}")
-    if cfg.checkpoint.load_only is True and not cfg.checkpoint.load_from:
-        problems.append("checkpoint.load_only=true needs checkpoint.load_from (the checkpoint to take the model from)")
-    for sink in ("tensorboard", "wandb"):
-        if cfg.logging[sink] is True and not available(sink):
-            problems.append(f"{install_hint(sink, f'logging.{sink}=true')}, or set logging.{sink}=false")
-    return dims, problems
-
-
-def _compile_backends() -> List[str]:
-    import torch  # only when training.compile is on: the rest of validation needs no torch
-
-    return torch.compiler.list_backends(exclude_tags=())

@@ -9,15 +9,16 @@ on any number of ranks.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Dict, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
-from omegaconf import DictConfig, OmegaConf
 from torch import nn
 
 from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindows, build_source, split_windows
+from hyper_parallel.trainer.config_schema import TrainConfig
 from hyper_parallel.trainer.state import all_reduce_sum
 
 # Synthetic validation samples are drawn with this offset added to training.seed.
@@ -29,13 +30,13 @@ class DataSources(NamedTuple):
     val: Optional[TokenSource]
 
 
-def build_sources(cfg: DictConfig, vocab_size: int, *, with_val: bool) -> DataSources:
+def build_sources(cfg: TrainConfig, vocab_size: int, *, with_val: bool) -> DataSources:
     """The training source and (when ``with_val``) the validation source, from ``data``.
 
     Raises:
         ValueError / FileNotFoundError: unreadable data, or no way to hold out validation data.
     """
-    options = OmegaConf.to_container(cfg.data, resolve=True)
+    options = dataclasses.asdict(cfg.data)
     kind = options.pop("kind")
     options.pop("shuffle", None)
     val_fraction = float(options.pop("val_fraction", 0.0) or 0.0)

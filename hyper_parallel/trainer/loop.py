@@ -21,7 +21,8 @@ from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
-from hyper_parallel.trainer.config import MODEL_RECIPE_KEYS, ConfigError, ParallelDims, llama_config, model_overrides
+from hyper_parallel.trainer.config import ConfigError, model_overrides, typed_config
+from hyper_parallel.trainer.config_schema import ParallelDims, TrainConfig, llama_config, shape
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
@@ -29,17 +30,17 @@ from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
-from hyper_parallel.trainer.sinks import wandb_settings
+from hyper_parallel.trainer.sinks import WandbSettings, wandb_settings
 from hyper_parallel.trainer.state import RNGState, StopRequest, all_reduce_sum, training_state
 
 
-def build_loader(cfg: DictConfig, vocab_size: int, dp_rank: int, dp_size: int,
+def build_loader(cfg: TrainConfig, vocab_size: int, dp_rank: int, dp_size: int,
                  source: Optional[TokenSource] = None) -> DistributedBatchLoader:
     """The data loader of this rank over ``source`` (default: the training split of ``data``)."""
     if source is None:
         source = build_sources(cfg, vocab_size, with_val=False).train
     return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                                  seed=cfg.training.seed, shuffle=bool(cfg.data.get("shuffle", False)))
+                                  seed=cfg.training.seed, shuffle=cfg.data.shuffles())
 
 
 def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -79,7 +80,7 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
 class TrainingJob:
     """Everything a run needs, built from the config (see :func:`build_job`)."""
 
-    cfg: DictConfig
+    cfg: TrainConfig
     dims: ParallelDims
     platform: Platform
     device: torch.device
@@ -112,7 +113,7 @@ class RunSummary:
     tokens_per_s: float = 0.0
 
 
-def _load_data(cfg: DictConfig, dims: ParallelDims, rank: int,
+def _load_data(cfg: TrainConfig, dims: ParallelDims, rank: int,
                device: torch.device) -> Tuple[DistributedBatchLoader, Optional[Evaluator]]:
     """This rank's loader (its part of the data validated: each rank checks 1/world) and the
     evaluator of the held-out split, if evaluation is on."""
@@ -129,8 +130,10 @@ def _load_data(cfg: DictConfig, dims: ParallelDims, rank: int,
     return loader, evaluator
 
 
-def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> TrainingJob:
-    """Data, mesh, sharded model, optimizer, schedule, checkpoint manager and logger.
+def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
+              wandb: Optional[WandbSettings] = None) -> TrainingJob:
+    """Data, mesh, sharded model, optimizer, schedule, checkpoint manager and logger (and the
+    W&B run of ``wandb``, when given).
 
     Requires an initialised default process group of ``dims.dp_size`` ranks.
 
@@ -165,7 +168,7 @@ def build_job(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> Traini
                                 stage_in_background=cfg.checkpoint.async_save)
     log = MetricsLogger(cfg.output_dir, total_steps=t.steps, is_main=rank == 0,
                         log_every=cfg.logging.log_every, tensorboard=cfg.logging.tensorboard,
-                        wandb=wandb_settings(cfg))
+                        wandb=wandb)
     return TrainingJob(
         cfg=cfg, dims=dims, platform=platform, device=device, mesh=mesh, model=model,
         optimizer=optimizer, schedule=schedule, loader=loader, manager=manager,
@@ -210,7 +213,7 @@ def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
     return together(job.device, load)
 
 
-def resume_mismatch(cfg: DictConfig, path: str, err: Exception) -> str:
+def resume_mismatch(cfg: TrainConfig, path: str, err: Exception) -> str:
     """Why the checkpoint at ``path`` does not fit this run, and what to do about it: the model
     keys that differ from the run's ``config.yaml`` (next to the checkpoint's folder, else in
     ``output_dir``), else the first line of ``err``."""
@@ -220,8 +223,8 @@ def resume_mismatch(cfg: DictConfig, path: str, err: Exception) -> str:
     saved_path = next((p for p in candidates if os.path.isfile(p)), None)
     if saved_path is not None:
         saved = OmegaConf.load(saved_path).get("model", {})
-        changed = [f"model.{k}: saved {saved[k]!r}, now {v!r}" for k, v in cfg.model.items()
-                   if k in saved and k not in MODEL_RECIPE_KEYS and saved[k] != v]
+        changed = [f"model.{k}: saved {saved[k]!r}, now {v!r}" for k, v in shape(cfg.model).items()
+                   if k in saved and saved[k] != v]
     detail = "; ".join(changed) if changed else str(err).strip().splitlines()[0]
     return (f"cannot resume from {path} ({detail}). For a new run use a new "
             "output_dir (or checkpoint.folder); to continue that run use the settings it was written with")
@@ -238,7 +241,7 @@ def describe(job: TrainingJob) -> str:
             f"mesh {mesh_desc}, {cfg.parallel.mixed_precision}, data {cfg.data.kind}{floor}")
 
 
-def starting_point(cfg: DictConfig, plan: Optional[operations.LoadPlan]) -> str:
+def starting_point(cfg: TrainConfig, plan: Optional[operations.LoadPlan]) -> str:
     """Where training starts: a checkpoint, ``model.init_from``, or a fresh initialisation."""
     if plan is not None:
         return plan.description
@@ -247,18 +250,20 @@ def starting_point(cfg: DictConfig, plan: Optional[operations.LoadPlan]) -> str:
     return "starting from scratch"
 
 
-def run_training(cfg: DictConfig, dims: ParallelDims, platform: Platform) -> RunSummary:
-    """Train as configured, resuming from ``checkpoint.folder`` when it holds a checkpoint.
+def run_training(composed: DictConfig, dims: ParallelDims, platform: Platform) -> RunSummary:
+    """Train as configured (``composed``: the validated config, saved as ``config.yaml``),
+    resuming from ``checkpoint.folder`` when it holds a checkpoint.
 
     Raises:
         JobFailed: on every rank, when any rank found bad data, an unreadable
             ``model.init_from``, a checkpoint that does not fit, or a non-finite loss.
     """
-    job = build_job(cfg, dims, platform)
+    cfg = typed_config(composed)
+    job = build_job(cfg, dims, platform, wandb=wandb_settings(composed))
     plan = resume(job)
     step = plan.start_step if plan is not None else 0
     if platform.rank == 0:
-        write_file_atomically(os.path.join(cfg.output_dir, "config.yaml"), OmegaConf.to_yaml(cfg).encode())
+        write_file_atomically(os.path.join(cfg.output_dir, "config.yaml"), OmegaConf.to_yaml(composed).encode())
     job.log.print(describe(job))
     job.log.print(starting_point(cfg, plan))
     if plan is not None and "optim" in plan.keys:
@@ -381,7 +386,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     return summary
 
 
-def format_summary(summary: RunSummary, cfg: DictConfig) -> str:
+def format_summary(summary: RunSummary, cfg: TrainConfig) -> str:
     """The end-of-run report printed on rank 0."""
     lines = [f"done: steps {summary.start_step} -> {summary.end_step} in {summary.wall_time_s:.1f}s "
              f"({summary.tokens_per_s:,.0f} tokens/s)"]

@@ -10,10 +10,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 import torch.distributed as dist
-from omegaconf import DictConfig
 
 from hyper_parallel.trainer.config import ConfigError
-from hyper_parallel.trainer.schema import EXCLUDABLE, EXPORT_DTYPE_NAMES
+from hyper_parallel.trainer.config_schema import EXCLUDABLE, EXPORT_DTYPE_NAMES, CheckpointConfig, OptimConfig
 
 EXPORT_DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPE_NAMES}
 
@@ -37,7 +36,7 @@ def _pick(folder: str, steps: Sequence[int], load_step: Optional[int]) -> str:
     return os.path.join(folder, f"step-{load_step}")
 
 
-def plan_load(c: DictConfig, state_keys: Sequence[str]) -> Optional[LoadPlan]:
+def plan_load(c: CheckpointConfig, state_keys: Sequence[str]) -> Optional[LoadPlan]:
     """What to load at start-up; None: start from scratch.
 
     The job's own ``checkpoint.folder`` wins (a restarted job resumes its own run, fully, minus
@@ -99,7 +98,7 @@ def load(plan: LoadPlan, state: Dict[str, Any]) -> None:
         raise ConfigError(f"{plan.path}: {err}") from None
 
 
-def final_state(c: DictConfig, state: Dict[str, Any]) -> Dict[str, Any]:
+def final_state(c: CheckpointConfig, state: Dict[str, Any]) -> Dict[str, Any]:
     """What the checkpoint after the last step holds: everything, or with
     ``last_save_model_only`` the model alone, cast to ``export_dtype``."""
     if not c.last_save_model_only:
@@ -115,12 +114,14 @@ def final_state(c: DictConfig, state: Dict[str, Any]) -> Dict[str, Any]:
 OPTIM_HYPERPARAMETERS = ("betas", "eps", "weight_decay")
 
 
-def apply_optim_config(optimizer: torch.optim.Optimizer, optim_cfg: DictConfig) -> List[str]:
+def apply_optim_config(optimizer: torch.optim.Optimizer, optim_cfg: OptimConfig) -> List[str]:
     """Set the config's optimizer hyper-parameters after a resume; one line per value that
     replaced the checkpoint's (empty when they agree)."""
     lines = []
+    configured = {"betas": tuple(float(v) for v in optim_cfg.betas), "eps": float(optim_cfg.eps),
+                  "weight_decay": float(optim_cfg.weight_decay)}
     for key in OPTIM_HYPERPARAMETERS:
-        wanted = tuple(float(v) for v in optim_cfg[key]) if key == "betas" else float(optim_cfg[key])
+        wanted = configured[key]
         saved = [tuple(g[key]) if key == "betas" else g[key] for g in optimizer.param_groups]
         if any(value != wanted for value in saved):
             for group in optimizer.param_groups:

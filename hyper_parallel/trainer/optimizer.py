@@ -5,10 +5,11 @@ from __future__ import annotations
 from typing import Dict, List, Optional
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+
+from hyper_parallel.trainer.config_schema import OptimConfig
 
 # Devices with a fused AdamW kernel in torch; others (e.g. NPU) take the foreach implementation.
 _FUSED_DEVICE_TYPES = frozenset({"cuda", "cpu"})
@@ -24,7 +25,7 @@ def mesh_groups(model: nn.Module) -> List[List[nn.Parameter]]:
     return list(groups.values())
 
 
-def build_optimizer(model: nn.Module, optim_cfg: DictConfig) -> torch.optim.Optimizer:
+def build_optimizer(model: nn.Module, optim_cfg: OptimConfig) -> torch.optim.Optimizer:
     """AdamW as torchtitan runs it: the fused implementation where every parameter's device
     has one (CUDA, CPU), else foreach; a few kernels per parameter group and step instead of
     one per parameter and op. One parameter group per device mesh (:func:`mesh_groups`)."""

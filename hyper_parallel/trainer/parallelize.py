@@ -7,13 +7,13 @@ import os
 from typing import Any, Callable, Optional
 
 import torch
-from omegaconf import DictConfig
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel.models.llama import Transformer
-from hyper_parallel.trainer.config import ConfigError, ParallelDims, llama_config
+from hyper_parallel.trainer.config import ConfigError
+from hyper_parallel.trainer.config_schema import ModelConfig, ParallelDims, llama_config
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
@@ -62,7 +62,7 @@ def compile_blocks(model: Transformer, backend: str) -> None:
         block.compile(backend=backend, fullgraph=True)
 
 
-def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: torch.device, seed: int,
+def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device, seed: int,
                 mixed_precision: str = "fp32", reshard_after_forward: bool = True,
                 compile_backend: Optional[str] = None) -> nn.Module:
     """Build the configured model without allocating full weights, shard it, initialise it.
@@ -95,7 +95,7 @@ def build_model(model_cfg: DictConfig, *, mesh: Optional[DeviceMesh], device: to
         from hyper_parallel.models.hf_llama import load_pretrained
 
         try:
-            load_pretrained(model, os.path.expanduser(str(model_cfg.init_from)), llama_config(model_cfg))
+            load_pretrained(model, os.path.expanduser(model_cfg.init_from), llama_config(model_cfg))
         except (CheckpointError, KeyError, ValueError, OSError) as err:
             raise ConfigError(f"model.init_from={model_cfg.init_from}: {err}") from None
     return model

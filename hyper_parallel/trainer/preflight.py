@@ -15,7 +15,6 @@ import tempfile
 from typing import List, NamedTuple, Optional
 
 import torch
-from omegaconf import DictConfig, OmegaConf
 
 from hyper_parallel._optional import MissingDependency, require
 from hyper_parallel.checkpoint import is_checkpoint
@@ -26,7 +25,9 @@ from hyper_parallel.data.text import TEXT_SUFFIXES, expand_paths
 from hyper_parallel.data.tokenizer import check_vocab
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform
-from hyper_parallel.trainer.config import ConfigError, ParallelDims, llama_config, problems_message
+from hyper_parallel.trainer.config import ConfigError, problems_message
+from hyper_parallel.trainer.config_schema import (
+    ParallelDims, SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig, llama_config)
 from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
 from hyper_parallel.trainer.metrics import format_bytes
 
@@ -34,7 +35,7 @@ from hyper_parallel.trainer.metrics import format_bytes
 _STATE_BYTES_PER_PARAM = 16
 
 
-def check_environment(cfg: DictConfig, dims: ParallelDims, *, ranks_per_node: int) -> None:
+def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: int) -> None:
     """Run every pre-start check on a validated config.
 
     Creates ``output_dir`` and ``checkpoint.folder`` if missing (the job would create them).
@@ -48,7 +49,7 @@ def check_environment(cfg: DictConfig, dims: ParallelDims, *, ranks_per_node: in
         raise ConfigError(problems_message("cannot start", problems))
 
 
-def folder_problems(cfg: DictConfig) -> List[str]:
+def folder_problems(cfg: TrainConfig) -> List[str]:
     """``output_dir`` and ``checkpoint.folder`` can be created and written."""
     problems = []
     for key, path in (("output_dir", cfg.output_dir), ("checkpoint.folder", cfg.checkpoint.folder)):
@@ -68,13 +69,13 @@ def folder_problems(cfg: DictConfig) -> List[str]:
     return problems
 
 
-def init_from_problems(cfg: DictConfig) -> List[str]:
+def init_from_problems(cfg: TrainConfig) -> List[str]:
     """``model.init_from``, when set, is a folder (an HF-style safetensors directory)."""
     path = cfg.model.init_from
     return [] if path is None or os.path.isdir(path) else [f"model.init_from={path} is not a folder"]
 
 
-def data_problems(cfg: DictConfig) -> List[str]:
+def data_problems(cfg: TrainConfig) -> List[str]:
     """The data against the config, without reading tokens or text.
 
     ``data=tokens``: the files' sidecars against ``data.dtype``, ``model.vocab_size`` and
@@ -86,17 +87,16 @@ def data_problems(cfg: DictConfig) -> List[str]:
     """
     d, t, evaluating = cfg.data, cfg.training, cfg.eval.every > 0
     try:
-        if d.kind == "synthetic":
+        if isinstance(d, SyntheticDataConfig):
             if evaluating and cfg.eval.steps > t.steps:
                 return [f"eval.steps={cfg.eval.steps} is more than training.steps={t.steps}: each evaluation "
                         "would take longer than the whole training; lower eval.steps"]
-        elif d.kind == "tokens":
+        elif isinstance(d, TokensDataConfig):
             sources = build_sources(cfg, cfg.model.vocab_size, with_val=evaluating)
             if sources.val is not None:
                 check_eval_steps(sources.val, t.global_batch_size, cfg.eval.steps)
-        elif d.kind == "text":
-            paths = OmegaConf.to_container(d, resolve=True)["paths"]
-            paths = ([paths] if isinstance(paths, str) else paths) + ([d.val_path] if d.val_path else [])
+        elif isinstance(d, TextDataConfig):
+            paths = ([d.paths] if isinstance(d.paths, str) else list(d.paths)) + ([d.val_path] if d.val_path else [])
             files = expand_paths(paths, TEXT_SUFFIXES)
             if any(f.endswith(".parquet") for f in files):
                 require("pyarrow.parquet", "reading .parquet files")
@@ -116,7 +116,7 @@ def _first_file_on_path(path: str) -> Optional[str]:
     return None
 
 
-def resume_problems(cfg: DictConfig) -> List[str]:
+def resume_problems(cfg: TrainConfig) -> List[str]:
     """``checkpoint.resume=false`` must not write into a folder holding another run's checkpoints."""
     folder = cfg.checkpoint.folder
     if cfg.checkpoint.resume or not os.path.isdir(folder):
@@ -146,7 +146,7 @@ class MemoryEstimate(NamedTuple):
         return self.model_state + self.gathered + self.logits + self.rope
 
 
-def estimate_memory(cfg: DictConfig, dims: ParallelDims) -> MemoryEstimate:
+def estimate_memory(cfg: TrainConfig, dims: ParallelDims) -> MemoryEstimate:
     """A lower bound of one rank's memory for this config, from shapes alone (nothing allocated)."""
     llama = llama_config(cfg.model)
     with torch.device("meta"):
@@ -158,7 +158,7 @@ def estimate_memory(cfg: DictConfig, dims: ParallelDims) -> MemoryEstimate:
     t = cfg.training
     micro_batch = t.global_batch_size // (dims.dp_size * t.grad_accum_steps)
     data = (MarkovSource.memory_bytes(llama.vocab_size, cfg.data.branching)
-            if cfg.data.kind == "synthetic" else 0)
+            if isinstance(cfg.data, SyntheticDataConfig) else 0)
     return MemoryEstimate(
         parameters=parameters,
         model_state=_STATE_BYTES_PER_PARAM * parameters // dims.shard,
@@ -185,7 +185,7 @@ def available_memory() -> tuple[Optional[int], Optional[int]]:
     return host, accelerators.get_device_properties(platform.local_rank % accelerators.device_count()).total_memory
 
 
-def memory_problems(cfg: DictConfig, dims: ParallelDims, ranks_per_node: int) -> List[str]:
+def memory_problems(cfg: TrainConfig, dims: ParallelDims, ranks_per_node: int) -> List[str]:
     """The estimate against the machine: every rank of this node on the host (CPU training),
     or one rank per accelerator."""
     est = estimate_memory(cfg, dims)

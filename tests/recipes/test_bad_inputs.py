@@ -15,7 +15,7 @@ import pytest
 from hyper_parallel.checkpoint import save
 from hyper_parallel.trainer import compose_config, validate_config
 from hyper_parallel.trainer import preflight
-from hyper_parallel.trainer.schema import DATA_SCHEMA
+from hyper_parallel.trainer.config_schema import DATA_KEYS as DATA_SCHEMA
 from tests.recipes.launch import RECIPE
 
 _spec = importlib.util.spec_from_file_location("train_recipe", RECIPE)

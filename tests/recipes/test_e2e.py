@@ -19,7 +19,7 @@ from hyper_parallel.checkpoint import CheckpointManager, ModelState, is_checkpoi
 from hyper_parallel.core.distributed_checkpoint.manager import LOCK_FILE
 from hyper_parallel.models.llama import LlamaConfig, Transformer
 from hyper_parallel.platform import free_port
-from hyper_parallel.trainer import compose_config
+from hyper_parallel.trainer import compose_config, typed_config
 from hyper_parallel.trainer.loop import build_loader
 from hyper_parallel.trainer.config import llama_config
 from tests.recipes.launch import (TINY, assert_losses_match, finish, last_loss_per_step,
@@ -173,7 +173,7 @@ def test_token_file_data_and_init_from_hf(tmp_path):
     the first global batch of the token file."""
     tokens = tmp_path / "tokens.bin"
     np.random.default_rng(0).integers(0, 256, 5000, dtype=np.uint16).tofile(tokens)
-    cfg = compose_config([*TINY, "data=tokens", f"data.path={tokens}"])
+    cfg = typed_config(compose_config([*TINY, "data=tokens", f"data.path={tokens}"]))
     plain = Transformer(llama_config(cfg.model))
     plain.init_weights(seed=7)
     hf_dir = tmp_path / "hf"

@@ -19,7 +19,7 @@ from hyper_parallel.checkpoint import CheckpointManager, ModelState, read_checkp
 from hyper_parallel.data import prepare_tokens
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import free_port
-from hyper_parallel.trainer import compose_config
+from hyper_parallel.trainer import compose_config, typed_config
 from hyper_parallel.trainer.config import llama_config
 from hyper_parallel.trainer.loop import build_loader
 from hyper_parallel.trainer.schedule import warmup_cosine_lr
@@ -158,7 +158,7 @@ def one_rank_jobs(corpus, reference, tmp_path_factory):
 def _first_batch_loss(corpus, checkpoint_folder):
     """The loss of the reference's final model on the first global batch, in one process."""
     _, _, common, text, _ = corpus
-    cfg = compose_config([*common, *text])
+    cfg = typed_config(compose_config([*common, *text]))
     model = Transformer(llama_config(cfg.model))
     assert CheckpointManager(checkpoint_folder).load_latest({"model": ModelState(model)}) == STEPS
     batch = build_loader(cfg, MODEL_VOCAB, dp_rank=0, dp_size=1).next_batch()

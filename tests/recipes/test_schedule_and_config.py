@@ -1,6 +1,8 @@
 """LR schedule values and state, and start-up config validation (in-process)."""
 
+import dataclasses
 import math
+import os
 
 import pytest
 import torch
@@ -73,3 +75,38 @@ def test_every_problem_is_listed_in_one_message():
                      "optim.min_lr_ratio=2 must be a finite number in [0, 1]", "logging.log_every=0 must be a positive",
                      "parallel.dp_shard=3 does not factor the world size 2"):
         assert expected in message
+
+
+def test_the_typed_config_holds_the_composed_values_in_the_data_kinds_class():
+    from omegaconf import OmegaConf
+
+    from hyper_parallel.trainer import TrainConfig, typed_config
+    from hyper_parallel.trainer.config_schema import DATA_KINDS
+
+    for kind, extra in (("synthetic", []), ("text", ["data.paths=[a,b]"]), ("tokens", ["data.path=x"])):
+        cfg = compose_config([f"data={kind}", *extra, "training.steps=7", "optim.betas=[0.8,0.9]"])
+        typed = typed_config(cfg)
+        assert isinstance(typed, TrainConfig) and type(typed.data) is DATA_KINDS[kind]
+        assert typed.training.steps == 7 and typed.optim.betas == [0.8, 0.9]
+        assert dataclasses.asdict(typed) == OmegaConf.to_container(cfg, resolve=True)
+
+
+def test_presets_hold_only_what_differs_from_the_schema():
+    """Defaults live in config_schema.py alone: a preset restating one would drift from it."""
+    from omegaconf import OmegaConf
+
+    from hyper_parallel.trainer.config import CONFIG_DIR
+    from hyper_parallel.trainer.config_rules import defaults
+    from hyper_parallel.trainer.config_schema import DATA_KINDS, GROUPS, TrainConfig
+
+    schemas = {**GROUPS, **{f"data/{kind}": cls for kind, cls in DATA_KINDS.items()}}
+    for group, cls in schemas.items():
+        folder = os.path.join(CONFIG_DIR, group.split("/")[0])
+        names = [group.split("/")[1] + ".yaml"] if "/" in group else sorted(os.listdir(folder))
+        for name in names:
+            preset = OmegaConf.to_container(OmegaConf.load(os.path.join(folder, name)))
+            preset.pop("defaults")
+            restated = {k: v for k, v in preset.items() if defaults(cls)[k] == v}
+            assert not restated, f"configs/{group}/{name} restates schema defaults {restated}"
+    train = OmegaConf.to_container(OmegaConf.load(os.path.join(CONFIG_DIR, "train.yaml")))
+    assert set(train) == {"defaults"} and TrainConfig().training.steps == compose_config([]).training.steps

@@ -1,0 +1,339 @@
+"""The recipe config's schema: one dataclass per config group (one per ``data`` kind), each key
+with its type, default, range and meaning in one place.
+
+The defaults are registered in Hydra's ConfigStore (:func:`register_schemas`); the YAML files
+under ``configs/`` extend them (``defaults: [schema, _self_]``) and hold only what a preset
+changes. Consumers read the typed :class:`TrainConfig` (``config.typed_config``). Adding a key
+is one line in its class, e.g. ``eval_every: int = key(0, min=0)  # ...``, plus its row in
+docs/recipes.md; a check between keys goes in the class's ``problems``. A new data kind is one
+:class:`DataConfig` subclass in ``DATA_KINDS`` plus its ``configs/data/<kind>.yaml``.
+
+Each ``problems(ok)`` lists what is wrong between the class's keys; ``ok(name)`` says whether a
+key passed its own type and range check (a check reads only keys that did).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from typing import Callable, ClassVar, Dict, List, Optional, Tuple, Type, Union
+
+from hyper_parallel._optional import available, install_hint
+from hyper_parallel.models.llama import LlamaConfig
+from hyper_parallel.trainer.config_rules import defaults, key
+
+SEED_MAX = 2**32 - 1  # numpy's and the loader's seed range
+# Training-state entries that checkpoint.exclude may name (the model is always loaded).
+EXCLUDABLE = ("optim", "lr_schedule", "data", "rng")
+# dtypes a model-only last checkpoint may be written in (checkpoint.export_dtype).
+EXPORT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
+SCHEMA_NAME = "schema"  # each group's ConfigStore entry, extended by its YAML presets
+
+Ok = Callable[[str], bool]
+
+
+@dataclass
+class TrainingConfig:
+    """The ``training`` keys: run length, batch, seed, device, compile and early stops."""
+
+    steps: int = key(200, min=1)                      # optimizer steps in total (a resumed job runs up to this step)
+    global_batch_size: int = key(16, min=1)           # samples per optimizer step, over all ranks and accumulation steps
+    seq_len: int = key(64, min=1)                     # tokens per sample fed to the model
+    seed: int = key(0, min=0, max=SEED_MAX)           # model init and data order
+    grad_accum_steps: int = key(1, min=1)             # micro-batches per optimizer step on each rank
+    max_grad_norm: float = key(1.0, min=0)            # gradient clipping; 0 disables it
+    device: str = key("auto", choices=("auto", "cpu"))  # auto (the platform's accelerator, else cpu) | cpu
+    compile: bool = key(False)                        # torch.compile each block (after activation checkpointing, before fully_shard)
+    compile_backend: str = key("inductor")            # torch.compile backend when compile=true (aot_eager: no codegen)
+    stop_after_steps: Optional[int] = key(None, min=1)  # stop (with a checkpoint) after N steps of this job
+    time_limit_minutes: Optional[float] = key(None, min=0, min_open=True)  # stop (with a checkpoint) before N minutes
+    peak_tflops: Optional[float] = key(None, min=0, min_open=True)  # per-device peak for MFU (null: the built-in table)
+
+    def problems(self, ok: Ok) -> List[str]:
+        if self.compile is True and ok("compile_backend") and self.compile_backend not in _compile_backends():
+            return [f"training.compile_backend={self.compile_backend!r} is not a torch.compile backend; "
+                    f"known: {', '.join(_compile_backends())}"]
+        return []
+
+
+@dataclass
+class LoggingConfig:
+    """The ``logging`` keys: console progress and the optional TensorBoard / W&B sinks."""
+
+    log_every: int = key(10, min=1)          # console progress every N steps (metrics.jsonl gets every step)
+    tensorboard: bool = key(False)           # also write TensorBoard events to ${output_dir}/tensorboard
+    wandb: bool = key(False)                 # also log to Weights & Biases (WANDB_MODE=offline works)
+    wandb_project: str = key("hyper_parallel")
+    wandb_run_name: Optional[str] = key(None)  # null: the name of output_dir
+
+    def problems(self, ok: Ok) -> List[str]:
+        asked = {"tensorboard": self.tensorboard, "wandb": self.wandb}
+        return [f"{install_hint(sink, f'logging.{sink}=true')}, or set logging.{sink}=false"
+                for sink, on in asked.items() if on is True and not available(sink)]
+
+
+@dataclass
+class EvalConfig:
+    """The ``eval`` keys: the held-out loss, when and over how many batches."""
+
+    every: int = key(0, min=0)               # validation loss every N steps and at the last step; 0 disables it
+    steps: int = key(4, min=1)               # global batches of validation data per evaluation (the same each time)
+
+
+@dataclass
+class ProfilingConfig:
+    """The ``profiling`` keys: a torch.profiler window."""
+
+    enable: bool = key(False)                # torch.profiler trace per rank over start_step .. start_step+steps-1
+    start_step: int = key(3, min=1)
+    steps: int = key(2, min=1)
+    folder: str = key("${output_dir}/profiles", path=True)
+    memory_snapshot: bool = key(False)       # also a CUDA memory snapshot over the window (CUDA only)
+
+
+@dataclass
+class ModelConfig:
+    """A Llama-style shape (the defaults: ``llama_debug``) and the recipe's model options."""
+
+    name: str = key("llama_debug")
+    vocab_size: int = key(256, min=1)
+    dim: int = key(64, min=1)
+    n_layers: int = key(2, min=1)
+    n_heads: int = key(4, min=1)
+    n_kv_heads: Optional[int] = key(2, min=1)            # null: n_heads (no grouped-query attention)
+    ffn_hidden_dim: Optional[int] = key(None, min=1)     # null: the Llama rule from dim
+    max_seq_len: int = key(256, min=1)
+    rope_theta: float = key(10000.0, min=0, min_open=True)
+    tie_embeddings: bool = key(False)
+    activation_checkpointing: bool = key(False)          # recompute each block's activations in backward
+    init_from: Optional[str] = key(None, path=True)      # HF-style safetensors directory to initialise from
+
+    # The keys that are recipe options, not LlamaConfig fields.
+    RECIPE_KEYS: ClassVar[Tuple[str, ...]] = ("name", "activation_checkpointing", "init_from")
+
+    def problems(self, ok: Ok) -> List[str]:
+        if not all(ok(f.name) for f in fields(self)):
+            return []
+        try:
+            llama = llama_config(self)
+        except (ValueError, TypeError) as err:
+            return [f"model: {err}"]
+        return [f"model: dim/n_heads = {llama.head_dim} must be even (RoPE rotates pairs)"] if llama.head_dim % 2 else []
+
+
+def llama_config(model: ModelConfig) -> LlamaConfig:
+    """The ``LlamaConfig`` described by the ``model`` config group.
+
+    Raises:
+        ValueError: inconsistent sizes (e.g. ``dim`` not divisible by ``n_heads``).
+    """
+    return LlamaConfig(**shape(model))
+
+
+def shape(model: ModelConfig) -> Dict[str, object]:
+    """The model keys that are ``LlamaConfig`` fields, with their values."""
+    return {f.name: getattr(model, f.name) for f in fields(ModelConfig) if f.name not in ModelConfig.RECIPE_KEYS}
+
+
+@dataclass
+class DataConfig:
+    """Base of the ``data`` group's schemas: one subclass per ``data.kind`` (``DATA_KINDS``)."""
+
+    kind: str = ""
+
+    def shuffles(self) -> bool:
+        """Whether the loader shuffles samples each epoch."""
+        return False
+
+
+@dataclass
+class SyntheticDataConfig(DataConfig):
+    """Seeded sparse Markov chain over the model's vocabulary; the best achievable loss is exact."""
+
+    kind: str = "synthetic"
+    chain_seed: int = key(1234, min=0, max=SEED_MAX)  # the chain itself (fixed across runs); samples follow training.seed
+    branching: int = key(4, min=1)                     # successors per token
+    concentration: float = key(0.5, min=0, min_open=True)  # Dirichlet concentration of the transition probabilities
+
+
+@dataclass
+class TextDataConfig(DataConfig):
+    """Local text corpora: .txt (a file is a document), .jsonl (a "text" field per line), .parquet
+    (a "text" column); files, folders or glob patterns, joined by the tokenizer's EOS."""
+
+    kind: str = "text"
+    paths: Union[str, List[str]] = key(path=True)          # a file, folder, glob pattern, or a list of them
+    tokenizer: str = key("bytes", path=True)               # bytes (UTF-8 bytes, vocabulary 256) | a tokenizer.json
+    eos_token: Optional[str] = key(None)                   # the token joining documents (null: the tokenizer's)
+    shuffle: bool = key(True)                              # shuffle samples each epoch (seeded by training.seed)
+    val_fraction: float = key(0.0, min=0, max=1, max_open=True)  # hold out the corpus's last samples for eval
+    val_path: Optional[str] = key(None, path=True)         # or a separate validation corpus
+
+    def shuffles(self) -> bool:
+        return self.shuffle
+
+
+@dataclass
+class TokensDataConfig(DataConfig):
+    """A flat binary file of token ids, read by memory map, with a ``<path>.json`` sidecar
+    (scripts/prepare_data.py writes both) checked against these settings and the model."""
+
+    kind: str = "tokens"
+    path: str = key(path=True)
+    dtype: str = key("uint16", choices=("uint16", "uint32"))  # native byte order
+    tokenizer: Optional[str] = key(None, path=True)        # if set, must be the tokenizer the sidecar names
+    shuffle: bool = key(True)
+    val_fraction: float = key(0.0, min=0, max=1, max_open=True)  # hold out the file's last samples for eval
+    val_path: Optional[str] = key(None, path=True)         # or a separate token file
+
+    def shuffles(self) -> bool:
+        return self.shuffle
+
+
+DATA_KINDS: Dict[str, Type[DataConfig]] = {
+    "synthetic": SyntheticDataConfig, "text": TextDataConfig, "tokens": TokensDataConfig}
+# data.<key> names of each kind (``kind`` itself included).
+DATA_KEYS: Dict[str, Tuple[str, ...]] = {kind: tuple(f.name for f in fields(cls)) for kind, cls in DATA_KINDS.items()}
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The data-parallel layout: ``replicate`` x ``shard`` ranks."""
+
+    replicate: int
+    shard: int
+
+    @property
+    def dp_size(self) -> int:
+        return self.replicate * self.shard
+
+
+@dataclass
+class ParallelConfig:
+    """The ``parallel`` group (``fsdp``, ``hsdp``): the data-parallel mesh and precision."""
+
+    dp_replicate: int = key(1, min=1)
+    dp_shard: int = key(-1, min=-1)                 # -1: the rest of the world (world_size / dp_replicate)
+    mixed_precision: str = key("fp32", choices=("fp32", "bf16"))  # bf16: bf16 compute, fp32 master weights and reduction
+    reshard_after_forward: bool = key(True)
+
+    def resolve(self, world_size: int) -> Tuple[Optional[ParallelDims], Optional[str]]:
+        """The mesh shape (``dp_shard=-1``: the rest of the world), or why it does not factor
+        ``world_size``."""
+        replicate, shard = self.dp_replicate, self.dp_shard
+        if shard == -1:
+            if world_size % replicate:
+                return None, f"parallel.dp_replicate={replicate} does not divide the world size {world_size}"
+            shard = world_size // replicate
+        if shard < 1 or replicate * shard != world_size:
+            return None, (f"parallel.dp_replicate={replicate} x parallel.dp_shard={self.dp_shard} does not "
+                          f"factor the world size {world_size} (use dp_shard=-1 for the rest of the world)")
+        return ParallelDims(replicate, shard), None
+
+
+@dataclass
+class OptimConfig:
+    """The ``optim`` group (``adamw``): AdamW with a linear warm-up and a cosine decay."""
+
+    name: str = key("adamw", choices=("adamw",))
+    lr: float = key(3.0e-3, min=0, min_open=True)    # peak learning rate
+    weight_decay: float = key(0.1, min=0)
+    betas: List[float] = key([0.9, 0.95], min=0, max=1, max_open=True, length=2)
+    eps: float = key(1.0e-8, min=0, min_open=True)
+    warmup_steps: int = key(10, min=0)                # linear warm-up from 0 to lr
+    min_lr_ratio: float = key(0.1, min=0, max=1)      # cosine decay down to lr * min_lr_ratio at training.steps
+
+
+@dataclass
+class CheckpointConfig:
+    """The ``checkpoint`` group (``default``): saving, retention and what to start from."""
+
+    folder: str = key("${output_dir}/checkpoints", path=True)
+    interval: int = key(50, min=1)                   # save every N steps (and always at the last step)
+    keep_last_n: int = key(2, min=1)                 # committed checkpoints kept; older ones are deleted
+    async_save: bool = key(False)                    # write in the background while training continues
+    resume: bool = key(True)                         # start from the latest complete checkpoint in folder, if any
+    save_on_sigterm: bool = key(True)                # on SIGTERM all ranks stop at the next step boundary and save
+    load_step: Optional[int] = key(None, min=0)      # resume from this step instead of the latest
+    load_from: Optional[str] = key(None, path=True)  # a checkpoint (step-N dir or folder) to start from when folder holds none
+    load_only: bool = key(False)                     # with load_from: the model weights only, starting at step 0
+    exclude: List[str] = key([], choices=EXCLUDABLE, allow_empty=True)  # state not loaded
+    last_save_model_only: bool = key(False)          # the checkpoint after the last step holds the model only
+    export_dtype: str = key("float32", choices=EXPORT_DTYPE_NAMES)  # the model-only last checkpoint's dtype
+
+    def problems(self, ok: Ok) -> List[str]:
+        if self.load_only is True and not self.load_from:
+            return ["checkpoint.load_only=true needs checkpoint.load_from (the checkpoint to take the model from)"]
+        return []
+
+
+# The config groups: each one a folder under configs/ whose options extend the schema.
+GROUPS: Dict[str, type] = {"model": ModelConfig, "parallel": ParallelConfig, "optim": OptimConfig,
+                           "checkpoint": CheckpointConfig}
+
+
+@dataclass
+class TrainConfig:
+    """The whole recipe config (``configs/train.yaml`` and its groups)."""
+
+    output_dir: str = key("outputs/train", path=True)  # metrics, config.yaml, checkpoints (by default)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=SyntheticDataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+
+    def problems(self, world_size: int, ok: Ok) -> Tuple[Optional[ParallelDims], List[str]]:
+        """The checks across groups and each group's own; the mesh shape when it factors."""
+        def within(group: str) -> Ok:
+            return lambda name: ok(f"{group}.{name}")
+
+        problems: List[str] = []
+        dims, t, m = None, self.training, self.model
+        if ok("parallel.dp_replicate") and ok("parallel.dp_shard"):
+            dims, problem = self.parallel.resolve(world_size)
+            problems += [problem] if problem else []
+        if dims is not None and ok("training.global_batch_size") and ok("training.grad_accum_steps"):
+            ranks_x_accum = dims.dp_size * t.grad_accum_steps
+            if t.global_batch_size % ranks_x_accum:
+                problems.append(
+                    f"training.global_batch_size={t.global_batch_size} does not divide over "
+                    f"{dims.dp_size} data-parallel ranks x training.grad_accum_steps={t.grad_accum_steps}"
+                    f" (needs a multiple of {ranks_x_accum})")
+        problems += m.problems(within("model"))
+        if ok("training.seq_len") and ok("model.max_seq_len") and t.seq_len > m.max_seq_len:
+            problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
+        d = self.data
+        if (isinstance(d, SyntheticDataConfig) and ok("data.kind") and ok("data.branching") and ok("model.vocab_size")
+                and d.branching > m.vocab_size):
+            problems.append(f"data.branching={d.branching} exceeds model.vocab_size={m.vocab_size}")
+        problems += t.problems(within("training"))
+        problems += self.checkpoint.problems(within("checkpoint"))
+        problems += self.logging.problems(within("logging"))
+        return dims, problems
+
+
+def register_schemas() -> None:
+    """Store every group's defaults in Hydra's ConfigStore (``<group>/schema``,
+    ``data/<kind>_schema``, and ``schema`` for train.yaml's own keys).
+
+    Stored as plain values, not typed nodes: OmegaConf would refuse a bad value while composing,
+    one at a time, and the recipe reports every problem together (``config.validate_config``).
+    """
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name=SCHEMA_NAME, node=defaults(TrainConfig, exclude=(*GROUPS, "data")))
+    for group, cls in GROUPS.items():
+        cs.store(group=group, name=SCHEMA_NAME, node=defaults(cls))
+    for kind, cls in DATA_KINDS.items():
+        cs.store(group="data", name=f"{kind}_{SCHEMA_NAME}", node=defaults(cls))
+
+
+def _compile_backends() -> List[str]:
+    import torch  # only when training.compile is on: the rest of validation needs no torch
+
+    return torch.compiler.list_backends(exclude_tags=())
