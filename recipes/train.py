@@ -12,6 +12,7 @@ with its final checkpoint), 2 a problem reported in one line.
 
 from __future__ import annotations
 
+import logging
 import os
 import sys
 
@@ -65,11 +66,21 @@ def main(argv: list[str]) -> int:
         message = failure.report(platform.rank, platform.world_size)
         if message:
             print(f"error: {message}", file=sys.stderr, flush=True)
-        sys.stderr.flush()
-        sys.stdout.flush()
-        os._exit(EXIT_PROBLEM)
+        _exit_now(EXIT_PROBLEM)
     dist.destroy_process_group()
-    return 0
+    # [Note: exit without interpreter teardown] A gloo worker thread may still be dropping a
+    # finished collective's tensors (a barrier's prior work) when the interpreter finalizes;
+    # the decref then needs the GIL, Python < 3.14 ends such a thread inside a C++ destructor
+    # and the rank aborts ("terminate called without an active exception", exit -6) after a
+    # successful run. Everything the job writes is closed and flushed by now.
+    _exit_now(0)
+
+
+def _exit_now(code: int) -> None:
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":
