@@ -15,18 +15,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
 from tests.fully_shard._helpers import (DTYPE, TOL, full_params, global_batch, lm_loss, max_diff, parity,
-                                        tiny_llama, train)
+                                        shard_layers_and_root, tiny_llama, train)
 from tests.multirank import run_on_ranks
 
 
 def _hsdp_mesh():
     return hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-
-
-def _wrap(model, **kw):
-    for layer in model.layers:
-        hp.fully_shard(layer, **kw)
-    return hp.fully_shard(model, **kw)
 
 
 class _Uneven(nn.Module):
@@ -41,7 +35,7 @@ class _Uneven(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def _mse(model, batch):
+def _mse_5_to_rest(model, batch):
     return ((model(batch[:, :5]) - batch[:, 5:]) ** 2).mean()
 
 
@@ -49,19 +43,19 @@ def _hsdp_and_uneven():
     rank = dist.get_rank()
     mesh = _hsdp_mesh()
     dp_rank = rank  # replicate-major: data-parallel index = rank
-    results = {"hsdp": parity(lambda m: _wrap(m, mesh=mesh), dp_rank, 4)}
+    results = {"hsdp": parity(lambda m: shard_layers_and_root(m, mesh=mesh), dp_rank, 4)}
 
     def no_all_reduce_first(model, micro, n_micro):
         model.set_requires_all_reduce(micro == n_micro - 1)
     collectives.reset_collective_counts()
     results["hsdp_partial_all_reduce"] = parity(
-        lambda m: _wrap(m, mesh=mesh), dp_rank, 4, steps=1, batch_size=8, micro_batches=2,
+        lambda m: shard_layers_and_root(m, mesh=mesh), dp_rank, 4, steps=1, batch_size=8, micro_batches=2,
         before_micro=no_all_reduce_first)
     counts = collectives.collective_counts()
     assert counts["reduce_scatter"] == 6 and counts["all_reduce"] == 3, counts  # 3 groups
 
     torch.manual_seed(0)
-    model = _wrap(tiny_llama(), mesh=mesh)
+    model = shard_layers_and_root(tiny_llama(), mesh=mesh)
     for name, param in model.named_parameters():
         assert param.placements == (Replicate(), Shard(0)), (name, param.placements)
     collectives.reset_collective_counts()
@@ -77,8 +71,8 @@ def _hsdp_and_uneven():
         model = hp.fully_shard(copy.deepcopy(reference), shard_placement_fn=placement_fn)
         if placement_fn is None:
             assert model.down.weight.to_local().shape[0] == (0 if rank == 3 else 1)
-        train(reference, batches, loss_fn=_mse)
-        train(model, [b.chunk(4)[rank] for b in batches], loss_fn=_mse)
+        train(reference, batches, loss_fn=_mse_5_to_rest)
+        train(model, [b.chunk(4)[rank] for b in batches], loss_fn=_mse_5_to_rest)
         results[name] = max_diff(full_params(model), full_params(reference))
     return results
 
