@@ -106,6 +106,18 @@ def assert_state_equal(actual: Dict[str, Any], expected: Dict[str, Any], path: s
         assert actual == expected, (path, actual, expected)
 
 
+def app_state(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
+    """What a training loop checkpoints: the model and its optimizer, resolved on save/load."""
+    return {"model": hdcp.ModelState(model), "optim": hdcp.OptimizerState(model, optim)}
+
+
+def local_tensor_clones(state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """Clones of every tensor (DTensor: local shard) of the resolved ``app_state``, by flat key."""
+    flat = hdcp.flatten_state_dict({k: v.state_dict() for k, v in state.items()})[0]
+    return {k: (v.to_local() if isinstance(v, DTensor) else v).clone()
+            for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
 def state_nbytes(state: Dict[str, Any]) -> int:
     total = 0
     for tree in (state["model"], *state["optim"]["state"].values()):

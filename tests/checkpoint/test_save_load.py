@@ -354,7 +354,7 @@ def test_replicas_asking_for_different_keys_fail_instead_of_hanging(tmp_path):
     assert all("would broadcast different replicated shards" in m for m in messages), messages
 
 
-def _model_and_optimizer(seed):
+def _trained_mlp_and_adamw(seed):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -366,12 +366,12 @@ def _model_and_optimizer(seed):
 @pytest.mark.parametrize("save_fn", ["save", "async_save"])
 def test_stateful_values_are_saved_and_restored(tmp_path, save_fn):
     path = str(tmp_path / "ckpt")
-    model, optim = _model_and_optimizer(0)
+    model, optim = _trained_mlp_and_adamw(0)
     state = {"model": hdcp.ModelState(model), "optim": hdcp.OptimizerState(model, optim), "step": 7}
     result = getattr(hdcp, save_fn)(state, checkpoint_id=path, no_dist=True)
     if save_fn == "async_save":
         result.result(timeout=60)
-    target_model, target_optim = _model_and_optimizer(1)
+    target_model, target_optim = _trained_mlp_and_adamw(1)
     target = {"model": hdcp.ModelState(target_model), "optim": hdcp.OptimizerState(target_model, target_optim),
               "step": 0}
     hdcp.load(target, checkpoint_id=path, no_dist=True)

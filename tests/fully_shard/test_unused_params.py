@@ -38,7 +38,7 @@ class _Stacked(nn.Module):
         return self.b(torch.tanh(self.a(self.inp(x))), use_second)
 
 
-def _grads(model: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
+def _full_grads_or_none(model: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
     return {name: None if p.grad is None else
             (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone())
             for name, p in model.named_parameters()}
@@ -58,7 +58,7 @@ def _case(second_used_on: tuple, mesh_shape: tuple, stacked: bool = False) -> di
     model(inputs[rank], rank in second_used_on).backward()
     # Reference: the mean over ranks of each rank's loss, in one process.
     (sum(reference(inputs[r], r in second_used_on) for r in range(world)) / world).backward()
-    ours, expected = _grads(model), _grads(reference)
+    ours, expected = _full_grads_or_none(model), _full_grads_or_none(reference)
     diffs = {}
     for name in expected:
         if expected[name] is None or ours[name] is None:
@@ -82,7 +82,7 @@ def _hsdp_cases() -> dict:
             "HSDP used on rank 3 only": _case((3,), (2, 2))}
 
 
-def _check(results) -> None:
+def _check_diffs(results) -> None:
     for result in results:
         for case, diffs in result.items():
             for name, diff in diffs.items():
@@ -93,11 +93,11 @@ def _check(results) -> None:
 
 
 def test_unused_parameters_keep_none_grads_and_partly_used_ones_agree():
-    _check(run_on_ranks(2, _all_cases, timeout=120))
+    _check_diffs(run_on_ranks(2, _all_cases, timeout=120))
 
 
 def test_hsdp_unused_parameters():
-    _check(run_on_ranks(4, _hsdp_cases, timeout=180))
+    _check_diffs(run_on_ranks(4, _hsdp_cases, timeout=180))
 
 
 class _TiedUnusedOwner(nn.Module):
@@ -134,7 +134,7 @@ def _tied_owner_case(use_owner: bool) -> dict:
                                                                                  generator=gen)
     model(tokens[rank], x[rank], use_owner).backward()
     (sum(reference(tokens[r], x[r], use_owner) for r in range(world)) / world).backward()
-    ours, expected = _grads(model), _grads(reference)
+    ours, expected = _full_grads_or_none(model), _full_grads_or_none(reference)
     return {name: (ours[name] - expected[name]).abs().max().item() for name in expected}
 
 
