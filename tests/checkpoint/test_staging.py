@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from hyper_parallel import checkpoint as hdcp
-from tests.checkpoint.helpers import FailingStagingPlanner, FullDiskWriter, distribute_state, full_state, load_and_check
+from tests.checkpoint.helpers import distribute_state, full_state, load_and_check
+from tests.checkpoint.helpers import FailingStagingPlanner, FullDiskWriter
 from tests.multirank import run_on_ranks
 
 SLAB, WINDOW, BUDGET = 4096, 8192, 16384
