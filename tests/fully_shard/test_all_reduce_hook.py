@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
-from tests.fully_shard._helpers import TOL, global_batch, lm_loss, max_diff, tiny_llama
+from tests.fully_shard._helpers import TOL, global_batch, lm_loss, max_diff, shard_layers_and_root, tiny_llama
 from tests.multirank import run_on_ranks
 
 
@@ -36,9 +36,7 @@ def _hooked_grads(mesh, hook, dp_rank: int, dp_size: int, stream=None) -> float:
     torch.manual_seed(0)
     reference = tiny_llama()
     model = copy.deepcopy(reference)
-    for layer in model.layers:
-        hp.fully_shard(layer, mesh=mesh)
-    hp.fully_shard(model, mesh=mesh)
+    shard_layers_and_root(model, mesh=mesh)
     for module in model.modules():
         if isinstance(module, hp.FSDPModule):
             module.set_all_reduce_hook(hook, stream=stream)
