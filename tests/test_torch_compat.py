@@ -90,7 +90,8 @@ def test_queue_autograd_callback_runs_after_the_backward_pass():
 def test_lookup_compile_backend():
     assert callable(compat.lookup_compile_backend("aot_eager"))
     graph = torch.fx.symbolic_trace(lambda x: x * 2)
-    assert torch.equal(compat.lookup_compile_backend("eager")(graph, [torch.ones(2)])(torch.ones(2)), torch.full((2,), 2.0))
+    compiled = compat.lookup_compile_backend("eager")(graph, [torch.ones(2)])
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
 
 
 def test_disable_functorch_if_active():
@@ -141,6 +142,20 @@ def test_record_cuda_memory_history_and_dump_cuda_memory_snapshot(monkeypatch, t
         ("_dump_snapshot", {"filename": str(tmp_path / "snapshot.pickle")}),
         ("_record_memory_history", {"enabled": None}),
     ]
+
+
+@pytest.mark.skipif(not hasattr(compat, "post_accumulate_grad_hooks"),
+                    reason="added on main by accel21: drop this mark once merged")
+def test_post_accumulate_grad_hooks():
+    param = torch.nn.Parameter(torch.ones(2))
+    assert not compat.post_accumulate_grad_hooks(param)
+    seen = []
+    handle = param.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.tolist()))
+    assert len(compat.post_accumulate_grad_hooks(param)) == 1
+    (param * 3).sum().backward()
+    assert seen == [[3.0, 3.0]]
+    handle.remove()
+    assert not compat.post_accumulate_grad_hooks(param)
 
 
 def test_init_fake_process_group_stands_for_any_rank():
