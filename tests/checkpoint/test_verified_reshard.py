@@ -27,13 +27,13 @@ T = 120
 ROWS, COLS = 16, 8192
 
 
-def _full() -> torch.Tensor:
+def _arange_full() -> torch.Tensor:
     return torch.arange(ROWS * COLS, dtype=torch.float32).view(ROWS, COLS)
 
 
 def _save_on_ranks(path):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    hdcp.save({"w": distribute_tensor(_full(), mesh, (Shard(0),))}, checkpoint_id=path)
+    hdcp.save({"w": distribute_tensor(_arange_full(), mesh, (Shard(0),))}, checkpoint_id=path)
 
 
 def _load_sharded(path, dim, verify=True):
@@ -46,7 +46,7 @@ def _load_sharded(path, dim, verify=True):
             hdcp.load(target, checkpoint_id=path, verify=verify)
         except hdcp.CheckpointError as exc:
             return str(exc)
-    differ = (target["w"].full_tensor() != _full()).sum().item()
+    differ = (target["w"].full_tensor() != _arange_full()).sum().item()
     assert differ == 0 or (not verify and differ == 1), differ
     return sum(read)
 
