@@ -7,7 +7,7 @@ import contextlib
 import math
 import os
 import threading
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
 import pytest
 import torch
@@ -163,7 +163,7 @@ class FailingStagingPlanner(hdcp.StandardSavePlanner):
         return super().get_data(item)
 
 
-# ---------------------------------------------------------------------------- meta DTensors on torch's fake process group
+# ------------------------------------------------------------- meta DTensors on torch's fake process group
 
 # (mesh shape, placements) per layout; the state below is saved with one and loaded with another.
 META_LAYOUTS = {
@@ -251,6 +251,16 @@ def counting_reads():
         yield counts
     finally:
         os.preadv = real_preadv
+
+
+def message_or(done: str, call: Callable[[], Any],
+               errors: Tuple[Type[BaseException], ...] = (hdcp.CheckpointError,)) -> str:
+    """The message of the error (one of ``errors``) ``call()`` raises, else ``done``."""
+    try:
+        call()
+    except errors as exc:
+        return str(exc)
+    return done
 
 
 def refused(path: str, match: str) -> None:

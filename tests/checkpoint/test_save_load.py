@@ -18,6 +18,7 @@ from tests.checkpoint.helpers import (
     distribute_state,
     full_state,
     load_and_check,
+    message_or,
     save_layout,
     state_nbytes,
 )
@@ -140,11 +141,7 @@ def test_repeated_save_reuses_global_plan(tmp_path):
 def _diverging_plain_value(path):
     state = distribute_state(full_state(), "fsdp")
     state["rng"] = torch.tensor([dist.get_rank()])
-    try:
-        hdcp.save(state, checkpoint_id=path)
-    except hdcp.CheckpointError as exc:
-        return str(exc)
-    return "saved"
+    return message_or("saved", lambda: hdcp.save(state, checkpoint_id=path))
 
 
 def test_differing_plain_tensors_are_refused(tmp_path):
@@ -211,11 +208,9 @@ def test_files_are_valid_safetensors_and_metadata_reads_without_process_group(tm
 
 
 def _failing_save(path):
-    try:
-        hdcp.save(distribute_state(full_state(), "fsdp"), storage_writer=FailingWriter(path))
-    except (hdcp.CheckpointError, OSError) as exc:
-        return str(exc)
-    return "saved"
+    state = distribute_state(full_state(), "fsdp")
+    return message_or("saved", lambda: hdcp.save(state, storage_writer=FailingWriter(path)),
+                      (hdcp.CheckpointError, OSError))
 
 
 def test_failed_save_on_one_rank_fails_everywhere_and_cleans_up(tmp_path):
@@ -340,11 +335,7 @@ def _replicas_with_different_keys(path):
     target = distribute_state(blank_state(), "hsdp")
     if dist.get_rank() == 2:
         del target["model"]["norm.weight"]
-    try:
-        hdcp.load(target, checkpoint_id=path)
-    except hdcp.CheckpointError as exc:
-        return str(exc)
-    return "loaded"
+    return message_or("loaded", lambda: hdcp.load(target, checkpoint_id=path))
 
 
 def test_replicas_asking_for_different_keys_fail_instead_of_hanging(tmp_path):

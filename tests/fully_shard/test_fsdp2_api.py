@@ -352,12 +352,7 @@ def test_to_dtype_while_unsharded():
 
 
 # -- MixedPrecisionPolicy(param_dtype_override_fn=...) -----------------------------------
-class _ScaledProj(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(6, 6)
-        self.scale = nn.Parameter(torch.randn(6))
-
+class _ScaledProj(_Scorer):
     def forward(self, x):
         return self.proj(x) * self.scale  # elementwise: float32 activations * float64 scale
 
