@@ -1,8 +1,8 @@
 """The one module through which hyper_parallel reaches private torch names.
 
 Each name below is used because torch has no public equivalent; when a torch release moves or
-renames one, this file is the only one to change (``tests/test_torch_compat.py`` imports
-every name, so such a release fails there first). Verified on the torch versions listed in
+renames one, this file is the only one to change (``tests/test_torch_compat.py`` calls every
+function here through its real use, so such a release fails there first). Verified on the torch versions listed in
 the README (``make test-torch TORCH=<version>`` runs the suite on another one).
 """
 

@@ -45,7 +45,7 @@ CASES = {
 }
 
 
-def _mesh(meshes, key):
+def _sub_mesh(meshes, key):
     # "tp"/"dp": 1-D sub-meshes of the 2-D mesh that do not span the world.
     return meshes["2d"][key] if key in ("tp", "dp") else meshes[key]
 
@@ -61,7 +61,7 @@ def _distribute(full: torch.Tensor, mesh, placements) -> torch.Tensor:
     return distribute_tensor(full, mesh, placements)
 
 
-def _full(grad: torch.Tensor) -> torch.Tensor:
+def _full_grad(grad: torch.Tensor) -> torch.Tensor:
     return grad.full_tensor() if isinstance(grad, DTensor) else grad
 
 
@@ -71,13 +71,13 @@ def _clip_layouts(layouts, seed: int, norm_type: float, *, max_norm_scale: float
     gen = torch.Generator().manual_seed(seed)
     params = []
     for shape, key, placements in layouts:
-        mesh = None if key is None else _mesh(meshes, key)
+        mesh = None if key is None else _sub_mesh(meshes, key)
         param = nn.Parameter(_distribute(torch.zeros(shape), mesh, placements) if mesh else torch.zeros(shape))
         param.grad = _distribute(torch.randn(shape, generator=gen), mesh, placements)
         params.append(param)
     reference = [nn.Parameter(torch.zeros(p.shape)) for p in params]
     for ref, param in zip(reference, params):
-        ref.grad = _full(param.grad).clone()
+        ref.grad = _full_grad(param.grad).clone()
     if max_norm is None:
         max_norm = max_norm_scale * torch.nn.utils.get_total_norm([r.grad for r in reference], norm_type).item()
     expected = torch.nn.utils.clip_grad_norm_(reference, max_norm, norm_type)
@@ -87,7 +87,7 @@ def _clip_layouts(layouts, seed: int, norm_type: float, *, max_norm_scale: float
     assert type(total) is torch.Tensor and total.dim() == 0
     torch.testing.assert_close(total, expected, rtol=1e-5, atol=0)
     for ref, param in zip(reference, params):
-        torch.testing.assert_close(_full(param.grad), ref.grad, rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(_full_grad(param.grad), ref.grad, rtol=1e-5, atol=1e-7)
     return total.item()
 
 
@@ -185,7 +185,7 @@ def test_no_grads_gives_zero():
     assert hp.clip_grad_norm_([nn.Parameter(torch.zeros(2))], 1.0).item() == 0.0
 
 
-def _mlp() -> nn.Module:
+def _uneven_mlp() -> nn.Module:
     torch.manual_seed(0)  # odd sizes: shards are uneven on 2 and 4 ranks
     return nn.Sequential(nn.Linear(5, 7), nn.Tanh(), nn.Linear(7, 3), nn.Tanh(), nn.Linear(3, 9))
 
@@ -195,13 +195,13 @@ def _fully_shard_backward_then_clip(hsdp: bool, norm_type: float):
     gen = torch.Generator().manual_seed(7)
     inputs, targets = torch.randn(4 * world, 5, generator=gen), torch.randn(4 * world, 9, generator=gen)
 
-    reference = _mlp()
+    reference = _uneven_mlp()
     nn.functional.mse_loss(reference(inputs), targets).backward()
     max_norm = 0.5 * torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()], norm_type).item()
     expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), max_norm, norm_type)
 
     mesh = init_device_mesh("cpu", (2, world // 2)) if hsdp else init_device_mesh("cpu", (world,))
-    model = _mlp()
+    model = _uneven_mlp()
     for layer in model:
         if isinstance(layer, nn.Linear):
             hp.fully_shard(layer, mesh=mesh)

@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import hyper_parallel as hp
+from tests.fully_shard._helpers import lm_loss
 from tests.multirank import run_on_ranks
 
 VOCAB, DIM, HIDDEN, SEQ = 24, 8, 12, 6
@@ -52,11 +53,6 @@ _PLAN = {"wq": ColwiseParallel(), "wk": ColwiseParallel(), "wv": ColwiseParallel
          "fc1": ColwiseParallel(), "wo": RowwiseParallel(), "fc2": RowwiseParallel()}
 
 
-def _loss(model, tokens):
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
-
-
 def _fsdp_tp_norms(norm_type: float):
     """Total norms and clipped gradients of three steps, wrapped vs. single-process, in float64."""
     torch.manual_seed(0)
@@ -72,8 +68,8 @@ def _fsdp_tp_norms(norm_type: float):
     norm_diffs, grad_diffs, norms = [], [], []
     for step in range(3):
         tokens = torch.randint(0, VOCAB, (4, SEQ + 1), generator=torch.Generator().manual_seed(step))
-        _loss(reference, tokens).backward()
-        _loss(model, tokens.chunk(2)[dp_rank]).backward()
+        lm_loss(reference, tokens).backward()
+        lm_loss(model, tokens.chunk(2)[dp_rank]).backward()
         ref_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), 0.3, norm_type)
         norm = hp.clip_grad_norm_(model.parameters(), 0.3, norm_type)
         norms.append(ref_norm.item())

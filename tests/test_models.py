@@ -4,6 +4,7 @@ import torch
 
 import hyper_parallel as hp
 from hyper_parallel.models import build_llama
+from tests.fully_shard._helpers import shard_layers_and_root
 from tests.multirank import run_on_ranks
 
 TINY = dict(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, vocab_size=61, max_seq_len=16)
@@ -23,9 +24,7 @@ def _sharded_init_full_params(mesh_shape):
     mesh = hp.init_device_mesh("cpu", mesh_shape)
     with torch.device("meta"):
         model = build_llama("llama_debug", **TINY)
-    for block in model.layers:
-        hp.fully_shard(block, mesh=mesh)
-    hp.fully_shard(model, mesh=mesh)
+    shard_layers_and_root(model, mesh=mesh)
     model.to_empty(device="cpu")
     model.init_weights(seed=3)
     return {name: p.full_tensor().detach() for name, p in model.named_parameters()}

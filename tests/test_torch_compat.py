@@ -1,18 +1,64 @@
-"""Every private torch name hyper_parallel uses resolves on the installed torch."""
+"""Every private torch name hyper_parallel uses resolves on the installed torch and does what
+the package relies on.
+
+A name ``_torch_compat`` binds at import (a re-export or an alias) fails ``import
+hyper_parallel`` when torch renames it; a function of ``_torch_compat`` reaches its private
+name only when called, so each such function is called here through its real use (a real
+DTensor on a ``fake`` process group, a real backward, a real functorch transform), and
+:func:`test_every_compat_function_is_called_here` fails for one added without a test.
+"""
 
 from __future__ import annotations
 
+import inspect
+import sys
+
+import pytest
 import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hyper_parallel import _torch_compat as compat
 
 
-def test_every_name_resolves_and_behaves():
+@pytest.fixture
+def rank_2_of_4():
+    """A 1-D mesh of 4 ranks on a ``fake`` process group, as rank 2."""
+    assert not dist.is_initialized(), "a test left a process group behind"
+    compat.init_fake_process_group(rank=2, world_size=4)
+    try:
+        yield init_device_mesh("cpu", (4,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _rows_6_to_8_of_10(mesh) -> DTensor:
+    """Rank 2's shard (rows 6-8) of a 10 x 3 tensor sharded on dim 0 over 4 ranks."""
+    local = torch.arange(6.0, 9.0).repeat_interleave(3).view(3, 3)
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size((10, 3)), stride=(3, 1))
+
+
+def test_every_name_resolves():
     for name in compat.__all__:
         assert getattr(compat, name) is not None, name
+
+
+def test_every_compat_function_is_called_here():
+    functions = {name for name, value in vars(compat).items()
+                 if inspect.isfunction(value) and value.__module__ == compat.__name__ and not name.startswith("_")}
+    tests = {name for name in vars(sys.modules[__name__]) if name.startswith("test_")}
+    untested = sorted(f for f in functions if not any(f in t for t in tests))
+    assert not untested, f"_torch_compat functions without a test naming them here: {untested}"
+
+
+def test_chunk_cat():
     a, b = torch.arange(4.0).view(2, 2), torch.arange(4.0, 6.0).view(2, 1)
     # rank-major chunks: rank 0 gets row 0 of each tensor, rank 1 row 1
     assert compat.chunk_cat([a, b], dim=0, num_chunks=2).tolist() == [[0, 1, 4], [2, 3, 5]]
+
+
+def test_foreach_mul_and_preserve_version_counter():
     t = torch.ones(2)
     compat.foreach_mul_([t], torch.tensor(3.0))
     assert t.tolist() == [3.0, 3.0]
@@ -20,28 +66,141 @@ def test_every_name_resolves_and_behaves():
     with compat.preserve_version_counter(t):
         t.add_(1)
     assert t._version == version
+
+
+def test_current_graph_task_id_and_queue_autograd_callback():
     assert compat.current_graph_task_id() == -1  # outside backward
     seen = []
     x = torch.ones(1, requires_grad=True)
     x.register_hook(lambda g: compat.queue_autograd_callback(lambda: seen.append(compat.current_graph_task_id())))
     (x * 2).sum().backward()
     assert len(seen) == 1 and seen[0] != -1
+
+
+def test_queue_autograd_callback_runs_after_the_backward_pass():
+    order = []
+    x = torch.ones(1, requires_grad=True)
+    x.register_hook(lambda g: compat.queue_autograd_callback(lambda: order.append("callback")))
+    y = x * 2
+    y.register_hook(lambda g: order.append("hook"))
+    (y * 3).sum().backward()
+    assert order == ["hook", "callback"]
+
+
+def test_lookup_compile_backend():
     assert callable(compat.lookup_compile_backend("aot_eager"))
-    assert callable(compat.record_cuda_memory_history) and callable(compat.dump_cuda_memory_snapshot)
+    graph = torch.fx.symbolic_trace(lambda x: x * 2)
+    compiled = compat.lookup_compile_backend("eager")(graph, [torch.ones(2)])
+    assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
+
+
+def test_disable_functorch_if_active():
     assert compat.disable_functorch_if_active(lambda x: x + 1)(1) == 2  # behaviour: test_transforms_and_recompute
+
+    def fill(x: torch.Tensor) -> torch.Tensor:  # a buffer refilled from x, as fully_shard's copy-in
+        buffer = torch.zeros(x.shape)
+        buffer.copy_(x)
+        return buffer
+
+    x = torch.ones(2)
+    # Inside torch.func.grad the copy is part of the transform's graph; with the transform
+    # disabled the buffer is a plain tensor, a constant to it.
+    assert torch.func.grad(lambda v: (fill(v) * v).sum())(x).tolist() == [2.0, 2.0]
+    plain = compat.disable_functorch_if_active(fill)
+    assert torch.func.grad(lambda v: (plain(v) * v).sum())(x).tolist() == [1.0, 1.0]
+
+
+def test_module_parameters():
     linear = torch.nn.Linear(2, 2)
     assert compat.module_parameters(linear)["weight"] is linear.weight
+    replacement = torch.nn.Parameter(torch.zeros(2, 2))
+    compat.module_parameters(linear)["weight"] = replacement  # swapped in place, as fully_shard does
+    assert linear.weight is replacement and dict(linear.named_parameters())["weight"] is replacement
 
 
-def test_fake_process_group_stands_for_any_rank():
-    import torch.distributed as dist
+def test_record_cuda_memory_history_and_dump_cuda_memory_snapshot(monkeypatch, tmp_path):
+    """Called for real on a GPU; elsewhere through recorders put in place of torch's private
+    functions (``monkeypatch.setattr`` fails if torch has no such name), with the arguments
+    bound to the real functions' signatures."""
+    if torch.cuda.is_available():
+        compat.record_cuda_memory_history(100)
+        torch.ones(1, device="cuda")
+        compat.dump_cuda_memory_snapshot(str(tmp_path / "snapshot.pickle"))
+        compat.record_cuda_memory_history(None)
+        assert (tmp_path / "snapshot.pickle").stat().st_size > 0
+        return
+    calls = []
+    for private in ("_record_memory_history", "_dump_snapshot"):
+        real = inspect.signature(getattr(torch.cuda.memory, private))
+        monkeypatch.setattr(torch.cuda.memory, private,
+                            lambda *a, _real=real, _name=private, **kw: calls.append((_name, _real.bind(*a, **kw))))
+    compat.record_cuda_memory_history(100)
+    compat.dump_cuda_memory_snapshot(str(tmp_path / "snapshot.pickle"))
+    compat.record_cuda_memory_history(None)
+    assert [(name, bound.arguments) for name, bound in calls] == [
+        ("_record_memory_history", {"max_entries": 100}),
+        ("_dump_snapshot", {"filename": str(tmp_path / "snapshot.pickle")}),
+        ("_record_memory_history", {"enabled": None}),
+    ]
 
+
+def test_post_accumulate_grad_hooks():
+    param = torch.nn.Parameter(torch.ones(2))
+    assert not compat.post_accumulate_grad_hooks(param)
+    seen = []
+    handle = param.register_post_accumulate_grad_hook(lambda p: seen.append(p.grad.tolist()))
+    assert len(compat.post_accumulate_grad_hooks(param)) == 1
+    (param * 3).sum().backward()
+    assert seen == [[3.0, 3.0]]
+    handle.remove()
+    assert not compat.post_accumulate_grad_hooks(param)
+
+
+def test_init_fake_process_group_stands_for_any_rank():
     assert not dist.is_initialized(), "a test left a process group behind"
     compat.init_fake_process_group(rank=4095, world_size=4096)
     try:
         assert (dist.get_rank(), dist.get_world_size()) == (4095, 4096)
     finally:
         dist.destroy_process_group()
+
+
+def test_compute_local_shape_and_global_offset(rank_2_of_4):
+    # 10 rows over 4 ranks: 3, 3, 3, 1 (torch.chunk); rank 2 holds rows 6-8
+    assert compat.compute_local_shape_and_global_offset((10, 3), rank_2_of_4, [Shard(0)]) == ((3, 3), (6, 0))
+    assert compat.compute_local_shape_and_global_offset((10, 3), rank_2_of_4, [Replicate()]) == ((10, 3), (0, 0))
+
+
+def test_dtensor_spec(rank_2_of_4):
+    dtensor = _rows_6_to_8_of_10(rank_2_of_4)
+    spec = compat.dtensor_spec(dtensor)
+    assert isinstance(spec, compat.DTensorSpec) and isinstance(spec.tensor_meta, compat.TensorMeta)
+    assert spec.mesh == rank_2_of_4 and spec.placements == (Shard(0),)
+    assert (spec.tensor_meta.shape, spec.tensor_meta.stride, spec.tensor_meta.dtype) == ((10, 3), (3, 1), torch.float32)
+
+
+def test_dtensor_spec_builds_a_dtensor(rank_2_of_4):
+    """fully_shard makes its sharded parameters from a DTensorSpec and a TensorMeta."""
+    meta = compat.TensorMeta(torch.Size((10, 3)), (3, 1), torch.float32)
+    local = torch.ones(3, 3)
+    dtensor = DTensor(local, compat.DTensorSpec(rank_2_of_4, (Shard(0),), tensor_meta=meta), requires_grad=False)
+    assert dtensor.shape == (10, 3) and dtensor.placements == (Shard(0),) and compat.local_tensor(dtensor) is local
+
+
+def test_local_tensor(rank_2_of_4):
+    dtensor = _rows_6_to_8_of_10(rank_2_of_4)
+    local = compat.local_tensor(dtensor)
+    assert local is compat.local_tensor(dtensor) and local.data_ptr() == dtensor.to_local().data_ptr()
+    assert local[:, 0].tolist() == [6.0, 7.0, 8.0]
+
+
+def test_set_local_tensor(rank_2_of_4):
+    dtensor = _rows_6_to_8_of_10(rank_2_of_4)
+    replacement = torch.full((3, 3), 7.0)
+    compat.set_local_tensor(dtensor, replacement)
+    assert compat.local_tensor(dtensor) is replacement
+    assert dtensor.to_local().data_ptr() == replacement.data_ptr() and torch.equal(dtensor.to_local(), replacement)
+    assert dtensor.shape == (10, 3)
 
 
 def test_package_imports_private_torch_names_only_through_compat():

@@ -17,17 +17,17 @@ from typing import Dict, List
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
-from torch.distributed.tensor import DTensor
 
 import hyper_parallel as hp
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
 from tests.fully_shard._helpers import CountingBackend, full_params, global_batch, max_diff, tiny_llama, train
+from tests.fully_shard._helpers import float64_lm_loss, sgd
+from tests.checkpoint.helpers import app_state, local_tensor_clones
 from tests.multirank import run_on_ranks
 
 DEVICE = os.environ.get("HP_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -47,15 +47,6 @@ def _mesh():
 
 def _batches(steps: int) -> List[torch.Tensor]:
     return [global_batch(s).to(DEVICE) for s in range(steps)]
-
-
-def _sgd(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.5)
-
-
-def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).to(torch.float64), tokens[:, 1:].flatten())
 
 
 def _shard_blocks_and_root(model: nn.Module, shard) -> nn.Module:
@@ -104,7 +95,7 @@ def _bf16_vs_torch():
         else:
             policy = TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             _shard_blocks_and_root(model, lambda m: torch_fully_shard(m, mesh=_mesh(), mp_policy=policy))
-        losses = train(model, _batches(3), loss_fn=_loss, make_optimizer=_sgd)
+        losses = train(model, _batches(3), loss_fn=float64_lm_loss, make_optimizer=sgd)
         results[impl] = (losses, full_params(model))
     assert seen and set(seen) == {torch.bfloat16}, seen  # the block computed with bf16 parameters
     (hp_losses, hp_params), (torch_losses, torch_params) = results["hp"], results["torch"]
@@ -131,7 +122,7 @@ def _compiled_meta_init(fullgraph: bool):
         hp.fully_shard(model, mesh=_mesh())
         model.to_empty(device=DEVICE)
         model.init_weights(0)
-        train(model, _batches(2), loss_fn=_loss, make_optimizer=_sgd)
+        train(model, _batches(2), loss_fn=float64_lm_loss, make_optimizer=sgd)
         params[compiled] = {k.replace("_orig_mod.", ""): v for k, v in full_params(model).items()}
     torch._dynamo.reset()
     assert backend.calls >= 2 * 2, backend.calls  # compiled forwards ran: 2 blocks, 2 steps
@@ -143,7 +134,7 @@ def test_compiled_blocks_from_a_meta_build_match_eager(fullgraph):
     assert _on_ranks(_compiled_meta_init, fullgraph) <= TOL
 
 
-def _post_optim_event():
+def _post_optim_event_parity():
     """torch's test_post_optim_event on the device: the event recorded after each optimizer
     step orders the next step's all-gathers while the host runs ahead of a busy device."""
     torch.manual_seed(0)
@@ -154,16 +145,16 @@ def _post_optim_event():
     optim.register_step_post_hook(lambda *_: model.set_post_optim_event(module.current_stream().record_event()))
     batches = _batches(4)
     for batch in batches:
-        _loss(model, batch).backward()
+        float64_lm_loss(model, batch).backward()
         optim.step()
         optim.zero_grad()
         _sleep_on_device()
-    train(reference, batches, loss_fn=_loss, lr=1e-2, make_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
+    train(reference, batches, loss_fn=float64_lm_loss, lr=1e-2, make_optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2))
     return max_diff(full_params(model), full_params(reference))
 
 
 def test_post_optim_event_training_matches_the_unwrapped_model():
-    assert _on_ranks(_post_optim_event) <= TOL
+    assert _on_ranks(_post_optim_event_parity) <= TOL
 
 
 def _variant_parity(variant: str):
@@ -204,22 +195,12 @@ def _model_and_optimizer(seed: int):
 
 
 def train_step(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
-    _loss(model, global_batch(seed).to(DEVICE)).backward()
+    float64_lm_loss(model, global_batch(seed).to(DEVICE)).backward()
     optim.step()
     optim.zero_grad()
 
 
-def _state(model, optim) -> Dict[str, object]:
-    return {"model": hdcp.ModelState(model), "optim": hdcp.OptimizerState(model, optim)}
-
-
-def _local_tensors(state) -> Dict[str, torch.Tensor]:
-    flat = hdcp.flatten_state_dict({k: v.state_dict() for k, v in state.items()})[0]
-    return {k: (v.to_local() if isinstance(v, DTensor) else v).clone()
-            for k, v in flat.items() if isinstance(v, torch.Tensor)}
-
-
-def _assert_equal(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> None:
+def _assert_same_on_device(actual: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor]) -> None:
     assert actual.keys() == expected.keys()
     for key, value in expected.items():
         assert actual[key].device == value.device, key
@@ -231,8 +212,8 @@ def _round_trip(path: str, background: bool):
     background and an optimizer step at once), load into another model: every tensor equal
     to the state at the save call, still on the device."""
     model, optim = _model_and_optimizer(0)
-    state = _state(model, optim)
-    expected = _local_tensors(state)
+    state = app_state(model, optim)
+    expected = local_tensor_clones(state)
     assert any(t.device.type == DEVICE for t in expected.values())
     if background:
         _sleep_on_device()  # the staging copies queue behind it
@@ -242,9 +223,9 @@ def _round_trip(path: str, background: bool):
     else:
         hdcp.save(state, checkpoint_id=path)
     fresh_model, fresh_optim = _model_and_optimizer(7)
-    fresh = _state(fresh_model, fresh_optim)
+    fresh = app_state(fresh_model, fresh_optim)
     hdcp.load(fresh, checkpoint_id=path)
-    _assert_equal(_local_tensors(fresh), expected)
+    _assert_same_on_device(local_tensor_clones(fresh), expected)
     return True
 
 

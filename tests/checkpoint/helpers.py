@@ -1,15 +1,26 @@
-"""Shared state builders for checkpoint tests: one seed -> the same full tensors on every rank."""
+"""Shared state builders for checkpoint tests: one seed -> the same full tensors on every rank;
+tiny Llama models sharded by hand or by fully_shard; the refusal check of a damaged checkpoint."""
 
 from __future__ import annotations
 
 import contextlib
+import math
 import os
-from typing import Any, Dict, List, Optional, Sequence
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Type
 
+import pytest
 import torch
 import torch.distributed as dist
+from torch import nn
 
+import hyper_parallel as hp
 from hyper_parallel import checkpoint as hdcp
+from hyper_parallel._torch_compat import init_fake_process_group
+from hyper_parallel.core.distributed_checkpoint.cli import main as cli_main
+from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
+from hyper_parallel.models import build_llama
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
@@ -95,6 +106,18 @@ def assert_state_equal(actual: Dict[str, Any], expected: Dict[str, Any], path: s
         assert actual == expected, (path, actual, expected)
 
 
+def app_state(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[str, Any]:
+    """What a training loop checkpoints: the model and its optimizer, resolved on save/load."""
+    return {"model": hdcp.ModelState(model), "optim": hdcp.OptimizerState(model, optim)}
+
+
+def local_tensor_clones(state: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """Clones of every tensor (DTensor: local shard) of the resolved ``app_state``, by flat key."""
+    flat = hdcp.flatten_state_dict({k: v.state_dict() for k, v in state.items()})[0]
+    return {k: (v.to_local() if isinstance(v, DTensor) else v).clone()
+            for k, v in flat.items() if isinstance(v, torch.Tensor)}
+
+
 def state_nbytes(state: Dict[str, Any]) -> int:
     total = 0
     for tree in (state["model"], *state["optim"]["state"].values()):
@@ -124,6 +147,94 @@ class FailingWriter(hdcp.FileSystemWriter):
         return super().execute_write(plan, planner)
 
 
+class FullDiskWriter(hdcp.FileSystemWriter):
+    """Fails on every rank while writing."""
+
+    def execute_write(self, plan, planner):
+        raise OSError("disk full (simulated)")
+
+
+class FailingStagingPlanner(hdcp.StandardSavePlanner):
+    """Fails while staging the chunk of ``small.b5``."""
+
+    def get_data(self, item):
+        if item.index.fqn == "small.b5":
+            raise RuntimeError("chunk source broke (simulated)")
+        return super().get_data(item)
+
+
+# ------------------------------------------------------------- meta DTensors on torch's fake process group
+
+# (mesh shape, placements) per layout; the state below is saved with one and loaded with another.
+META_LAYOUTS = {
+    "fsdp": ((6,), (Shard(0),)),
+    "fsdp_large": ((11,), (Shard(0),)),
+    "hsdp": ((2, 3), (Replicate(), Shard(0))),
+    "shard1": ((4,), (Shard(1),)),
+    "2d": ((3, 2), (Shard(0), Shard(1))),
+    "2d_swapped": ((2, 5), (Shard(1), Shard(0))),
+    "replicated": ((3,), (Replicate(),)),
+}
+META_SHAPES = {"w": (13, 10), "v": (7, 3), "odd": (29, 4), "long": (5, 31)}
+
+
+def meta_state(layout: str, rank: int):
+    """Meta DTensors of every key of META_SHAPES as ``rank`` holds them under ``layout``."""
+    mesh_shape, placements = META_LAYOUTS[layout]
+    world = math.prod(mesh_shape)
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    init_fake_process_group(rank, world)
+    mesh = init_device_mesh("cpu", mesh_shape)
+    state = {}
+    for key, shape in META_SHAPES.items():
+        full = torch.empty(shape, dtype=torch.float64, device="meta")
+        state[key] = DTensor.from_local(full, mesh, [Replicate()] * len(mesh_shape), run_check=False
+                                        ).redistribute(mesh, placements)
+    return state
+
+
+# ---------------------------------------------------------------------------- bounce reads
+
+BOX_ROWS, BOX_COLS = 4, 32  # one box: 4 x 32 float64 = 1024 bytes = one slab
+
+
+class AppliedBoxes(LoadPlanner):
+    """Records the boxes BounceReads applies (the only planner call it makes)."""
+
+    def __init__(self) -> None:
+        self.applied: List[str] = []
+        self._lock = threading.Lock()
+
+    def apply_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        with self._lock:
+            self.applied.append(read_item.storage_index.fqn)
+
+    def configure_planner(self, state_dict: Dict[str, Any], metadata: Metadata, **kwargs: Any) -> None:
+        raise NotImplementedError
+
+    def build_local_plan(self) -> LoadPlan:
+        raise NotImplementedError
+
+    def build_global_plan(self, all_plans: List[LoadPlan]) -> List[LoadPlan]:
+        raise NotImplementedError
+
+    def finalize_plan(self, plan: LoadPlan) -> LoadPlan:
+        raise NotImplementedError
+
+    def acquire_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        raise NotImplementedError
+
+    def apply_bytes(self, read_item: ReadItem, value: Any) -> None:
+        raise NotImplementedError
+
+
+def box_read(name: str) -> ReadItem:
+    """The read of a whole BOX_ROWS x BOX_COLS tensor ``name``."""
+    index = MetadataIndex(name, (0, 0))
+    return ReadItem(LoadItemType.TENSOR, index, (0, 0), index, (0, 0), (BOX_ROWS, BOX_COLS))
+
+
 @contextlib.contextmanager
 def counting_reads():
     """Yields a list that collects the byte count of every ``os.preadv`` (how readers read)."""
@@ -140,3 +251,73 @@ def counting_reads():
         yield counts
     finally:
         os.preadv = real_preadv
+
+
+def message_or(done: str, call: Callable[[], Any],
+               errors: Tuple[Type[BaseException], ...] = (hdcp.CheckpointError,)) -> str:
+    """The message of the error (one of ``errors``) ``call()`` raises, else ``done``."""
+    try:
+        call()
+    except errors as exc:
+        return str(exc)
+    return done
+
+
+def refused(path: str, match: str) -> None:
+    """load (with and without verify) and the CLI verify all refuse ``path``."""
+    for verify in (True, False):
+        with pytest.raises(hdcp.CheckpointError, match=match):
+            hdcp.load(blank_state(), checkpoint_id=path, no_dist=True, verify=verify)
+    with pytest.raises(hdcp.CheckpointError, match=match):
+        hdcp.verify_checkpoint(path)
+    assert cli_main(["verify", path]) == 1
+
+
+# ---------------------------------------------------------------------------- tiny Llama models
+
+def make_llama(seed: int = 0, **overrides) -> nn.Module:
+    torch.manual_seed(seed)
+    model = build_llama("llama_debug", **overrides)
+    model.init_weights(seed)
+    return model
+
+
+def shard_params(model: nn.Module, mesh, placements_fn) -> nn.Module:
+    """Replace every parameter by a DTensor with ``placements_fn(name, param)`` (ties kept)."""
+    done = {}
+    for module_name, module in model.named_modules():
+        for name, param in list(module.named_parameters(recurse=False)):
+            if param not in done:
+                fqn = f"{module_name}.{name}".lstrip(".")
+                done[param] = nn.Parameter(distribute_tensor(param.detach(), mesh, placements_fn(fqn, param)))
+            setattr(module, name, done[param])
+    return model
+
+
+def seeded_grads_step(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
+    """One optimizer step with seeded gradients that do not depend on the layout."""
+    gen = torch.Generator().manual_seed(seed)
+    for _, param in sorted(dict(model.named_parameters()).items()):
+        grad = torch.randn(param.shape, generator=gen)
+        if isinstance(param, DTensor):
+            grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
+        param.grad = grad
+    optim.step()
+
+
+def full_model_state_dict(model: nn.Module) -> dict:
+    """``get_model_state_dict(model)`` with every DTensor gathered (a collective)."""
+    return {k: v.full_tensor() if isinstance(v, DTensor) else v.clone()
+            for k, v in hdcp.get_model_state_dict(model).items()}
+
+
+def save_fully_sharded_llama(path: str, seed: int) -> bool:
+    """Save a fully_shard-ed Llama of ``seed`` with a fresh AdamW and a step (run on every rank)."""
+    model = make_llama(seed=seed)
+    for layer in model.layers:
+        hp.fully_shard(layer)
+    hp.fully_shard(model)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    hdcp.save({"model": hdcp.ModelState(model).state_dict(), "optim": hdcp.OptimizerState(model, optim).state_dict(),
+               "step": 3}, checkpoint_id=path)
+    return True

@@ -11,7 +11,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel import checkpoint as hdcp
-from tests.checkpoint.helpers import FailingWriter, distribute_state, full_state, load_and_check
+from tests.checkpoint.helpers import FailingWriter, distribute_state, full_state, load_and_check, message_or
 from tests.multirank import run_on_ranks
 
 T = 120
@@ -80,11 +80,7 @@ def test_async_save_without_collectives(tmp_path):
 def _async_failure(path):
     future = hdcp.async_save(distribute_state(full_state(), "fsdp"),
                              storage_writer=FailingWriter(path, commit_timeout_s=30))
-    try:
-        future.result(timeout=60)
-    except (hdcp.CheckpointError, OSError) as exc:
-        return str(exc)
-    return "committed"
+    return message_or("committed", lambda: future.result(timeout=60), (hdcp.CheckpointError, OSError))
 
 
 def test_async_failure_on_one_rank_fails_every_future(tmp_path):
@@ -113,11 +109,7 @@ class StallingWriter(hdcp.FileSystemWriter):
 def _async_timeout(path):
     writer = StallingWriter(path, commit_timeout_s=1)
     future = hdcp.async_save(distribute_state(full_state(), "fsdp"), storage_writer=writer)
-    try:
-        future.result(timeout=60)
-    except hdcp.CheckpointError as exc:
-        return str(exc)
-    return "committed"
+    return message_or("committed", lambda: future.result(timeout=60))
 
 
 def test_async_commit_wait_is_bounded(tmp_path):

@@ -17,13 +17,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
 
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel import fully_shard
 from hyper_parallel.core.distributed_checkpoint.async_saver import optimizers_in
 from hyper_parallel.core.distributed_checkpoint.staging import StagedSave
-from tests.checkpoint.helpers import full_state, load_and_check
+from tests.checkpoint.helpers import app_state, full_state, load_and_check, local_tensor_clones
 from tests.multirank import run_on_ranks
 
 T = 120
@@ -48,7 +47,7 @@ class SlowStaging(hdcp.StandardSavePlanner):
         return super().get_data(item)
 
 
-def _model(seed: int):
+def _sharded_mlp_and_adamw(seed: int):
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(6, 10), nn.Tanh(), nn.Linear(10, 3)).double()
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -58,22 +57,11 @@ def _model(seed: int):
     return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
 
-def _train_step(model, optim, seed: int) -> None:
+def _adamw_step(model, optim, seed: int) -> None:
     x = torch.randn(4, 6, dtype=torch.float64, generator=torch.Generator().manual_seed(seed + dist.get_rank()))
     model(x).pow(2).sum().backward()
     optim.step()
     optim.zero_grad()
-
-
-def _state(model, optim):
-    return {"model": hdcp.ModelState(model), "optim": hdcp.OptimizerState(model, optim)}
-
-
-def _local_tensors(state):
-    """Clones of every tensor (DTensor: local shard) of the resolved state, by flat key."""
-    flat = hdcp.flatten_state_dict({k: v.state_dict() for k, v in state.items()})[0]
-    return {k: (v.to_local() if isinstance(v, DTensor) else v).clone()
-            for k, v in flat.items() if isinstance(v, torch.Tensor)}
 
 
 def _assert_same(actual, expected):
@@ -84,25 +72,25 @@ def _assert_same(actual, expected):
 
 def _assert_checkpoint_holds(path, expected, *, with_optimizer: bool = True) -> None:
     """Load ``path`` into a fresh model (and optimizer) and compare with ``expected`` exactly."""
-    model, optim = _model(1)
-    fresh = _state(model, optim) if with_optimizer else {"model": hdcp.ModelState(model)}
+    model, optim = _sharded_mlp_and_adamw(1)
+    fresh = app_state(model, optim) if with_optimizer else {"model": hdcp.ModelState(model)}
     hdcp.load(fresh, checkpoint_id=path)
-    _assert_same(_local_tensors(fresh), expected)
+    _assert_same(local_tensor_clones(fresh), expected)
 
 
 def _step_right_after_save(path):
     """async_save with background staging, then at once a training step: the hooked
     optimizer.step() waits, and the checkpoint holds the state at the call."""
-    model, optim = _model(0)
-    _train_step(model, optim, 0)  # the optimizer has state
-    state = _state(model, optim)
-    at_call = _local_tensors(state)
+    model, optim = _sharded_mlp_and_adamw(0)
+    _adamw_step(model, optim, 0)  # the optimizer has state
+    state = app_state(model, optim)
+    at_call = local_tensor_clones(state)
     future = hdcp.async_save(state, checkpoint_id=path, planner=SlowStaging(), stage_in_background=True)
     assert isinstance(future, hdcp.AsyncSaveFuture)
     assert not future.staging_completion.done()  # returned before staging (which sleeps DELAY s)
-    _train_step(model, optim, 1)  # optimizer.step() waits for staging
+    _adamw_step(model, optim, 1)  # optimizer.step() waits for staging
     assert future.staging_completion.done()
-    assert any(not torch.equal(v, at_call[k]) for k, v in _local_tensors(state).items())  # it did update
+    assert any(not torch.equal(v, at_call[k]) for k, v in local_tensor_clones(state).items())  # it did update
     future.result(timeout=60)
     _assert_checkpoint_holds(path, at_call)
     return True
@@ -114,19 +102,19 @@ def test_optimizer_step_right_after_async_save_waits_for_staging(tmp_path):
 
 def _manager_in_background(folder):
     """The manager passes stage_in_background on; its wait_for_staging() and the hook work."""
-    model, optim = _model(0)
-    _train_step(model, optim, 0)
-    state = _state(model, optim)
+    model, optim = _sharded_mlp_and_adamw(0)
+    _adamw_step(model, optim, 0)
+    state = app_state(model, optim)
     manager = hdcp.CheckpointManager(folder, async_save=True, stage_in_background=True)
     at_call = []
     for step in (1, 2):
-        at_call.append(_local_tensors(state))
+        at_call.append(local_tensor_clones(state))
         future = manager.save(step, state)
         assert isinstance(future, hdcp.AsyncSaveFuture)
         if step == 2:
             manager.wait_for_staging()
             assert future.staging_completion.done()
-        _train_step(model, optim, step)
+        _adamw_step(model, optim, step)
     manager.wait()
     for step in (2, 1):
         _assert_checkpoint_holds(manager.checkpoint_path(step), at_call[step - 1])
@@ -140,9 +128,9 @@ def test_manager_saves_with_background_staging(tmp_path):
 
 def _wait_then_add(path):
     """No optimizer in the state: wait_for_staging() is what makes param.add_() safe."""
-    model, optim = _model(0)
+    model, optim = _sharded_mlp_and_adamw(0)
     state = {"model": hdcp.ModelState(model)}
-    at_call = _local_tensors(state)
+    at_call = local_tensor_clones(state)
     future = hdcp.async_save(state, checkpoint_id=path, planner=SlowStaging(), stage_in_background=True)
     assert not future.staging_completion.done()
     future.wait_for_staging()
@@ -159,20 +147,20 @@ def test_explicit_wait_for_staging_then_in_place_add(tmp_path):
 
 
 def _staging_failure(root):
-    model, optim = _model(0)
-    _train_step(model, optim, 0)
-    future = hdcp.async_save(_state(model, optim), checkpoint_id=os.path.join(root, "ckpt"),
+    model, optim = _sharded_mlp_and_adamw(0)
+    _adamw_step(model, optim, 0)
+    future = hdcp.async_save(app_state(model, optim), checkpoint_id=os.path.join(root, "ckpt"),
                              planner=SlowStaging(fail_rank=1), stage_in_background=True)
     if dist.get_rank() == 1:
         with pytest.raises(RuntimeError, match="staging failed"):
-            _train_step(model, optim, 1)  # the hook reports the staging error
+            _adamw_step(model, optim, 1)  # the hook reports the staging error
         with pytest.raises(RuntimeError, match="staging failed"):
             future.wait_for_staging()
     else:
-        _train_step(model, optim, 1)  # rank 0 staged fine; its commit fails below
+        _adamw_step(model, optim, 1)  # rank 0 staged fine; its commit fails below
         future.wait_for_staging()
     optim.zero_grad()
-    _train_step(model, optim, 2)  # reported once: the next step runs
+    _adamw_step(model, optim, 2)  # reported once: the next step runs
     with pytest.raises((RuntimeError, hdcp.CheckpointError)):
         future.result(timeout=60)
     dist.barrier()

@@ -37,7 +37,7 @@ def test_a_running_crc_over_odd_pieces_equals_the_whole_and_combines():
     assert crc32_combine(crc32(head), crc32(tail), len(tail)) == zlib.crc32(data)
 
 
-def _state():
+def _mixed_state():
     g = torch.Generator().manual_seed(3)
     return {"w": torch.randn(37, 11, generator=g), "b": torch.randn(5, generator=g).to(torch.bfloat16),
             "step": 7, "name": "x"}
@@ -47,11 +47,11 @@ def _state():
 def test_checkpoints_written_with_either_verify_with_the_other(tmp_path, monkeypatch, writer, reader):
     path = str(tmp_path / "ckpt")
     monkeypatch.setattr(checksum, "_crc32", writer)
-    hdcp.save(_state(), checkpoint_id=path, no_dist=True)
+    hdcp.save(_mixed_state(), checkpoint_id=path, no_dist=True)
     monkeypatch.setattr(checksum, "_crc32", reader)
     hdcp.verify_checkpoint(path)
     target = {"w": torch.zeros(37, 11), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0, "name": ""}
     hdcp.load(target, checkpoint_id=path, no_dist=True, verify=True)
-    expected = _state()
+    expected = _mixed_state()
     assert torch.equal(target["w"], expected["w"]) and torch.equal(target["b"], expected["b"])
     assert (target["step"], target["name"]) == (7, "x")

@@ -13,14 +13,11 @@ import tracemalloc
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hyper_parallel.checkpoint as hdcp
-from hyper_parallel._torch_compat import init_fake_process_group
 from hyper_parallel.core.distributed_checkpoint.chunk_table import ChunkTable
 from hyper_parallel.core.distributed_checkpoint.resharding import local_chunk, overlap
+from tests.checkpoint.helpers import META_LAYOUTS, META_SHAPES, meta_state
 
 
 def _cuts(rng: random.Random, length: int, pieces: int):
@@ -88,35 +85,6 @@ def test_parsed_metadata_holds_chunks_compactly():
 
 # ---------------------------------------------------------------- the load planner on DTensors
 
-# (mesh shape, placements) per layout; the state below is saved with one and loaded with another.
-LAYOUTS = {
-    "fsdp": ((6,), (Shard(0),)),
-    "fsdp_large": ((11,), (Shard(0),)),
-    "hsdp": ((2, 3), (Replicate(), Shard(0))),
-    "shard1": ((4,), (Shard(1),)),
-    "2d": ((3, 2), (Shard(0), Shard(1))),
-    "2d_swapped": ((2, 5), (Shard(1), Shard(0))),
-    "replicated": ((3,), (Replicate(),)),
-}
-SHAPES = {"w": (13, 10), "v": (7, 3), "odd": (29, 4), "long": (5, 31)}
-
-
-def _state(layout: str, rank: int):
-    """Meta DTensors of every key of SHAPES as ``rank`` holds them under ``layout``."""
-    mesh_shape, placements = LAYOUTS[layout]
-    world = math.prod(mesh_shape)
-    if dist.is_initialized():
-        dist.destroy_process_group()
-    init_fake_process_group(rank, world)
-    mesh = init_device_mesh("cpu", mesh_shape)
-    state = {}
-    for key, shape in SHAPES.items():
-        full = torch.empty(shape, dtype=torch.float64, device="meta")
-        state[key] = DTensor.from_local(full, mesh, [Replicate()] * len(mesh_shape), run_check=False
-                                        ).redistribute(mesh, placements)
-    return state
-
-
 def _brute_force_reads(state, metadata):
     reads = []
     for key in sorted(state):
@@ -129,22 +97,14 @@ def _brute_force_reads(state, metadata):
     return reads
 
 
-@pytest.fixture
-def fake_process_group():
-    assert not dist.is_initialized(), "a test left a process group behind"
-    yield
-    if dist.is_initialized():
-        dist.destroy_process_group()
-
-
 @pytest.mark.parametrize("saved,loaded", [
     ("fsdp", "hsdp"), ("hsdp", "fsdp_large"), ("fsdp_large", "shard1"), ("shard1", "2d"),
     ("2d", "2d_swapped"), ("2d_swapped", "fsdp"), ("replicated", "2d"), ("2d", "replicated"),
 ])
 def test_load_plan_matches_a_scan_of_every_chunk(fake_process_group, saved, loaded):
     plans = []
-    for rank in range(math.prod(LAYOUTS[saved][0])):
-        state = _state(saved, rank)
+    for rank in range(math.prod(META_LAYOUTS[saved][0])):
+        state = meta_state(saved, rank)
         planner = hdcp.StandardSavePlanner()
         planner.configure_planner(state, rank=rank)
         plans.append(planner.build_local_plan())
@@ -153,11 +113,11 @@ def test_load_plan_matches_a_scan_of_every_chunk(fake_process_group, saved, load
     _, metadata = coordinator.build_global_plan(plans)
     metadata = hdcp.Metadata.from_json(metadata.to_json())
     reads = 0
-    for rank in range(math.prod(LAYOUTS[loaded][0])):
-        state = _state(loaded, rank)
+    for rank in range(math.prod(META_LAYOUTS[loaded][0])):
+        state = meta_state(loaded, rank)
         planner = hdcp.StandardLoadPlanner()
         planner.configure_planner(state, metadata, rank=rank, use_collectives=False)
         expected = _brute_force_reads(state, metadata)
         assert planner.build_local_plan().items == expected, (saved, loaded, rank)
         reads += len(expected)
-    assert reads >= len(SHAPES)
+    assert reads >= len(META_SHAPES)

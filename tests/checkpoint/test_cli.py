@@ -12,7 +12,7 @@ import torch
 from hyper_parallel import checkpoint as hdcp
 
 from hyper_parallel.core.distributed_checkpoint.cli import main
-from tests.checkpoint.test_hf import _save_sharded_checkpoint
+from tests.checkpoint.helpers import save_fully_sharded_llama
 from tests.multirank import run_on_ranks
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -26,7 +26,7 @@ def _cli(*args):
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("cli") / "step-3")
-    run_on_ranks(2, _save_sharded_checkpoint, path, timeout=120)
+    run_on_ranks(2, save_fully_sharded_llama, path, 11, timeout=120)
     return path
 
 

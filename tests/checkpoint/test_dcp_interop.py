@@ -24,7 +24,7 @@ from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.cli import main
 from hyper_parallel.core.distributed_checkpoint.dcp_interop import map_keys, read_dcp_metadata
-from tests.checkpoint.test_state_dict import make_llama, shard_params
+from tests.checkpoint.helpers import make_llama, shard_params
 from tests.multirank import run_on_ranks
 
 SEED = 5

@@ -22,8 +22,7 @@ from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.bounce import BounceReads
 from hyper_parallel.core.distributed_checkpoint.staging_buffers import StagingBuffers
 from hyper_parallel.platform.copy_stream import CopyStream
-from tests.checkpoint.test_load_window import COLS, ROWS, _Applied, _box
-from tests.checkpoint.test_staging import _FailingPlanner, _FullDisk
+from tests.checkpoint.helpers import BOX_COLS, BOX_ROWS, AppliedBoxes, FailingStagingPlanner, FullDiskWriter, box_read
 
 
 class _StreamModel:
@@ -66,7 +65,7 @@ def stream_model(monkeypatch):
     return model
 
 
-class _FailingApply(_Applied):
+class _FailingApply(AppliedBoxes):
     def apply_tensor(self, read_item, tensor):
         raise RuntimeError("apply_tensor broke (simulated)")
 
@@ -75,13 +74,14 @@ def test_a_failing_load_gives_slabs_back_after_their_copies(tmp_path, stream_mod
     pool = StagingBuffers(slab_bytes=1024, budget_bytes=4096, sync_window_bytes=4096)
     path = str(tmp_path / "chunks.bin")
     with open(path, "wb") as f:
-        f.write(torch.arange(2 * ROWS * COLS, dtype=torch.float64).numpy().tobytes())
+        f.write(torch.arange(2 * BOX_ROWS * BOX_COLS, dtype=torch.float64).numpy().tobytes())
     reader = BounceReads(pool, pool.window(snapshot=False), _FailingApply(), torch.device("cpu"))
     fd = os.open(path, os.O_RDONLY)
     try:
         for b in range(2):  # two boxes, a slab each; the first one's apply_tensor fails in finish
-            dest = torch.zeros(COLS, ROWS, dtype=torch.float64).t()
-            reader.read(fd, path, b * ROWS * COLS * 8, (ROWS, COLS), _box(f"b{b}"), dest, torch.float64)
+            dest = torch.zeros(BOX_COLS, BOX_ROWS, dtype=torch.float64).t()
+            reader.read(fd, path, b * BOX_ROWS * BOX_COLS * 8, (BOX_ROWS, BOX_COLS), box_read(f"b{b}"), dest,
+                        torch.float64)
         with pytest.raises(RuntimeError, match="simulated"):
             reader.finish()
     finally:
@@ -99,8 +99,8 @@ def test_a_failing_save_gives_slabs_back_after_their_copies(tmp_path, stream_mod
     state = {"small": {f"b{i}": torch.full((64,), float(i)) for i in range(8)}}  # b5 fails
     path = str(tmp_path / "ckpt")
     with pytest.raises((RuntimeError, OSError), match="simulated"):
-        hdcp.async_save(state, checkpoint_id=path, no_dist=True, planner=_FailingPlanner(),
-                        storage_writer=_FullDisk(path)).result(timeout=30)
+        hdcp.async_save(state, checkpoint_id=path, no_dist=True, planner=FailingStagingPlanner(),
+                        storage_writer=FullDiskWriter(path)).result(timeout=30)
     hdcp.wait_for_pending_save()
     assert pool.in_use == 0 and stream_model.recorded >= 2
     assert stream_model.early == []

@@ -15,7 +15,7 @@ from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint import commit
 from hyper_parallel.core.distributed_checkpoint.cli import main as cli_main
 from hyper_parallel.core.distributed_checkpoint.manager import LOCK_FILE
-from tests.checkpoint.test_hostile import _refused
+from tests.checkpoint.helpers import refused
 
 # ---------------------------------------------------------------- the manager's lock file
 
@@ -66,7 +66,7 @@ def _replace(path, make):
 @pytest.mark.timeout(60)
 def test_fifo_as_metadata_is_refused_without_blocking(ckpt):
     _replace(os.path.join(ckpt, "metadata.json"), os.mkfifo)
-    _refused(ckpt, "metadata.json is a FIFO")
+    refused(ckpt, "metadata.json is a FIFO")
     assert not hdcp.is_checkpoint(ckpt)
 
 
@@ -74,13 +74,13 @@ def test_fifo_as_metadata_is_refused_without_blocking(ckpt):
 def test_fifo_as_rank_metadata_is_refused_without_blocking(ckpt):
     os.rename(os.path.join(ckpt, "metadata.json"), os.path.join(ckpt, "metadata.rank0.json"))
     _replace(os.path.join(ckpt, "metadata.rank0.json"), os.mkfifo)
-    _refused(ckpt, "metadata.rank0.json is a FIFO")
+    refused(ckpt, "metadata.rank0.json is a FIFO")
 
 
 @pytest.mark.timeout(60)
 def test_dev_zero_as_metadata_is_refused_without_reading_it(ckpt):
     _replace(os.path.join(ckpt, "metadata.json"), lambda p: os.symlink("/dev/zero", p))
-    _refused(ckpt, "metadata.json is a character device")
+    refused(ckpt, "metadata.json is a character device")
 
 
 @pytest.mark.timeout(60)
@@ -89,19 +89,19 @@ def test_special_data_file_is_refused_without_blocking(ckpt, special):
     data = sorted(glob.glob(os.path.join(ckpt, "*.safetensors")))[0]
     make = {"fifo": os.mkfifo, "dev_zero": lambda p: os.symlink("/dev/zero", p), "directory": os.mkdir}[special]
     _replace(data, make)
-    _refused(ckpt, f"{os.path.basename(data)} is a")
+    refused(ckpt, f"{os.path.basename(data)} is a")
 
 
 def test_metadata_directory_is_one_checkpoint_error(ckpt):
     _replace(os.path.join(ckpt, "metadata.json"), os.mkdir)
-    _refused(ckpt, "metadata.json is a directory")
+    refused(ckpt, "metadata.json is a directory")
     assert not hdcp.is_checkpoint(ckpt)
 
 
 def test_metadata_beyond_the_cap_is_refused_unread(ckpt, monkeypatch):
     size = os.path.getsize(os.path.join(ckpt, "metadata.json"))
     monkeypatch.setattr(commit, "MAX_METADATA_BYTES", size - 1)
-    _refused(ckpt, f"metadata.json has {size} bytes, more than the {size - 1} bytes")
+    refused(ckpt, f"metadata.json has {size} bytes, more than the {size - 1} bytes")
     monkeypatch.setattr(commit, "MAX_METADATA_BYTES", size)
     hdcp.verify_checkpoint(ckpt)
 

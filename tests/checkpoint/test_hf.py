@@ -10,44 +10,30 @@ from safetensors import safe_open
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard
 
-import hyper_parallel as hp
 from hyper_parallel.core.distributed_checkpoint import (
     CheckpointError,
-    ModelState,
-    OptimizerState,
     export_hf,
     load_hf,
     save,
 )
-from tests.checkpoint.test_state_dict import full_params, make_llama, shard_params
+from tests.checkpoint.helpers import full_model_state_dict, make_llama, save_fully_sharded_llama, shard_params
 from tests.multirank import run_on_ranks
 
 SEED = 11
-
-
-def _save_sharded_checkpoint(path):
-    model = make_llama(seed=SEED)
-    for layer in model.layers:
-        hp.fully_shard(layer)
-    hp.fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    save({"model": ModelState(model).state_dict(), "optim": OptimizerState(model, optim).state_dict(), "step": 3},
-         checkpoint_id=path)
-    return True
 
 
 def _load_hf_sharded(hf_dir):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = shard_params(make_llama(seed=SEED + 1), mesh, lambda n, p: [Shard(p.dim() - 1)])
     load_hf(model, hf_dir)
-    full = full_params(model)  # a collective: every rank gathers
+    full = full_model_state_dict(model)  # a collective: every rank gathers
     return full if dist.get_rank() == 0 else None
 
 
 @pytest.fixture(scope="module")
 def sharded_checkpoint(tmp_path_factory):
     path = str(tmp_path_factory.mktemp("hf") / "step-3")
-    run_on_ranks(2, _save_sharded_checkpoint, path, timeout=120)
+    run_on_ranks(2, save_fully_sharded_llama, path, SEED, timeout=120)
     return path
 
 

@@ -15,7 +15,7 @@ import torch
 
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.cli import main as cli_main
-from tests.checkpoint.helpers import blank_state
+from tests.checkpoint.helpers import blank_state, refused
 
 
 def _doc(path):
@@ -26,16 +26,6 @@ def _doc(path):
 def _write_doc(path, doc):
     with open(os.path.join(path, "metadata.json"), "w") as f:
         f.write(doc if isinstance(doc, str) else json.dumps(doc))
-
-
-def _refused(path, match):
-    """load (with and without verify) and the CLI verify all refuse ``path``."""
-    for verify in (True, False):
-        with pytest.raises(hdcp.CheckpointError, match=match):
-            hdcp.load(blank_state(), checkpoint_id=path, no_dist=True, verify=verify)
-    with pytest.raises(hdcp.CheckpointError, match=match):
-        hdcp.verify_checkpoint(path)
-    assert cli_main(["verify", path]) == 1
 
 
 def _entry(doc, fqn):
@@ -57,7 +47,7 @@ def test_overlapping_chunks_hiding_a_gap_are_refused_even_with_valid_checksums(c
         doc["storage_data"].append({**entry, "offset": [off], "byte_offset": at, "length": 4 * n,
                                     "checksum": zlib.crc32(data[at:at + 4 * n])})
     _write_doc(ckpt, doc)
-    _refused(ckpt, "overlap")
+    refused(ckpt, "overlap")
 
 
 def test_gap_and_out_of_bounds_chunks_are_refused(ckpt):
@@ -67,11 +57,11 @@ def test_gap_and_out_of_bounds_chunks_are_refused(ckpt):
     entry = _entry(doc, fqn)
     entry["offset"], entry["length"] = [0], 16
     _write_doc(ckpt, doc)
-    _refused(ckpt, "cover 4 of its 5 elements")
+    refused(ckpt, "cover 4 of its 5 elements")
     doc["state_dict_metadata"][fqn]["chunks"] = [{"offsets": [2], "sizes": [5]}]
     entry["offset"], entry["length"] = [2], 20
     _write_doc(ckpt, doc)
-    _refused(ckpt, "lies outside")
+    refused(ckpt, "lies outside")
 
 
 def test_flipped_byte_is_caught_by_default_and_verify_false_opts_out(ckpt):
@@ -115,7 +105,7 @@ def test_hostile_metadata_raises_checkpoint_error(ckpt, edit, match):
     _write_doc(ckpt, out[3:] if isinstance(out, str) else doc)
     tracemalloc.start()
     try:
-        _refused(ckpt, match)
+        refused(ckpt, match)
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -131,7 +121,7 @@ def test_value_length_beyond_the_file_is_refused_before_allocating(ckpt):
     _write_doc(ckpt, doc)
     tracemalloc.start()
     try:
-        _refused(ckpt, "has .* bytes, metadata says")
+        refused(ckpt, "has .* bytes, metadata says")
         peak = tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
@@ -161,7 +151,7 @@ def test_value_relabelled_as_pickle_is_refused_by_verify_as_by_load(ckpt):
     doc = _doc(ckpt)
     _entry(doc, "train.step")["encoding"] = "pickle"
     _write_doc(ckpt, doc)
-    _refused(ckpt, "'train.step' is pickled; refusing")
+    refused(ckpt, "'train.step' is pickled; refusing")
     hdcp.verify_checkpoint(ckpt, allow_pickle=True)  # the bytes match their checksums (never unpickled)
 
 

@@ -10,54 +10,17 @@ from __future__ import annotations
 import os
 import threading
 import time
-from typing import Any, Dict, List
+from typing import List
 
 import pytest
 import torch
 
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.bounce import BounceReads
-from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
-from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.staging_buffers import StagingBuffers
+from tests.checkpoint.helpers import BOX_COLS, BOX_ROWS, AppliedBoxes, box_read
 
-ROWS, COLS = 4, 32  # one box: 4 x 32 float64 = 1024 bytes = one slab
 JOIN_S = 20.0
-
-
-class _Applied(LoadPlanner):
-    """Records the boxes BounceReads applies (the only planner call it makes)."""
-
-    def __init__(self) -> None:
-        self.applied: List[str] = []
-        self._lock = threading.Lock()
-
-    def apply_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        with self._lock:
-            self.applied.append(read_item.storage_index.fqn)
-
-    def configure_planner(self, state_dict: Dict[str, Any], metadata: Metadata, **kwargs: Any) -> None:
-        raise NotImplementedError
-
-    def build_local_plan(self) -> LoadPlan:
-        raise NotImplementedError
-
-    def build_global_plan(self, all_plans: List[LoadPlan]) -> List[LoadPlan]:
-        raise NotImplementedError
-
-    def finalize_plan(self, plan: LoadPlan) -> LoadPlan:
-        raise NotImplementedError
-
-    def acquire_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        raise NotImplementedError
-
-    def apply_bytes(self, read_item: ReadItem, value: Any) -> None:
-        raise NotImplementedError
-
-
-def _box(name: str) -> ReadItem:
-    index = MetadataIndex(name, (0, 0))
-    return ReadItem(LoadItemType.TENSOR, index, (0, 0), index, (0, 0), (ROWS, COLS))
 
 
 def _join_all(threads: List[threading.Thread]) -> None:
@@ -71,13 +34,13 @@ def test_two_readers_holding_the_whole_budget_do_not_deadlock(tmp_path):
     """The reviewer's case: 1 KiB slabs, a 4-slab budget and window, two readers holding two
     slabs each when both need a third. Each reuses its oldest slab; the bytes land intact."""
     pool = StagingBuffers(slab_bytes=1024, budget_bytes=4096, sync_window_bytes=4096)
-    stored = torch.arange(2 * 3 * ROWS * COLS, dtype=torch.float64).reshape(2, 3, ROWS, COLS)
+    stored = torch.arange(2 * 3 * BOX_ROWS * BOX_COLS, dtype=torch.float64).reshape(2, 3, BOX_ROWS, BOX_COLS)
     path = str(tmp_path / "chunks.bin")
     with open(path, "wb") as f:
         f.write(stored.numpy().tobytes())
-    window, planner = pool.window(snapshot=False), _Applied()
+    window, planner = pool.window(snapshot=False), AppliedBoxes()
     readers = [BounceReads(pool, window, planner, torch.device("cpu")) for _ in range(2)]
-    dests = [[torch.zeros(COLS, ROWS, dtype=torch.float64).t() for _ in range(3)] for _ in range(2)]
+    dests = [[torch.zeros(BOX_COLS, BOX_ROWS, dtype=torch.float64).t() for _ in range(3)] for _ in range(2)]
     in_use_when_held: List[int] = []
     holding = threading.Barrier(2, action=lambda: in_use_when_held.append(pool.in_use), timeout=JOIN_S)
     errors: List[BaseException] = []
@@ -88,8 +51,9 @@ def test_two_readers_holding_the_whole_budget_do_not_deadlock(tmp_path):
             for b in range(3):
                 if b == 2:
                     holding.wait()  # both hold two slabs: the budget and the window are used up
-                offset = (r * 3 + b) * ROWS * COLS * 8
-                readers[r].read(fd, path, offset, (ROWS, COLS), _box(f"r{r}b{b}"), dests[r][b], torch.float64)
+                offset = (r * 3 + b) * BOX_ROWS * BOX_COLS * 8
+                readers[r].read(fd, path, offset, (BOX_ROWS, BOX_COLS), box_read(f"r{r}b{b}"), dests[r][b],
+                                torch.float64)
             readers[r].finish()
         except BaseException as exc:  # noqa: BLE001  (reported by the main thread)
             errors.append(exc)
@@ -128,10 +92,10 @@ def test_threaded_load_into_strided_destinations_within_a_small_budget(tmp_path,
     """FileSystemReader(thread_count=2) bouncing many strided boxes through a 4-slab budget
     shared by both readers: the load completes exactly and within the budget."""
     g = torch.Generator().manual_seed(0)
-    state = {f"t{i}": torch.randn(COLS, 2 * ROWS, generator=g, dtype=torch.float64) for i in range(8)}
+    state = {f"t{i}": torch.randn(BOX_COLS, 2 * BOX_ROWS, generator=g, dtype=torch.float64) for i in range(8)}
     path = str(tmp_path / "ckpt")
     hdcp.save(state, checkpoint_id=path, no_dist=True)
-    target = {key: torch.zeros(2 * ROWS, COLS, dtype=torch.float64).t() for key in state}  # strided: bounces
+    target = {key: torch.zeros(2 * BOX_ROWS, BOX_COLS, dtype=torch.float64).t() for key in state}  # strided: bounces
     start, errors = tiny_budget.allocations, []
 
     def load() -> None:

@@ -18,7 +18,7 @@ from hyper_parallel.core.distributed_checkpoint import (
     get_optimizer_state_dict,
     is_checkpoint,
 )
-from tests.checkpoint.test_state_dict import full_params, make_llama, shard_params, train_step
+from tests.checkpoint.helpers import full_model_state_dict, make_llama, seeded_grads_step, shard_params
 from tests.multirank import run_on_ranks
 
 
@@ -74,13 +74,13 @@ def test_newest_checkpoint_is_never_deleted(tmp_path):
 def test_load_latest_restores_exact_values_without_process_group(tmp_path):
     model = make_llama(seed=1)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train_step(model, optim, 0)
+    seeded_grads_step(model, optim, 0)
     manager = CheckpointManager(tmp_path, interval=2)
     state = {"model": ModelState(model), "optim": OptimizerState(model, optim),
              "step": 2, "scheduler": {"last_epoch": 2, "lrs": [0.5, 0.25]}, "rng": torch.arange(4)}
     assert manager.load_latest(state) is None
     assert manager.save(2, state) is True
-    expected_params = full_params(model)
+    expected_params = full_model_state_dict(model)
     expected_optim = {k: v.clone() for k, v in optim.state_dict()["state"][0].items()}
 
     model2 = make_llama(seed=2)
@@ -90,7 +90,7 @@ def test_load_latest_restores_exact_values_without_process_group(tmp_path):
     assert CheckpointManager(tmp_path).load_latest(state2) == 2
     assert state2["step"] == 2 and state2["scheduler"] == {"last_epoch": 2, "lrs": [0.5, 0.25]}
     assert torch.equal(state2["rng"], torch.arange(4))
-    assert all(torch.equal(v, expected_params[k]) for k, v in full_params(model2).items())
+    assert all(torch.equal(v, expected_params[k]) for k, v in full_model_state_dict(model2).items())
     assert optim2.param_groups[0]["lr"] == 1e-2
     assert all(torch.equal(optim2.state_dict()["state"][0][k], v) for k, v in expected_optim.items())
 
@@ -117,11 +117,11 @@ def _sharded_save_then_reshard_load(folder, async_save):
     mesh = init_device_mesh("cpu", (world,))
     model = shard_params(make_llama(seed=3), mesh, lambda n, p: [Shard(0)])
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    train_step(model, optim, 0)
+    seeded_grads_step(model, optim, 0)
     manager = CheckpointManager(folder, interval=1, keep_last_n=1, async_save=async_save)
     state = {"model": ModelState(model), "optim": OptimizerState(model, optim), "step": 1}
     manager.save(1, state)
-    train_step(model, optim, 1)
+    seeded_grads_step(model, optim, 1)
     manager.save(2, {**state, "step": 2})
     manager.wait()
     assert _steps_on_disk(folder) == [2] and manager.latest_step() == 2
@@ -130,9 +130,9 @@ def _sharded_save_then_reshard_load(folder, async_save):
     optim2 = torch.optim.AdamW(model2.parameters(), lr=1e-2)
     state2 = {"model": ModelState(model2), "optim": OptimizerState(model2, optim2), "step": 0}
     assert manager.load_latest(state2) == 2 and state2["step"] == 2
-    train_step(model, optim, 2)
-    train_step(model2, optim2, 2)
-    a, b = full_params(model), full_params(model2)
+    seeded_grads_step(model, optim, 2)
+    seeded_grads_step(model2, optim2, 2)
+    a, b = full_model_state_dict(model), full_model_state_dict(model2)
     return all(torch.equal(v, b[k]) for k, v in a.items())
 
 

@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 import hyper_parallel.checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.resharding import mesh_slot
-from tests.checkpoint.test_chunk_index import LAYOUTS, _state, fake_process_group  # noqa: F401 (fixture)
+from tests.checkpoint.helpers import META_LAYOUTS, meta_state
 
 
 def _brute_force(value):
@@ -26,17 +26,17 @@ def _brute_force(value):
     return replicas, min(ranks), dims[0] if dims else None, along
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+@pytest.mark.parametrize("layout", sorted(META_LAYOUTS))
 def test_slot_matches_the_mesh_on_every_rank(fake_process_group, layout):
-    for rank in range(math.prod(LAYOUTS[layout][0])):
-        value = _state(layout, rank)["w"]
+    for rank in range(math.prod(META_LAYOUTS[layout][0])):
+        value = meta_state(layout, rank)["w"]
         assert tuple(mesh_slot(value)) == _brute_force(value), (layout, rank)
 
 
 def test_planning_reads_the_mesh_once_not_per_tensor(fake_process_group, monkeypatch):
     """Save and load planning of 40 DTensors on one HSDP mesh build its rank tensor at most
     once (it was once per tensor in each planner)."""
-    state = _state("hsdp", rank=4)
+    state = meta_state("hsdp", rank=4)
     state.update({f"extra{i}": state["w"] for i in range(36)})
     built = []
     mesh_property = DeviceMesh.mesh

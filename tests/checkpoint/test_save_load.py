@@ -18,6 +18,7 @@ from tests.checkpoint.helpers import (
     distribute_state,
     full_state,
     load_and_check,
+    message_or,
     save_layout,
     state_nbytes,
 )
@@ -140,11 +141,7 @@ def test_repeated_save_reuses_global_plan(tmp_path):
 def _diverging_plain_value(path):
     state = distribute_state(full_state(), "fsdp")
     state["rng"] = torch.tensor([dist.get_rank()])
-    try:
-        hdcp.save(state, checkpoint_id=path)
-    except hdcp.CheckpointError as exc:
-        return str(exc)
-    return "saved"
+    return message_or("saved", lambda: hdcp.save(state, checkpoint_id=path))
 
 
 def test_differing_plain_tensors_are_refused(tmp_path):
@@ -211,11 +208,9 @@ def test_files_are_valid_safetensors_and_metadata_reads_without_process_group(tm
 
 
 def _failing_save(path):
-    try:
-        hdcp.save(distribute_state(full_state(), "fsdp"), storage_writer=FailingWriter(path))
-    except (hdcp.CheckpointError, OSError) as exc:
-        return str(exc)
-    return "saved"
+    state = distribute_state(full_state(), "fsdp")
+    return message_or("saved", lambda: hdcp.save(state, storage_writer=FailingWriter(path)),
+                      (hdcp.CheckpointError, OSError))
 
 
 def test_failed_save_on_one_rank_fails_everywhere_and_cleans_up(tmp_path):
@@ -340,11 +335,7 @@ def _replicas_with_different_keys(path):
     target = distribute_state(blank_state(), "hsdp")
     if dist.get_rank() == 2:
         del target["model"]["norm.weight"]
-    try:
-        hdcp.load(target, checkpoint_id=path)
-    except hdcp.CheckpointError as exc:
-        return str(exc)
-    return "loaded"
+    return message_or("loaded", lambda: hdcp.load(target, checkpoint_id=path))
 
 
 def test_replicas_asking_for_different_keys_fail_instead_of_hanging(tmp_path):
@@ -354,7 +345,7 @@ def test_replicas_asking_for_different_keys_fail_instead_of_hanging(tmp_path):
     assert all("would broadcast different replicated shards" in m for m in messages), messages
 
 
-def _model_and_optimizer(seed):
+def _trained_mlp_and_adamw(seed):
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     optim = torch.optim.AdamW(model.parameters(), lr=0.1)
@@ -366,12 +357,12 @@ def _model_and_optimizer(seed):
 @pytest.mark.parametrize("save_fn", ["save", "async_save"])
 def test_stateful_values_are_saved_and_restored(tmp_path, save_fn):
     path = str(tmp_path / "ckpt")
-    model, optim = _model_and_optimizer(0)
+    model, optim = _trained_mlp_and_adamw(0)
     state = {"model": hdcp.ModelState(model), "optim": hdcp.OptimizerState(model, optim), "step": 7}
     result = getattr(hdcp, save_fn)(state, checkpoint_id=path, no_dist=True)
     if save_fn == "async_save":
         result.result(timeout=60)
-    target_model, target_optim = _model_and_optimizer(1)
+    target_model, target_optim = _trained_mlp_and_adamw(1)
     target = {"model": hdcp.ModelState(target_model), "optim": hdcp.OptimizerState(target_model, target_optim),
               "step": 0}
     hdcp.load(target, checkpoint_id=path, no_dist=True)

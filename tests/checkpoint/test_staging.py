@@ -22,6 +22,7 @@ from hyper_parallel.core.distributed_checkpoint.staging_buffers import StagingBu
 from hyper_parallel.platform import Platform
 from hyper_parallel.platform.copy_stream import CopyStream
 from tests.checkpoint.helpers import distribute_state, full_state, load_and_check
+from tests.checkpoint.helpers import FailingStagingPlanner, FullDiskWriter
 from tests.multirank import run_on_ranks
 
 SLAB, WINDOW, BUDGET = 4096, 8192, 16384
@@ -147,23 +148,12 @@ def test_slabs_are_reused_across_saves_and_released_on_request(tmp_path, small_s
     _assert_equal(target, _state(2))
 
 
-class _FailingPlanner(hdcp.StandardSavePlanner):
-    def get_data(self, item):
-        if item.index.fqn == "small.b5":
-            raise RuntimeError("chunk source broke (simulated)")
-        return super().get_data(item)
-
-
-class _FullDisk(hdcp.FileSystemWriter):
-    def execute_write(self, plan, planner):
-        raise OSError("disk full (simulated)")
-
-
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("failure", ["staging", "writer"])
 def test_a_failure_on_either_side_stops_both_and_frees_the_slabs(tmp_path, small_slabs, failure):
     path = str(tmp_path / "ckpt")
-    kwargs = dict(planner=_FailingPlanner()) if failure == "staging" else dict(storage_writer=_FullDisk(path))
+    kwargs = (dict(planner=FailingStagingPlanner()) if failure == "staging"
+              else dict(storage_writer=FullDiskWriter(path)))
     with pytest.raises((RuntimeError, OSError), match="simulated"):
         hdcp.async_save(_state(), checkpoint_id=path, no_dist=True, **kwargs).result(timeout=30)
     hdcp.wait_for_pending_save()

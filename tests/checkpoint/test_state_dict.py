@@ -3,9 +3,8 @@
 import pytest
 import torch
 import torch.distributed as dist
-from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from hyper_parallel.core.distributed_checkpoint.state_dict import (
     OptimizerState,
@@ -15,45 +14,10 @@ from hyper_parallel.core.distributed_checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from hyper_parallel.models import build_llama
+from tests.checkpoint.helpers import full_model_state_dict, make_llama, seeded_grads_step, shard_params
 from tests.multirank import run_on_ranks
 
 FULL = StateDictOptions(full_state_dict=True)
-
-
-def make_llama(seed: int = 0, **overrides) -> nn.Module:
-    torch.manual_seed(seed)
-    model = build_llama("llama_debug", **overrides)
-    model.init_weights(seed)
-    return model
-
-
-def shard_params(model: nn.Module, mesh, placements_fn) -> nn.Module:
-    """Replace every parameter by a DTensor with ``placements_fn(name, param)`` (ties kept)."""
-    done = {}
-    for module_name, module in model.named_modules():
-        for name, param in list(module.named_parameters(recurse=False)):
-            if param not in done:
-                fqn = f"{module_name}.{name}".lstrip(".")
-                done[param] = nn.Parameter(distribute_tensor(param.detach(), mesh, placements_fn(fqn, param)))
-            setattr(module, name, done[param])
-    return model
-
-
-def train_step(model: nn.Module, optim: torch.optim.Optimizer, seed: int) -> None:
-    """One optimizer step with seeded gradients that do not depend on the layout."""
-    gen = torch.Generator().manual_seed(seed)
-    for _, param in sorted(dict(model.named_parameters()).items()):
-        grad = torch.randn(param.shape, generator=gen)
-        if isinstance(param, DTensor):
-            grad = distribute_tensor(grad, param.device_mesh, param.placements, src_data_rank=None)
-        param.grad = grad
-    optim.step()
-
-
-def full_params(model: nn.Module) -> dict:
-    return {k: v.full_tensor() if isinstance(v, DTensor) else v.clone()
-            for k, v in get_model_state_dict(model).items()}
 
 
 # ---------------------------------------------------------------------------- ranks
@@ -90,23 +54,23 @@ def _model_set_full_and_sharded_into_other_layout():
     world = dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     source = shard_params(make_llama(seed=1), mesh, lambda n, p: [Shard(0)])
-    expected = full_params(source)
+    expected = full_model_state_dict(source)
 
     # Full values into a Shard(1) model.
     target = shard_params(make_llama(seed=2), mesh, lambda n, p: [Shard(p.dim() - 1)])
     set_model_state_dict(target, get_model_state_dict(source, options=FULL))
-    assert all(torch.equal(v, expected[k]) for k, v in full_params(target).items())
+    assert all(torch.equal(v, expected[k]) for k, v in full_model_state_dict(target).items())
 
     # Sharded values (same mesh, other placements) are redistributed.
     target = shard_params(make_llama(seed=2), mesh, lambda n, p: [Shard(p.dim() - 1)])
     set_model_state_dict(target, get_model_state_dict(source))
-    assert all(torch.equal(v, expected[k]) for k, v in full_params(target).items())
+    assert all(torch.equal(v, expected[k]) for k, v in full_model_state_dict(target).items())
 
     # Full values into a 2-D (replicate, shard) layout.
     mesh2 = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
     target = shard_params(make_llama(seed=2), mesh2, lambda n, p: [Replicate(), Shard(0)])
     set_model_state_dict(target, get_model_state_dict(source, options=FULL))
-    assert all(torch.equal(v, expected[k]) for k, v in full_params(target).items())
+    assert all(torch.equal(v, expected[k]) for k, v in full_model_state_dict(target).items())
     return True
 
 
@@ -140,7 +104,7 @@ def _optimizer_round_trip(full: bool):
     model = shard_params(make_llama(seed=3, tie_embeddings=True), mesh, lambda n, p: [Shard(0)])
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2, betas=(0.8, 0.9), weight_decay=0.1)
     for step in range(2):
-        train_step(model, optim, step)
+        seeded_grads_step(model, optim, step)
     options = FULL if full else None
     model_sd = get_model_state_dict(model, options=options)
     optim_sd = get_optimizer_state_dict(model, optim, options=options)
@@ -168,9 +132,9 @@ def _optimizer_round_trip(full: bool):
             assert torch.equal(got["state"][fqn][name], value), (fqn, name)
 
     # Both continue identically.
-    train_step(model, optim, 7)
-    train_step(model2, optim2, 7)
-    reference, resumed = full_params(model), full_params(model2)
+    seeded_grads_step(model, optim, 7)
+    seeded_grads_step(model2, optim2, 7)
+    reference, resumed = full_model_state_dict(model), full_model_state_dict(model2)
     return all(torch.equal(resumed[k], v) for k, v in reference.items())
 
 
@@ -180,13 +144,13 @@ def _fresh_optimizer_state_is_a_no_op():
     model_b = shard_params(make_llama(seed=5), mesh, lambda n, p: [Shard(0)])
     optim_a = torch.optim.AdamW(model_a.parameters(), lr=1e-2)
     optim_b = torch.optim.AdamW(model_b.parameters(), lr=1e-2)
-    before = full_params(model_a)
+    before = full_model_state_dict(model_a)
     sd = OptimizerState(model_a, optim_a).state_dict()  # initialises lazily
-    assert all(torch.equal(v, before[k]) for k, v in full_params(model_a).items())
+    assert all(torch.equal(v, before[k]) for k, v in full_model_state_dict(model_a).items())
     assert all(float(s["step"]) == 0 and s["exp_avg"].to_local().abs().sum() == 0 for s in sd["state"].values())
-    train_step(model_a, optim_a, 0)
-    train_step(model_b, optim_b, 0)
-    a, b = full_params(model_a), full_params(model_b)
+    seeded_grads_step(model_a, optim_a, 0)
+    seeded_grads_step(model_b, optim_b, 0)
+    a, b = full_model_state_dict(model_a), full_model_state_dict(model_b)
     return all(torch.equal(v, b[k]) for k, v in a.items())
 
 

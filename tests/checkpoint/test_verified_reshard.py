@@ -27,16 +27,16 @@ T = 120
 ROWS, COLS = 16, 8192
 
 
-def _full() -> torch.Tensor:
+def _arange_full() -> torch.Tensor:
     return torch.arange(ROWS * COLS, dtype=torch.float32).view(ROWS, COLS)
 
 
 def _save_on_ranks(path):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    hdcp.save({"w": distribute_tensor(_full(), mesh, (Shard(0),))}, checkpoint_id=path)
+    hdcp.save({"w": distribute_tensor(_arange_full(), mesh, (Shard(0),))}, checkpoint_id=path)
 
 
-def _load(path, dim, verify=True):
+def _load_sharded(path, dim, verify=True):
     """Bytes this rank read, or the CheckpointError's message; the loaded values: the saved ones,
     or (unverified) the saved ones with one element changed."""
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -46,7 +46,7 @@ def _load(path, dim, verify=True):
             hdcp.load(target, checkpoint_id=path, verify=verify)
         except hdcp.CheckpointError as exc:
             return str(exc)
-    differ = (target["w"].full_tensor() != _full()).sum().item()
+    differ = (target["w"].full_tensor() != _arange_full()).sum().item()
     assert differ == 0 or (not verify and differ == 1), differ
     return sum(read)
 
@@ -56,8 +56,8 @@ def test_each_partly_needed_chunk_is_read_whole_once(tmp_path, load_world, dim):
     path = str(tmp_path / "ckpt")
     run_on_ranks(2, _save_on_ranks, path, timeout=T)
     chunk = ROWS * COLS * 4 // 2
-    reads = run_on_ranks(load_world, _load, path, dim, timeout=T)
-    unverified = run_on_ranks(load_world, _load, path, dim, False, timeout=T)
+    reads = run_on_ranks(load_world, _load_sharded, path, dim, timeout=T)
+    unverified = run_on_ranks(load_world, _load_sharded, path, dim, False, timeout=T)
     assert sum(unverified) == 2 * chunk  # every stored byte once
     # One reader per chunk reads it whole to check it; the others read only their part:
     # 1.5x the stored bytes, where reading whole on every rank that needs a part was 2x.
@@ -84,9 +84,9 @@ def test_corruption_in_any_rank_s_part_fails_the_load_everywhere(tmp_path, row, 
     _corrupt(path, row, col)
     # Each corrupted element is used by one rank only; half the cases by the rank that does
     # not check that chunk.
-    messages = run_on_ranks(2, _load, path, 1, timeout=T)
+    messages = run_on_ranks(2, _load_sharded, path, 1, timeout=T)
     assert all(isinstance(m, str) and "checksum mismatch" in m for m in messages), messages
-    assert isinstance(run_on_ranks(2, _load, path, 1, False, timeout=T)[0], int)  # unverified: loads
+    assert isinstance(run_on_ranks(2, _load_sharded, path, 1, False, timeout=T)[0], int)  # unverified: loads
 
 
 def _plan(items):

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+import hyper_parallel as hp
 from hyper_parallel._torch_compat import lookup_compile_backend
 from hyper_parallel.models import build_llama
 
@@ -59,6 +60,24 @@ def lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
     logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+
+
+def float64_lm_loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross entropy with the logits cast to float64 (bf16 / fp32 models)."""
+    logits = model(tokens[:, :-1])
+    return F.cross_entropy(logits.flatten(0, 1).to(torch.float64), tokens[:, 1:].flatten())
+
+
+def sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    """Plain SGD (lr 0.5): no optimizer state, so parameters follow the gradients directly."""
+    return torch.optim.SGD(params, lr=0.5)
+
+
+def shard_layers_and_root(model: nn.Module, **kw) -> nn.Module:
+    """``fully_shard(layer, **kw)`` for each of ``model.layers``, then for ``model``."""
+    for layer in model.layers:
+        hp.fully_shard(layer, **kw)
+    return hp.fully_shard(model, **kw)
 
 
 def full_params(model: nn.Module) -> Dict[str, torch.Tensor]:

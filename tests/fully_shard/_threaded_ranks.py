@@ -27,7 +27,7 @@ def _model() -> nn.Module:
     return nn.Sequential(nn.Linear(DIM, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, DIM)).double()
 
 
-def _loss(model, x):
+def _mean_square_loss(model, x):
     return (model(x) ** 2).mean()
 
 
@@ -42,7 +42,7 @@ def _rank_main(rank, store, models, batches, results):
         hp.fully_shard(model)
         opt = torch.optim.SGD(model.parameters(), lr=0.1)
         for batch in batches:
-            _loss(model, batch.chunk(WORLD)[rank]).backward()
+            _mean_square_loss(model, batch.chunk(WORLD)[rank]).backward()
             opt.step()
             opt.zero_grad()
         full = {k: v.full_tensor() for k, v in model.state_dict().items()}
@@ -59,7 +59,7 @@ def main() -> int:
         reference = copy.deepcopy(reference)
         opt = torch.optim.SGD(reference.parameters(), lr=0.1)
         for batch in batches:
-            _loss(reference, batch).backward()
+            _mean_square_loss(reference, batch).backward()
             opt.step()
             opt.zero_grad()
         expected.append(reference.state_dict())

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
-from tests.fully_shard._helpers import TOL, global_batch, lm_loss, max_diff, tiny_llama
+from tests.fully_shard._helpers import TOL, global_batch, lm_loss, max_diff, shard_layers_and_root, tiny_llama
 from tests.multirank import run_on_ranks
 
 
@@ -36,9 +36,7 @@ def _hooked_grads(mesh, hook, dp_rank: int, dp_size: int, stream=None) -> float:
     torch.manual_seed(0)
     reference = tiny_llama()
     model = copy.deepcopy(reference)
-    for layer in model.layers:
-        hp.fully_shard(layer, mesh=mesh)
-    hp.fully_shard(model, mesh=mesh)
+    shard_layers_and_root(model, mesh=mesh)
     for module in model.modules():
         if isinstance(module, hp.FSDPModule):
             module.set_all_reduce_hook(hook, stream=stream)
@@ -47,7 +45,7 @@ def _hooked_grads(mesh, hook, dp_rank: int, dp_size: int, stream=None) -> float:
     return grads, ref
 
 
-def _fsdp():
+def _hook_on_fsdp():
     mesh = hp.init_device_mesh("cpu", (2,))
     stream, streams_seen = torch.cpu.Stream(), []
 
@@ -63,11 +61,11 @@ def _fsdp():
 
 
 def test_all_reduce_hook_fsdp_runs_on_the_reduce_scattered_mean():
-    for diff in run_on_ranks(2, _fsdp, timeout=180):
+    for diff in run_on_ranks(2, _hook_on_fsdp, timeout=180):
         assert diff <= TOL, diff
 
 
-def _hsdp():
+def _hook_on_hsdp():
     mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     grads, ref = _hooked_grads(mesh, _signed_square, dist.get_rank(), 4)
     for g in ref.values():
@@ -78,7 +76,7 @@ def _hsdp():
 
 
 def test_all_reduce_hook_hsdp_runs_after_the_replicate_all_reduce():
-    for diff in run_on_ranks(4, _hsdp, timeout=240):
+    for diff in run_on_ranks(4, _hook_on_hsdp, timeout=240):
         assert diff <= TOL, diff
 
 

@@ -16,20 +16,15 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard.param_group import ShardState
-from tests.fully_shard._helpers import DTYPE, TOL, full_params, global_batch, lm_loss, max_diff, tiny_llama, train
+from tests.fully_shard._helpers import (DTYPE, TOL, full_params, global_batch, lm_loss, max_diff, shard_layers_and_root,
+                                        tiny_llama, train)
 from tests.multirank import run_on_ranks
-
-
-def _wrap(model, **kw):
-    for layer in model.layers:
-        hp.fully_shard(layer, **kw)
-    return hp.fully_shard(model, **kw)
 
 
 def _meta_init_and_state_dict():
     rank, world = dist.get_rank(), dist.get_world_size()
     with torch.device("meta"):
-        model = _wrap(tiny_llama(vocab_size=33, tie_embeddings=True))
+        model = shard_layers_and_root(tiny_llama(vocab_size=33, tie_embeddings=True))
     model.to_empty(device="cpu")
     model.init_weights(seed=0)
     params = dict(model.named_parameters())
@@ -62,11 +57,11 @@ def _meta_init_and_state_dict():
     state = model.state_dict()
     assert all(isinstance(v, DTensor) and v.placements == (Shard(0),) for v in state.values())
     torch.manual_seed(1)
-    fresh = _wrap(tiny_llama(vocab_size=33, tie_embeddings=True))
+    fresh = shard_layers_and_root(tiny_llama(vocab_size=33, tie_embeddings=True))
     fresh.load_state_dict({k: v.full_tensor() for k, v in state.items()})
     results["load_full"] = max_diff(full_params(fresh), full_params(model))
     torch.manual_seed(2)
-    fresh = _wrap(tiny_llama(vocab_size=33, tie_embeddings=True))
+    fresh = shard_layers_and_root(tiny_llama(vocab_size=33, tie_embeddings=True))
     fresh.load_state_dict(state)
     results["load_sharded"] = max_diff(full_params(fresh), full_params(model))
     # A loaded model trains like the original (the loaded shards feed the all-gathers).
@@ -79,7 +74,7 @@ def _meta_init_and_state_dict():
         tied = tiny_llama(vocab_size=33, tie_embeddings=True)
         hp.fully_shard(tied.tok_embeddings)
         hp.fully_shard(tied.output)
-        return _wrap(tied)
+        return shard_layers_and_root(tied)
     source = full_params(tied_across_groups(3))
     target = tied_across_groups(4)
     target.load_state_dict(source)
@@ -96,7 +91,7 @@ def test_meta_init_and_state_dict_round_trips():
 def _unshard_reshard_and_prefetch():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
-    model = _wrap(tiny_llama())
+    model = shard_layers_and_root(tiny_llama())
     layer0, layer1 = model.layers
     reference_wq = layer0.attention.wq.weight.full_tensor()
     handle = layer0.unshard(async_op=True)
@@ -153,7 +148,7 @@ def test_unshard_reshard_and_prefetch():
         assert explicit[0][0] in issued and explicit[1] == (sharded,), explicit
 
 
-def _errors():
+def _misuse_errors():
     messages = {}
 
     def expect(key, exc, fn):
@@ -178,7 +173,7 @@ def _errors():
 
 
 def test_bad_input_errors():
-    messages = run_on_ranks(2, _errors, timeout=60)[0]
+    messages = run_on_ranks(2, _misuse_errors, timeout=60)[0]
     assert "already" in messages["twice"]
     assert "3-D" in messages["mesh_rank"]
     assert "Shard" in messages["placement"]

@@ -14,14 +14,14 @@ from typing import Callable, Dict, List, Tuple
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import hyper_parallel as hp
 from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
-from tests.fully_shard._helpers import CountingBackend, full_params, global_batch, max_diff, tiny_llama, train
+from tests.fully_shard._helpers import (CountingBackend, float64_lm_loss, full_params, global_batch, max_diff, sgd,
+                                        tiny_llama, train)
 from tests.multirank import run_on_ranks
 
 TOL = 1e-10  # float64 everywhere: only summation order differs
@@ -96,8 +96,9 @@ def _run(order: str, impl: str, *, mesh=None, mixed_precision: bool = False, che
     trained = _compile_blocks(model, order, shard, backend)
     model.to_empty(device="cpu")
     model.init_weights(0)
-    losses = train(trained, [global_batch(s, batch_size).chunk(dp_size)[dp_rank] for s in range(steps)], loss_fn=_loss,
-                   micro_batches=micro_batches, before_micro=_sync_on_last_micro, make_optimizer=_sgd)
+    losses = train(trained, [global_batch(s, batch_size).chunk(dp_size)[dp_rank] for s in range(steps)],
+                   loss_fn=float64_lm_loss, micro_batches=micro_batches, before_micro=_sync_on_last_micro,
+                   make_optimizer=sgd)
     return losses, _strip(full_params(model)), backend.calls - calls_before
 
 
@@ -112,15 +113,6 @@ def _strip(params: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
     return {k.replace("_orig_mod.", ""): v.to(torch.float64) for k, v in params.items()}
 
 
-def _loss(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
-    logits = model(tokens[:, :-1])
-    return F.cross_entropy(logits.flatten(0, 1).to(torch.float64), tokens[:, 1:].flatten())
-
-
-def _sgd(params) -> torch.optim.Optimizer:
-    return torch.optim.SGD(params, lr=0.5)
-
-
 def _sync_on_last_micro(model: nn.Module, micro: int, micro_batches: int) -> None:
     model.set_requires_gradient_sync(micro == micro_batches - 1)
 
@@ -129,8 +121,8 @@ def _reference(steps: int = 2, micro_batches: int = 1, batch_size: int = 4) -> D
     """Single-process float64 training on the global batches."""
     model = tiny_llama().to(torch.float64)
     model.init_weights(0)
-    train(model, [global_batch(s, batch_size) for s in range(steps)], loss_fn=_loss,
-          micro_batches=micro_batches, make_optimizer=_sgd)
+    train(model, [global_batch(s, batch_size) for s in range(steps)], loss_fn=float64_lm_loss,
+          micro_batches=micro_batches, make_optimizer=sgd)
     return _strip(full_params(model))
 
 

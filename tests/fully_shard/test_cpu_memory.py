@@ -14,7 +14,7 @@ import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.platform import AcceleratorStreams, CpuStreams
-from tests.fully_shard._helpers import TOL, global_batch, lm_loss, tiny_llama
+from tests.fully_shard._helpers import TOL, global_batch, lm_loss, shard_layers_and_root, tiny_llama
 from tests.multirank import run_on_ranks
 
 
@@ -36,9 +36,7 @@ def _inputs_released_in_flight():
     model = tiny_llama(n_layers=3)
     model.load_state_dict(reference.state_dict())
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers:
-        hp.fully_shard(block, mesh=mesh)
-    hp.fully_shard(model, mesh=mesh)
+    shard_layers_and_root(model, mesh=mesh)
     tokens = global_batch(0)
     with mock.patch.object(collectives, "reduce_scatter", record_input), \
             mock.patch.object(HSDPParamGroup, "finish_scatter", check_then_finish):

@@ -23,7 +23,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import hyper_parallel as hp
-from tests.fully_shard._helpers import TOL, full_params, global_batch, lm_loss, max_diff, tiny_llama, train
+from tests.fully_shard._helpers import (TOL, full_params, global_batch, lm_loss, max_diff, shard_layers_and_root,
+                                        tiny_llama, train)
 from tests.multirank import run_on_ranks
 
 STEPS = 2
@@ -100,9 +101,7 @@ def _offload_run(offload: bool) -> Dict[str, Any]:
     torch.manual_seed(0)
     reference = tiny_llama()
     model = copy.deepcopy(reference)
-    for layer in model.layers:
-        hp.fully_shard(layer, offload_policy=policy)
-    hp.fully_shard(model, offload_policy=policy)
+    shard_layers_and_root(model, offload_policy=policy)
     batches = [global_batch(step) for step in range(STEPS)]
     train(reference, batches)
 

@@ -33,7 +33,7 @@ def _mlp() -> nn.Module:
     return _MLP().to(DTYPE)
 
 
-def _mse(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+def _mse_of_scaled_tokens(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     x = tokens.to(DTYPE) / 32
     return ((model(x[:, :DIM]) - x[:, -DIM:]) ** 2).mean()
 
@@ -56,7 +56,7 @@ def _contiguous_shards_on_dim_gt0():
             return model
 
         collectives.reset_collective_counts()
-        results[name] = parity(wrap, dist.get_rank(), 2, model_fn=_mlp, loss_fn=_mse)
+        results[name] = parity(wrap, dist.get_rank(), 2, model_fn=_mlp, loss_fn=_mse_of_scaled_tokens)
         # 2 steps of 2 non-empty groups (the root holds none): per step each all-gathers in
         # forward and again in backward, and reduce-scatters once.
         counts = collectives.collective_counts()
@@ -64,7 +64,7 @@ def _contiguous_shards_on_dim_gt0():
 
     torch.manual_seed(0)
     model = _wrap_mlp(_mlp(), shard_placement_fn=lambda p: Shard(p.ndim - 1))
-    _mse(model, global_batch(0)).backward()
+    _mse_of_scaled_tokens(model, global_batch(0)).backward()
     for pname, param in model.named_parameters():
         assert param.to_local().is_contiguous(), pname
         assert param.grad.is_contiguous() and param.grad.to_local().is_contiguous(), pname
@@ -94,7 +94,7 @@ def _patched_collectives_are_seen():
     # What torch.testing._internal.common_fsdp's patch_all_gather / patch_reduce_scatter do.
     with mock.patch.object(dist, "all_gather_single", all_gather), \
             mock.patch.object(dist, "reduce_scatter_single", reduce_scatter):
-        _mse(model, global_batch(0)).backward()
+        _mse_of_scaled_tokens(model, global_batch(0)).backward()
     return seen
 
 
@@ -107,9 +107,9 @@ def test_patched_torch_collectives_see_our_calls():
 def _world_size_one():
     assert dist.get_world_size() == 1
     collectives.reset_collective_counts()
-    diffs = {"fsdp": parity(_wrap_mlp, 0, 1, model_fn=_mlp, loss_fn=_mse),
+    diffs = {"fsdp": parity(_wrap_mlp, 0, 1, model_fn=_mlp, loss_fn=_mse_of_scaled_tokens),
              "dim1": parity(lambda m: _wrap_mlp(m, shard_placement_fn=lambda p: Shard(p.ndim - 1)),
-                            0, 1, model_fn=_mlp, loss_fn=_mse, micro_batches=2)}
+                            0, 1, model_fn=_mlp, loss_fn=_mse_of_scaled_tokens, micro_batches=2)}
     return diffs, collectives.collective_counts()
 
 
@@ -119,7 +119,7 @@ def test_train_parity_single_worldsize1():
     assert counts == {}, counts
 
 
-def _train_both(reference: nn.Module, model: nn.Module, steps: int, before_step=None, opt_fn=None) -> float:
+def _train_both_on_mse(reference: nn.Module, model: nn.Module, steps: int, before_step=None, opt_fn=None) -> float:
     """AdamW steps of the reference on the global batch and of the wrapped model on this rank's
     half; ``before_step(model, step)`` runs on both first. Max abs diff of the full parameters."""
     opt_fn = opt_fn or (lambda m: torch.optim.AdamW(m.parameters(), lr=1e-2, weight_decay=0.1))
@@ -130,7 +130,7 @@ def _train_both(reference: nn.Module, model: nn.Module, steps: int, before_step=
         for m, opt, data in ((reference, optimizers[0], batch), (model, optimizers[1], batch.chunk(world)[rank])):
             if before_step is not None:
                 before_step(m, step)
-            _mse(m, data).backward()
+            _mse_of_scaled_tokens(m, data).backward()
             if opt is not None:
                 opt.step()
                 opt.zero_grad()
@@ -148,10 +148,10 @@ def _to_float64_after_init():
     model.float().to(DTYPE)  # ... and convert again after it
     for name, param in model.named_parameters():
         assert param.dtype == param.to_local().dtype == param._spec.tensor_meta.dtype == DTYPE, name
-    diff = _train_both(reference, model, steps=3)
+    diff = _train_both_on_mse(reference, model, steps=3)
     for name, param in model.named_parameters():
         assert param.to_local().dtype == DTYPE and param.grad is None, name
-    _mse(model, global_batch(0)).backward()
+    _mse_of_scaled_tokens(model, global_batch(0)).backward()
     for name, param in model.named_parameters():
         assert param.grad.to_local().dtype == param.grad._spec.tensor_meta.dtype == DTYPE, name
     return diff
@@ -186,9 +186,9 @@ def _mixed_requires_grad_across_groups():
     hp.fully_shard(model)
     # AdamW moves a parameter with a gradient even if it is zero and skips one without: a
     # frozen parameter that got a gradient, or an unfrozen one that did not, breaks parity.
-    diff = _train_both(reference, model, steps=3, before_step=_set_frozen)
+    diff = _train_both_on_mse(reference, model, steps=3, before_step=_set_frozen)
     _set_frozen(model, 0)
-    _mse(model, global_batch(0)).backward()
+    _mse_of_scaled_tokens(model, global_batch(0)).backward()
     has_grad = {name: p.grad is not None for name, p in model.named_parameters()}
     return diff, has_grad
 
@@ -212,7 +212,7 @@ def _post_accumulate_grad_hooks():
 
     for name, param in model.named_parameters():
         param.register_post_accumulate_grad_hook(functools.partial(hook, name))
-    _mse(model, global_batch(0)).backward()
+    _mse_of_scaled_tokens(model, global_batch(0)).backward()
     names = [name for name, _ in model.named_parameters()]
 
     # Optimizer in backward: one AdamW per parameter, stepped by its hook.
@@ -225,7 +225,7 @@ def _post_accumulate_grad_hooks():
 
     for param in model.parameters():
         param.register_post_accumulate_grad_hook(step_in_backward)
-    diff = _train_both(reference, model, steps=3,
+    diff = _train_both_on_mse(reference, model, steps=3,
                        opt_fn=lambda m: None if m is model else torch.optim.AdamW(
                            m.parameters(), lr=1e-2, weight_decay=0.1))
     return sorted(calls), sorted((n, True) for n in names), diff
@@ -267,7 +267,7 @@ def _reset_sharded_param_in_lazy_init():
         getattr(model, name).to_empty(device="cpu")
         getattr(model, name).load_state_dict(getattr(reference, name).state_dict())
     model.init_weight_norm()  # a new DTensor parameter replaces the (meta) sharded one
-    results = {"weight_norm": _train_both(reference, model, steps=3)}
+    results = {"weight_norm": _train_both_on_mse(reference, model, steps=3)}
 
     # load_state_dict(assign=True) (full tensors) into a meta-built wrapped model, and a
     # DTensor parameter assigned to a wrapped module's attribute.
@@ -280,7 +280,7 @@ def _reset_sharded_param_in_lazy_init():
     reference.in_proj.bias = nn.Parameter(bias)
     old = model.in_proj.bias
     model.in_proj.bias = nn.Parameter(distribute_tensor(bias, old.device_mesh, old.placements))
-    results["assign"] = _train_both(reference, model, steps=3)
+    results["assign"] = _train_both_on_mse(reference, model, steps=3)
     assert all(isinstance(p, DTensor) and not p.is_meta for p in model.parameters())
 
     # A plain tensor cannot become the sharded parameter without orphaning its optimizer.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -13,14 +14,9 @@ from torch.utils.checkpoint import checkpoint
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
-from tests.fully_shard._helpers import DTYPE, TOL, global_batch, lm_loss, parity, tiny_llama, train
+from tests.fully_shard._helpers import (DTYPE, TOL, global_batch, lm_loss, parity, shard_layers_and_root, tiny_llama,
+                                        train)
 from tests.multirank import run_on_ranks
-
-
-def _wrap_layers(model, **kw):
-    for layer in model.layers:
-        hp.fully_shard(layer, **kw)
-    return hp.fully_shard(model, **kw)
 
 
 def _rank():
@@ -38,23 +34,22 @@ class _Checkpointed(nn.Module):
         return checkpoint(self.block, x, cos, sin, use_reentrant=False)
 
 
-def _fsdp_variants():
+FSDP_VARIANTS = ["fsdp", "uneven", "shard_last_dim", "no_reshard", "checkpoint", "tied_one_group", "tied_two_groups",
+                 "grad_accum", "partly_frozen", "cpu_offload"]
+
+
+def _fsdp_variant(variant: str):
     rank, world = _rank()
-    results = {}
-    results["fsdp"] = parity(_wrap_layers, rank, world, steps=3)
 
     def shard_dim1(model):
-        return _wrap_layers(model, shard_placement_fn=lambda p: Shard(p.ndim - 1))
+        return shard_layers_and_root(model, shard_placement_fn=lambda p: Shard(p.ndim - 1))
     # vocab 33, dim 18, ffn 64: uneven rows and (for Shard(-1)) uneven columns.
     uneven = dict(vocab_size=33, dim=18, n_heads=3, n_kv_heads=1)
-    results["uneven"] = parity(_wrap_layers, rank, world, model_fn=lambda: tiny_llama(**uneven))
-    results["shard_last_dim"] = parity(shard_dim1, rank, world, model_fn=lambda: tiny_llama(**uneven))
 
     def no_reshard(model):
-        model = _wrap_layers(model, reshard_after_forward=False)
+        model = shard_layers_and_root(model, reshard_after_forward=False)
         model.set_reshard_after_backward(False)
         return model
-    results["no_reshard"] = parity(no_reshard, rank, world)
 
     def checkpointed(model):
         # layer 0: checkpoint outside the fully_shard module (hooks run again in recompute);
@@ -63,41 +58,48 @@ def _fsdp_variants():
         model.layers[0] = _Checkpointed(model.layers[0])
         model.layers[1] = hp.fully_shard(_Checkpointed(model.layers[1]))
         return hp.fully_shard(model)
-    results["checkpoint"] = parity(checkpointed, rank, world)
 
     def tied_one_group(model):
-        return _wrap_layers(model)
-    results["tied_one_group"] = parity(tied_one_group, rank, world,
-                                       model_fn=lambda: tiny_llama(tie_embeddings=True))
+        return shard_layers_and_root(model)
 
     def tied_two_groups(model):
         hp.fully_shard(model.tok_embeddings)
         hp.fully_shard(model.output)
-        model = _wrap_layers(model)
+        model = shard_layers_and_root(model)
         assert model.output.weight is model.tok_embeddings.weight
         return model
-    results["tied_two_groups"] = parity(tied_two_groups, rank, world,
-                                        model_fn=lambda: tiny_llama(tie_embeddings=True))
 
     def no_sync(model, micro, n_micro):
         model.set_requires_gradient_sync(micro == n_micro - 1)
-    results["grad_accum"] = parity(_wrap_layers, rank, world, micro_batches=2, before_micro=no_sync)
 
     def partly_frozen():
         model = tiny_llama()
         for name, param in model.named_parameters():
             param.requires_grad_(not name.endswith("norm.weight") and "wk" not in name)
         return model
-    results["partly_frozen"] = parity(_wrap_layers, rank, world, model_fn=partly_frozen)
 
     def offloaded(model):
-        return _wrap_layers(model, offload_policy=hp.CPUOffloadPolicy())
-    results["cpu_offload"] = parity(offloaded, rank, world)
-    return results
+        return shard_layers_and_root(model, offload_policy=hp.CPUOffloadPolicy())
+
+    runs = {
+        "fsdp": lambda: parity(shard_layers_and_root, rank, world, steps=3),
+        "uneven": lambda: parity(shard_layers_and_root, rank, world, model_fn=lambda: tiny_llama(**uneven)),
+        "shard_last_dim": lambda: parity(shard_dim1, rank, world, model_fn=lambda: tiny_llama(**uneven)),
+        "no_reshard": lambda: parity(no_reshard, rank, world),
+        "checkpoint": lambda: parity(checkpointed, rank, world),
+        "tied_one_group": lambda: parity(tied_one_group, rank, world, model_fn=lambda: tiny_llama(tie_embeddings=True)),
+        "tied_two_groups": lambda: parity(tied_two_groups, rank, world,
+                                          model_fn=lambda: tiny_llama(tie_embeddings=True)),
+        "grad_accum": lambda: parity(shard_layers_and_root, rank, world, micro_batches=2, before_micro=no_sync),
+        "partly_frozen": lambda: parity(shard_layers_and_root, rank, world, model_fn=partly_frozen),
+        "cpu_offload": lambda: parity(offloaded, rank, world),
+    }
+    return {variant: runs[variant]()}
 
 
-def test_fsdp_training_parity():
-    for result in run_on_ranks(2, _fsdp_variants, timeout=240):
+@pytest.mark.parametrize("variant", FSDP_VARIANTS)
+def test_fsdp_training_parity(variant):
+    for result in run_on_ranks(2, _fsdp_variant, variant, timeout=240):
         bad = {k: v for k, v in result.items() if not v <= TOL}
         assert not bad, f"max abs diff vs single-process reference above {TOL}: {bad}"
 
@@ -105,7 +107,7 @@ def test_fsdp_training_parity():
 def _placements_and_counts():
     rank, world = _rank()
     torch.manual_seed(0)
-    model = _wrap_layers(tiny_llama(vocab_size=33), shard_placement_fn=lambda p: Shard(0))
+    model = shard_layers_and_root(tiny_llama(vocab_size=33), shard_placement_fn=lambda p: Shard(0))
     for name, param in model.named_parameters():
         assert isinstance(param, nn.Parameter) and isinstance(param, DTensor), name
         assert param.placements == (Shard(0),), (name, param.placements)
@@ -156,7 +158,7 @@ def _mixed_precision():
     # input cast here (input casting is checked on its own below).
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=DTYPE,
                                      cast_forward_inputs=False)
-    model = _wrap_layers(copy.deepcopy(reference), mp_policy=policy)
+    model = shard_layers_and_root(copy.deepcopy(reference), mp_policy=policy)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2)
     for step in range(2):
@@ -212,7 +214,7 @@ class _Reused(nn.Module):
         return _Out(self.head(h), {"h": (h,)})
 
 
-def _mse(model, batch):
+def _mse_of_out(model, batch):
     out = model(batch[:, :6])
     value = out.value if isinstance(out, _Out) else out
     return ((value - batch[:, 6:7]) ** 2).mean()
@@ -239,14 +241,14 @@ def _other_modules():
         model = wrap(copy.deepcopy(reference))
         typed = [b.to(dtype) for b in batches]
         collectives.reset_collective_counts()
-        train(reference, typed, loss_fn=_mse, eps=eps)
-        train(model, [b.chunk(world)[rank] for b in typed], loss_fn=_mse, eps=eps)
+        train(reference, typed, loss_fn=_mse_of_out, eps=eps)
+        train(model, [b.chunk(world)[rank] for b in typed], loss_fn=_mse_of_out, eps=eps)
         if name == "mixed_dtypes":  # one all-gather per dtype, root keeps params: 2 per step
             assert collectives.collective_counts()["all_gather"] == 2 * len(batches)
             assert model.b.weight.dtype == torch.float64
         with torch.no_grad():  # eval forward on the sharded model matches too
             model.eval(), reference.eval()
-            evaluated = _mse(model, typed[0]) - _mse(reference, typed[0])
+            evaluated = _mse_of_out(model, typed[0]) - _mse_of_out(reference, typed[0])
         results[name] = max(
             max((p.full_tensor() - r).abs().max().item()
                 for p, r in zip(model.parameters(), reference.parameters())),

@@ -22,14 +22,9 @@ from torch.distributed.tensor import DTensor
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
-from tests.fully_shard._helpers import TOL, full_params, global_batch, lm_loss, max_diff, tiny_llama, train
+from tests.fully_shard._helpers import (TOL, full_params, global_batch, lm_loss, max_diff, shard_layers_and_root,
+                                        tiny_llama, train)
 from tests.multirank import run_on_ranks
-
-
-def _wrap_layers(model: nn.Module, **kw) -> nn.Module:
-    for layer in model.layers:
-        hp.fully_shard(layer, **kw)
-    return hp.fully_shard(model, **kw)
 
 
 def _pair(seed: int = 0, model_fn=tiny_llama):
@@ -71,7 +66,7 @@ def _group_of_modules():
     group = hp.fully_shard([model.norm, model.output])
     assert group[0] is model.norm and isinstance(model.output, hp.FSDPModule)
     assert model.norm._state is model.output._state  # one parameter group
-    _wrap_layers(model)
+    shard_layers_and_root(model)
     seen = []
     model.output.register_forward_pre_hook(lambda m, _: seen.append(isinstance(m.weight, DTensor)))
     model.norm.register_forward_hook(lambda m, *_: seen.append(isinstance(m.weight, DTensor)))
@@ -137,13 +132,13 @@ def _list_groupings():
 
     def tied_embedding_and_head(model):
         hp.fully_shard([model.tok_embeddings, model.output])
-        return _wrap_layers(model)
+        return shard_layers_and_root(model)
 
     def embedding_group_no_backward_unshard(model):
         hp.fully_shard([model.tok_embeddings])
         model.tok_embeddings.set_unshard_in_backward(False)
         hp.fully_shard([model.norm, model.output])
-        return _wrap_layers(model)
+        return shard_layers_and_root(model)
 
     results = {}
     for wrap, tie in ((blocks_together, False), (tied_embedding_and_head, True),
@@ -202,7 +197,7 @@ def test_register_fsdp_forward_method():
 # -- setters ------------------------------------------------------------------------------
 def _reshard_after_forward():
     reference, model = _pair()
-    _wrap_layers(model)
+    shard_layers_and_root(model)
     default = _step_counts(model)
     model.set_reshard_after_forward(True, recurse=False)  # the root too: re-gathered in backward
     root_resharded = _step_counts(model)
@@ -229,7 +224,7 @@ def test_set_reshard_after_forward():
 def _divide_factor():
     world = dist.get_world_size()
     reference, model = _pair()
-    _wrap_layers(model)
+    shard_layers_and_root(model)
     modules = [m for m in model.modules() if isinstance(m, hp.FSDPModule)]
     for module in modules:
         module.set_gradient_divide_factor(1.0)  # sum over ranks
@@ -258,7 +253,7 @@ def test_set_gradient_divide_factor():
 def _unshard_in_backward():
     reference, model = _pair()
     hp.fully_shard(model.tok_embeddings)
-    _wrap_layers(model)
+    shard_layers_and_root(model)
     default = _step_counts(model)
     model.tok_embeddings.set_unshard_in_backward(False)  # its weight gradient needs only the ids
     skipped = _step_counts(model)
@@ -274,7 +269,7 @@ def test_set_unshard_in_backward():
 
 def _is_last_backward():
     reference, model = _pair()
-    _wrap_layers(model)
+    shard_layers_and_root(model)
     in_flight_after_first = []
 
     def before_micro(m, i, n):
@@ -294,7 +289,7 @@ def test_set_is_last_backward():
 
 def _reset_iter_state():
     reference, model = _pair()
-    _wrap_layers(model)
+    shard_layers_and_root(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     ref_opt = torch.optim.AdamW(reference.parameters(), lr=1e-2, weight_decay=0.1)
     fail = {"where": None}
@@ -343,7 +338,7 @@ def test_reset_iter_state_recovers_after_exception():
 def _to_dtype_while_unsharded():
     reference, model = _pair(model_fn=lambda: tiny_llama(dtype=torch.float32))
     reference.double()  # float32 values: exact in float64 too
-    _wrap_layers(model)
+    shard_layers_and_root(model)
     model.unshard()  # the root group's unsharded parameters are the registered ones now
     model.layers[0].unshard()
     model.to(torch.float64)  # converts the sharded parameters (each group reshards first)
@@ -357,12 +352,7 @@ def test_to_dtype_while_unsharded():
 
 
 # -- MixedPrecisionPolicy(param_dtype_override_fn=...) -----------------------------------
-class _ScaledProj(nn.Module):
-    def __init__(self):
-        super().__init__()
-        self.proj = nn.Linear(6, 6)
-        self.scale = nn.Parameter(torch.randn(6))
-
+class _ScaledProj(_Scorer):
     def forward(self, x):
         return self.proj(x) * self.scale  # elementwise: float32 activations * float64 scale
 

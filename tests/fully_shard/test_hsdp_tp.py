@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 from unittest import mock
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -15,18 +16,12 @@ from torch.distributed.tensor.placement_types import _StridedShard
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
 from tests.fully_shard._helpers import (DTYPE, TOL, full_params, global_batch, lm_loss, max_diff, parity,
-                                        tiny_llama, train)
+                                        shard_layers_and_root, tiny_llama, train)
 from tests.multirank import run_on_ranks
 
 
 def _hsdp_mesh():
     return hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-
-
-def _wrap(model, **kw):
-    for layer in model.layers:
-        hp.fully_shard(layer, **kw)
-    return hp.fully_shard(model, **kw)
 
 
 class _Uneven(nn.Module):
@@ -41,46 +36,50 @@ class _Uneven(nn.Module):
         return self.down(torch.relu(self.up(x)))
 
 
-def _mse(model, batch):
+def _mse_5_to_rest(model, batch):
     return ((model(batch[:, :5]) - batch[:, 5:]) ** 2).mean()
 
 
-def _hsdp_and_uneven():
+HSDP_VARIANTS = ["hsdp", "hsdp_partial_all_reduce", "empty_shards", "empty_shards_dim1"]
+
+
+def _hsdp_variant(variant: str):
     rank = dist.get_rank()
     mesh = _hsdp_mesh()
     dp_rank = rank  # replicate-major: data-parallel index = rank
-    results = {"hsdp": parity(lambda m: _wrap(m, mesh=mesh), dp_rank, 4)}
-
-    def no_all_reduce_first(model, micro, n_micro):
-        model.set_requires_all_reduce(micro == n_micro - 1)
-    collectives.reset_collective_counts()
-    results["hsdp_partial_all_reduce"] = parity(
-        lambda m: _wrap(m, mesh=mesh), dp_rank, 4, steps=1, batch_size=8, micro_batches=2,
-        before_micro=no_all_reduce_first)
-    counts = collectives.collective_counts()
-    assert counts["reduce_scatter"] == 6 and counts["all_reduce"] == 3, counts  # 3 groups
-
-    torch.manual_seed(0)
-    model = _wrap(tiny_llama(), mesh=mesh)
-    for name, param in model.named_parameters():
-        assert param.placements == (Replicate(), Shard(0)), (name, param.placements)
-    collectives.reset_collective_counts()
-    lm_loss(model, global_batch(0).chunk(4)[rank]).backward()
-    counts = collectives.collective_counts()
-    assert counts == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}, counts
+    if variant == "hsdp":
+        result = parity(lambda m: shard_layers_and_root(m, mesh=mesh), dp_rank, 4)
+        torch.manual_seed(0)
+        model = shard_layers_and_root(tiny_llama(), mesh=mesh)
+        for name, param in model.named_parameters():
+            assert param.placements == (Replicate(), Shard(0)), (name, param.placements)
+        collectives.reset_collective_counts()
+        lm_loss(model, global_batch(0).chunk(4)[rank]).backward()
+        counts = collectives.collective_counts()
+        assert counts == {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}, counts
+        return {variant: result}
+    if variant == "hsdp_partial_all_reduce":
+        def no_all_reduce_first(model, micro, n_micro):
+            model.set_requires_all_reduce(micro == n_micro - 1)
+        collectives.reset_collective_counts()
+        result = parity(
+            lambda m: shard_layers_and_root(m, mesh=mesh), dp_rank, 4, steps=1, batch_size=8, micro_batches=2,
+            before_micro=no_all_reduce_first)
+        counts = collectives.collective_counts()
+        assert counts["reduce_scatter"] == 6 and counts["all_reduce"] == 3, counts  # 3 groups
+        return {variant: result}
 
     gen = torch.Generator().manual_seed(0)
     batches = [torch.randn(8, 8, generator=gen, dtype=DTYPE) for _ in range(2)]
-    for name, placement_fn in [("empty_shards", None), ("empty_shards_dim1", lambda p: Shard(p.ndim - 1))]:
-        torch.manual_seed(0)
-        reference = _Uneven().to(DTYPE)
-        model = hp.fully_shard(copy.deepcopy(reference), shard_placement_fn=placement_fn)
-        if placement_fn is None:
-            assert model.down.weight.to_local().shape[0] == (0 if rank == 3 else 1)
-        train(reference, batches, loss_fn=_mse)
-        train(model, [b.chunk(4)[rank] for b in batches], loss_fn=_mse)
-        results[name] = max_diff(full_params(model), full_params(reference))
-    return results
+    placement_fn = {"empty_shards": None, "empty_shards_dim1": lambda p: Shard(p.ndim - 1)}[variant]
+    torch.manual_seed(0)
+    reference = _Uneven().to(DTYPE)
+    model = hp.fully_shard(copy.deepcopy(reference), shard_placement_fn=placement_fn)
+    if placement_fn is None:
+        assert model.down.weight.to_local().shape[0] == (0 if rank == 3 else 1)
+    train(reference, batches, loss_fn=_mse_5_to_rest)
+    train(model, [b.chunk(4)[rank] for b in batches], loss_fn=_mse_5_to_rest)
+    return {variant: max_diff(full_params(model), full_params(reference))}
 
 
 def _reshard_to_smaller_group():
@@ -110,8 +109,9 @@ def test_reshard_after_forward_to_smaller_group():
         assert diff <= TOL, diff
 
 
-def test_hsdp_and_uneven_empty_shards():
-    for result in run_on_ranks(4, _hsdp_and_uneven, timeout=240):
+@pytest.mark.parametrize("variant", HSDP_VARIANTS)
+def test_hsdp_and_uneven_empty_shards(variant):
+    for result in run_on_ranks(4, _hsdp_variant, variant, timeout=240):
         bad = {k: v for k, v in result.items() if not v <= TOL}
         assert not bad, bad
 

@@ -22,7 +22,7 @@ from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.platform import platform as platform_module
 from tests.fully_shard._helpers import global_batch, lm_loss, tiny_llama
-from tests.fully_shard.test_streams import _RecordingStreams
+from tests.fully_shard.recording_streams import RecordingStreams
 from tests.multirank import run_on_ranks
 
 
@@ -31,7 +31,7 @@ class _Harness:
     sharded per block and at the root."""
 
     def __init__(self, mesh, **shard_kwargs):
-        self.streams = _RecordingStreams()
+        self.streams = RecordingStreams()
         self.reduce_inputs: Dict[int, weakref.ref] = {}  # id(reduce-scatter output) -> its input
         self.reduced_ptrs: List[int] = []
         originals = {name: getattr(collectives, name) for name in ("all_gather", "reduce_scatter", "all_reduce")}

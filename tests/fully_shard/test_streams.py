@@ -7,8 +7,6 @@ collective and the order of the waits around it.
 
 from __future__ import annotations
 
-import contextlib
-from typing import Any, ContextManager, List, Optional
 from unittest import mock
 
 import torch
@@ -16,62 +14,17 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
-from hyper_parallel.platform import CpuStreams, Streams, get_platform
+from hyper_parallel.platform import CpuStreams, get_platform
 from hyper_parallel.platform import platform as platform_module
 from tests.fully_shard._helpers import global_batch, lm_loss, tiny_llama
+from tests.fully_shard.recording_streams import RecordingStreams
 from tests.multirank import run_on_ranks
-
-
-class _RecordingStreams(Streams):
-    """Logs every operation with the stream current at the time ("compute" outside use())."""
-
-    all_gather = "all_gather"
-    reduce_scatter = "reduce_scatter"
-    async_collectives = False  # as on accelerators
-
-    def __init__(self):
-        self.current = "compute"
-        self.log: List[tuple] = []
-
-    @contextlib.contextmanager
-    def _use(self, stream):
-        previous, self.current = self.current, stream
-        try:
-            yield
-        finally:
-            self.current = previous
-
-    def use(self, stream: Any) -> ContextManager[None]:
-        return self._use(stream)
-
-    def wait_for_current(self, stream: Any) -> None:
-        self.log.append(("wait_for_current", stream, self.current))
-
-    def record_event(self) -> Optional[Any]:
-        self.log.append(("record_event", self.current))
-        return ("event", self.current, len(self.log))
-
-    def wait_event(self, event: Optional[Any]) -> None:
-        self.log.append(("wait_event", event[1] if event else None, self.current))
-
-    def record_host_event(self) -> Optional[Any]:
-        self.log.append(("record_host_event", self.current))
-        return ("host event", self.current, len(self.log))
-
-    def synchronize(self, event: Optional[Any]) -> None:
-        self.log.append(("synchronize", event[1] if event else None))
-
-    def free_after_use(self, tensor: torch.Tensor, stream: Any) -> None:
-        self.log.append(("free_after_use", stream, self.current))
-
-    def reclaim(self, stream: Any) -> None:
-        self.log.append(("reclaim", stream, self.current))
 
 
 def _recorded(hsdp: bool, run, reshard_after_forward=None):
     """Shard a tiny llama (root + 2 blocks) with a recording Streams and collectives that log
     the stream they are issued on, and return the log of ``run(model, batch)``."""
-    streams = _RecordingStreams()
+    streams = RecordingStreams()
     originals = {name: getattr(collectives, name) for name in ("all_gather", "reduce_scatter", "all_reduce")}
 
     def logged(name):

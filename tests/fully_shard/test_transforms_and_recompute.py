@@ -50,7 +50,7 @@ def test_first_forward_inside_jvp():
         assert diff < 1e-12 and tangent == 0.0  # dec(hidden) does not depend on the primal
 
 
-class _Checkpointed(nn.Module):
+class _CheckpointedBf16Linear(nn.Module):
     def __init__(self):
         super().__init__()
         self.linear = nn.Linear(1, 1)
@@ -69,7 +69,7 @@ def _recompute_dtypes() -> list:
     policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.bfloat16,
                                      output_dtype=torch.float32, cast_forward_inputs=False)
     torch.manual_seed(0)
-    model = _Checkpointed()
+    model = _CheckpointedBf16Linear()
     hp.fully_shard(model.linear, mp_policy=policy)
     hp.fully_shard(model, mp_policy=policy)
     model(torch.randn(8, 1)).backward()

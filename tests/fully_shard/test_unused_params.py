@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 from typing import Dict, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -38,7 +39,7 @@ class _Stacked(nn.Module):
         return self.b(torch.tanh(self.a(self.inp(x))), use_second)
 
 
-def _grads(model: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
+def _full_grads_or_none(model: nn.Module) -> Dict[str, Optional[torch.Tensor]]:
     return {name: None if p.grad is None else
             (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone())
             for name, p in model.named_parameters()}
@@ -58,7 +59,7 @@ def _case(second_used_on: tuple, mesh_shape: tuple, stacked: bool = False) -> di
     model(inputs[rank], rank in second_used_on).backward()
     # Reference: the mean over ranks of each rank's loss, in one process.
     (sum(reference(inputs[r], r in second_used_on) for r in range(world)) / world).backward()
-    ours, expected = _grads(model), _grads(reference)
+    ours, expected = _full_grads_or_none(model), _full_grads_or_none(reference)
     diffs = {}
     for name in expected:
         if expected[name] is None or ours[name] is None:
@@ -69,20 +70,26 @@ def _case(second_used_on: tuple, mesh_shape: tuple, stacked: bool = False) -> di
     return diffs
 
 
-def _all_cases() -> dict:
-    return {"unused everywhere": _case((), (2,)),
-            "used on rank 0 only": _case((0,), (2,)),
-            "three groups, unused everywhere": _case((), (2,), stacked=True),
-            "three groups, used on rank 0 only": _case((0,), (2,), stacked=True),
-            "three groups, used on rank 1 only": _case((1,), (2,), stacked=True)}
+# case -> (ranks whose loss uses the second branch, mesh shape, three groups)
+CASES = {"unused everywhere": ((), (2,), False),
+         "used on rank 0 only": ((0,), (2,), False),
+         "three groups, unused everywhere": ((), (2,), True),
+         "three groups, used on rank 0 only": ((0,), (2,), True),
+         "three groups, used on rank 1 only": ((1,), (2,), True),
+         "HSDP unused everywhere": ((), (2, 2), False),
+         "HSDP used on rank 3 only": ((3,), (2, 2), False)}
 
 
-def _hsdp_cases() -> dict:
-    return {"HSDP unused everywhere": _case((), (2, 2)),
-            "HSDP used on rank 3 only": _case((3,), (2, 2))}
+def _named_case(case: str) -> dict:
+    second_used_on, mesh_shape, stacked = CASES[case]
+    return {case: _case(second_used_on, mesh_shape, stacked=stacked)}
 
 
-def _check(results) -> None:
+def _ids(cases):
+    return [c.replace(", ", "-").replace(" ", "_") for c in cases]
+
+
+def _check_diffs(results) -> None:
     for result in results:
         for case, diffs in result.items():
             for name, diff in diffs.items():
@@ -92,12 +99,18 @@ def _check(results) -> None:
                     assert isinstance(diff, float) and diff < 1e-12, f"{case}: {name}: {diff}"
 
 
-def test_unused_parameters_keep_none_grads_and_partly_used_ones_agree():
-    _check(run_on_ranks(2, _all_cases, timeout=120))
+_FSDP_CASES = [c for c in CASES if not c.startswith("HSDP")]
+_HSDP_CASES = [c for c in CASES if c.startswith("HSDP")]
 
 
-def test_hsdp_unused_parameters():
-    _check(run_on_ranks(4, _hsdp_cases, timeout=180))
+@pytest.mark.parametrize("case", _FSDP_CASES, ids=_ids(_FSDP_CASES))
+def test_unused_parameters_keep_none_grads_and_partly_used_ones_agree(case):
+    _check_diffs(run_on_ranks(2, _named_case, case, timeout=120))
+
+
+@pytest.mark.parametrize("case", _HSDP_CASES, ids=_ids(_HSDP_CASES))
+def test_hsdp_unused_parameters(case):
+    _check_diffs(run_on_ranks(4, _named_case, case, timeout=180))
 
 
 class _TiedUnusedOwner(nn.Module):
@@ -134,15 +147,16 @@ def _tied_owner_case(use_owner: bool) -> dict:
                                                                                  generator=gen)
     model(tokens[rank], x[rank], use_owner).backward()
     (sum(reference(tokens[r], x[r], use_owner) for r in range(world)) / world).backward()
-    ours, expected = _grads(model), _grads(reference)
+    ours, expected = _full_grads_or_none(model), _full_grads_or_none(reference)
     return {name: (ours[name] - expected[name]).abs().max().item() for name in expected}
 
 
-def _tied_cases() -> dict:
-    return {"tied, owner used": _tied_owner_case(True), "tied, owner unused": _tied_owner_case(False)}
+def _tied_case(use_owner: bool) -> dict:
+    return {f"tied, owner {'used' if use_owner else 'unused'}": _tied_owner_case(use_owner)}
 
 
-def test_shared_weight_reduced_once_every_module_using_it_is_done():
-    for result in run_on_ranks(2, _tied_cases, timeout=120):
+@pytest.mark.parametrize("use_owner", [True, False], ids=["owner_used", "owner_unused"])
+def test_shared_weight_reduced_once_every_module_using_it_is_done(use_owner):
+    for result in run_on_ranks(2, _tied_case, use_owner, timeout=120):
         for case, diffs in result.items():
             assert all(d < 1e-12 for d in diffs.values()), (case, diffs)

@@ -6,7 +6,6 @@ nonsense with exit 0. ``--check`` runs what every rank runs before the process g
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import time
 
@@ -16,34 +15,9 @@ from hyper_parallel.checkpoint import save
 from hyper_parallel.trainer import compose_config, validate_config
 from hyper_parallel.trainer import preflight
 from hyper_parallel.trainer.config_schema import DATA_KEYS as DATA_SCHEMA
-from tests.recipes.launch import RECIPE
-
-_spec = importlib.util.spec_from_file_location("train_recipe", RECIPE)
-recipe = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(recipe)
+from tests.recipes.train_in_process import one_line_error
 
 GIB = 1024**3
-
-
-@pytest.fixture
-def check(tmp_path, monkeypatch, capsys):
-    """``check(*overrides) -> (exit code, stdout, stderr)`` of ``train.py --check`` on 2 ranks."""
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    monkeypatch.setenv("RANK", "0")
-
-    def run(*overrides: str):
-        code = recipe.main(["--check", f"output_dir={tmp_path / 'out'}", *overrides])
-        out, err = capsys.readouterr()
-        return code, out, err
-    return run
-
-
-def _one_line_error(code, err, expected):
-    assert code == 2, err
-    lines = err.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("error: "), err
-    assert expected in lines[0], err
 
 
 @pytest.mark.parametrize("override,expected", [
@@ -74,7 +48,7 @@ def _one_line_error(code, err, expected):
 ])
 def test_bad_value_gives_one_line_and_exit_2(check, override, expected):
     code, _, err = check(override)
-    _one_line_error(code, err, expected)
+    one_line_error(code, err, expected)
 
 
 def test_a_good_config_passes(check):
@@ -98,7 +72,7 @@ def test_absurd_sizes_fail_fast_with_a_memory_estimate(check, monkeypatch, overr
     started = time.monotonic()
     code, _, err = check(override)
     assert time.monotonic() - started < 10
-    _one_line_error(code, err, "of host memory for 2 rank(s) on this machine")
+    one_line_error(code, err, "of host memory for 2 rank(s) on this machine")
     assert needs in err and "16GiB is available" in err
 
 
@@ -121,13 +95,13 @@ def test_output_folder_under_a_file(check, tmp_path):
     assert code == 2 and f"{blocker} is a file, not a folder" in err, err
     assert "output_dir=" in err and "checkpoint.folder=" in err  # both derive from output_dir
     code, _, err = check(f"checkpoint.folder={blocker}/ckpt")
-    _one_line_error(code, err, f"checkpoint.folder={blocker}/ckpt cannot be used: {blocker} is a file")
+    one_line_error(code, err, f"checkpoint.folder={blocker}/ckpt cannot be used: {blocker} is a file")
 
 
 def test_a_url_checkpoint_folder_is_refused_before_anything_is_created(check, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     code, _, err = check(f"output_dir={tmp_path}/run", "checkpoint.folder=s3://bucket/run")
-    _one_line_error(code, err, "checkpoint.folder: checkpoint path 's3://bucket/run' is a s3:// URL")
+    one_line_error(code, err, "checkpoint.folder: checkpoint path 's3://bucket/run' is a s3:// URL")
     assert not (tmp_path / "s3:").exists()
 
 
@@ -138,21 +112,21 @@ def test_read_only_output_folder(check, tmp_path):
     locked.chmod(0o500)
     try:
         code, _, err = check(f"output_dir={locked}/run", f"checkpoint.folder={tmp_path}/ckpt")
-        _one_line_error(code, err, f"output_dir={locked}/run cannot be used: Permission denied")
+        one_line_error(code, err, f"output_dir={locked}/run cannot be used: Permission denied")
     finally:
         locked.chmod(0o700)
 
 
 def test_init_from_must_be_a_folder(check, tmp_path):
     code, _, err = check(f"model.init_from={tmp_path}/nope")
-    _one_line_error(code, err, f"model.init_from={tmp_path}/nope is not a folder")
+    one_line_error(code, err, f"model.init_from={tmp_path}/nope is not a folder")
 
 
 def test_resume_false_refuses_a_folder_holding_checkpoints(check, tmp_path):
     folder = tmp_path / "out" / "checkpoints"
     save({"x": 1}, checkpoint_id=str(folder / "step-3"), no_dist=True)
     code, _, err = check("checkpoint.resume=false")
-    _one_line_error(code, err, f"checkpoint.resume=false, but checkpoint.folder={folder} holds checkpoints")
+    one_line_error(code, err, f"checkpoint.resume=false, but checkpoint.folder={folder} holds checkpoints")
     assert "step-3" in err and "Use a new output_dir" in err
     assert check()[0] == 0  # resuming is fine
     code, _, err = check("checkpoint.resume=false", f"checkpoint.folder={tmp_path}/fresh")

@@ -22,19 +22,19 @@ from tests.recipes.corpus import MODEL_VOCAB, VOCAB, make_corpus
 from tests.recipes.script_main import script_main
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
+def docs_corpus(tmp_path_factory):
     root = tmp_path_factory.mktemp("corpus")
     docs, tokenizer, _ = make_corpus(str(root))
     return root, docs, tokenizer
 
 
-def test_documents_come_back_in_order_from_txt_jsonl_and_parquet(corpus):
-    root, docs, _ = corpus
+def test_documents_come_back_in_order_from_txt_jsonl_and_parquet(docs_corpus):
+    root, docs, _ = docs_corpus
     assert list(iter_documents(str(root / "text"))) == docs
 
 
-def test_bpe_tokenizer_joins_documents_with_eos(corpus):
-    root, docs, path = corpus
+def test_bpe_tokenizer_joins_documents_with_eos(docs_corpus):
+    root, docs, path = docs_corpus
     tok = load_tokenizer(path)
     assert isinstance(tok, HFTokenizer) and tok.vocab_size == VOCAB and tok.eos_id == 0
     tokens = read_text_tokens(str(root / "text"), tok)
@@ -44,8 +44,8 @@ def test_bpe_tokenizer_joins_documents_with_eos(corpus):
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-def test_prepare_data_matches_in_memory_tokenization_and_sidecar_is_checked(corpus, tmp_path, workers):
-    root, _, path = corpus
+def test_prepare_data_matches_in_memory_tokenization_and_sidecar_is_checked(docs_corpus, tmp_path, workers):
+    root, _, path = docs_corpus
     out = str(tmp_path / "tokens.bin")
     meta = prepare_tokens([str(root / "text")], out, tokenizer=path, workers=workers, docs_per_chunk=4)
     expected = read_text_tokens(str(root / "text"), load_tokenizer(path))
@@ -67,8 +67,8 @@ def test_prepare_data_matches_in_memory_tokenization_and_sidecar_is_checked(corp
         build_source("tokens", seq_len=16, vocab_size=MODEL_VOCAB, seed=0, path=out, dtype="uint16")
 
 
-def test_prepare_data_script_and_its_bad_inputs(corpus, tmp_path, capsys):
-    root, _, path = corpus
+def test_prepare_data_script_and_its_bad_inputs(docs_corpus, tmp_path, capsys):
+    root, _, path = docs_corpus
     main = script_main("prepare_data")
     assert main([str(root / "text"), "--output", str(tmp_path / "b.bin"), "--quiet", "--workers", "1"]) == 0
     assert json.load(open(tmp_path / "b.bin.json"))["tokenizer"] == "bytes"
@@ -92,8 +92,8 @@ def test_prepare_data_script_and_its_bad_inputs(corpus, tmp_path, capsys):
     assert not os.path.exists(tmp_path / "x.bin")
 
 
-def test_tokenizer_larger_than_the_model_and_an_empty_corpus_are_refused(corpus, tmp_path):
-    root, _, path = corpus
+def test_tokenizer_larger_than_the_model_and_an_empty_corpus_are_refused(docs_corpus, tmp_path):
+    root, _, path = docs_corpus
     with pytest.raises(ValueError, match="has ids up to 299, which need vocab_size=300, more than model.vocab_size=256; raise model.vocab_size"):
         build_source("text", seq_len=8, vocab_size=256, seed=0, paths=str(root / "text"), tokenizer=path)
     (tmp_path / "empty.jsonl").write_text("")

@@ -9,7 +9,7 @@ import torch
 
 from hyper_parallel.data import TokenWindows, prepare_tokens
 from hyper_parallel.trainer.evaluation import Evaluator
-from tests.recipes.test_bad_inputs import _one_line_error, check  # noqa: F401 (a fixture)
+from tests.recipes.train_in_process import one_line_error
 
 
 @pytest.fixture
@@ -32,7 +32,7 @@ def test_check_compares_the_token_file_with_the_config(check, token_file, overri
     if expected is None:
         assert code == 0 and "config OK" in out, err
     else:
-        _one_line_error(code, err, f"data=tokens: {token_file} (per its sidecar) ")
+        one_line_error(code, err, f"data=tokens: {token_file} (per its sidecar) ")
         assert expected in err, err
 
 
@@ -42,22 +42,22 @@ def test_check_bounds_eval_steps_by_the_validation_data(check, token_file):
     code, out, err = check(*common, "data.val_fraction=0.1", "eval.steps=9")
     assert code == 0, err
     code, _, err = check(*common, "data.val_fraction=0.1", "eval.steps=100000000")
-    _one_line_error(code, err, "eval.steps=100000000 needs 100000000 global batches of 16 samples, but the "
+    one_line_error(code, err, "eval.steps=100000000 needs 100000000 global batches of 16 samples, but the "
                                f"validation data ({token_file} (validation split: its tokens 89,984 to the end)) holds 156 "
                                "samples: 9 batch(es); "
                                "set eval.steps<=9")
     code, _, err = check(*common, "data.val_fraction=0.001", "eval.steps=1")
-    _one_line_error(code, err, "holds 2 samples, fewer than one global batch of 16")
+    one_line_error(code, err, "holds 2 samples, fewer than one global batch of 16")
     code, _, err = check("eval.every=10", "eval.steps=100000000")
-    _one_line_error(code, err, "eval.steps=100000000 is more than training.steps=200")
+    one_line_error(code, err, "eval.steps=100000000 is more than training.steps=200")
 
 
 def test_check_loads_the_tokenizer_of_a_text_corpus(check, tmp_path):
     (tmp_path / "c.txt").write_text("hello")
     code, _, err = check("data=text", f"data.paths={tmp_path / 'c.txt'}", "model.vocab_size=200")
-    _one_line_error(code, err, "data=text: tokenizer bytes has ids up to 255, which need vocab_size=256")
+    one_line_error(code, err, "data=text: tokenizer bytes has ids up to 255, which need vocab_size=256")
     code, _, err = check("data=text", f"data.paths={tmp_path / 'missing.txt'}")
-    _one_line_error(code, err, "data=text: no such data file(s)")
+    one_line_error(code, err, "data=text: no such data file(s)")
 
 
 def _evaluator(source, steps=1):

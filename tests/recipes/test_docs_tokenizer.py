@@ -9,7 +9,7 @@ import shlex
 
 from tests.recipes.corpus import documents, write_corpus
 from tests.recipes.script_main import script_main
-from tests.recipes.test_bad_inputs import recipe
+from tests.recipes.train_in_process import recipe
 
 DOCS = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "docs",
                     "recipes.md")

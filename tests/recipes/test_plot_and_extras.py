@@ -22,7 +22,7 @@ def _write(path, records) -> str:
     return str(path)
 
 
-def _record(step, **extra):
+def _plot_record(step, **extra):
     return {"step": step, "loss": 3.0 - step / 10, "lr": 1e-3, "tokens_per_s": 100.0, "tflops": 0.1,
             "memory_bytes": 2**30, **extra}
 
@@ -49,7 +49,7 @@ def _main(capsys, *args: str) -> tuple[int, str]:
     (["--out", "{tmp}"], "is a folder"),
 ])
 def test_bad_arguments_give_one_line(tmp_path, capsys, args, expected):
-    run = _write(tmp_path / "m.jsonl", [_record(1), _record(2)])
+    run = _write(tmp_path / "m.jsonl", [_plot_record(1), _plot_record(2)])
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
     if "--out" not in args:
         args += ["--out", str(tmp_path / "p.png")]
@@ -71,7 +71,7 @@ def test_bad_arguments_give_one_line(tmp_path, capsys, args, expected):
     ("step 3 loss 1", "not JSON (is "),
 ])
 def test_bad_records_name_file_line_and_value(tmp_path, capsys, line, expected):
-    run = _write(tmp_path / "m.jsonl", [_record(1), _record(2), line])
+    run = _write(tmp_path / "m.jsonl", [_plot_record(1), _plot_record(2), line])
     code, err = _main(capsys, run, "--out", str(tmp_path / "p.png"))
     assert code == 1 and err.startswith(f"error: {run}:3: {expected}") and "\n" not in err, err
 
@@ -87,9 +87,10 @@ def test_runs_keep_one_colour_restarts_and_world_size_changes_are_marked(tmp_pat
     from matplotlib.figure import Figure
 
     plot_metrics = script_module("plot_metrics")
-    first = _write(tmp_path / "a.jsonl", [_record(s) for s in range(1, 6)]  # then restarted from step 2's checkpoint
-                   + [_record(s, val_loss=2.0 if s == 6 else None) for s in range(3, 9)])
-    second = _write(tmp_path / "b.jsonl", [_record(s, world_size=2 if s < 5 else 4) for s in range(1, 9)])
+    # then restarted from step 2's checkpoint
+    first = _write(tmp_path / "a.jsonl", [_plot_record(s) for s in range(1, 6)]
+                   + [_plot_record(s, val_loss=2.0 if s == 6 else None) for s in range(3, 9)])
+    second = _write(tmp_path / "b.jsonl", [_plot_record(s, world_size=2 if s < 5 else 4) for s in range(1, 9)])
     runs = {"a": plot_metrics.read_run(first), "b": plot_metrics.read_run(second)}
     assert runs["a"].restarts == [3] and [r["step"] for r in runs["a"].records] == list(range(1, 9))
     assert runs["b"].restarts == [] and runs["b"].world_changes == [(5, 2, 4)]
@@ -125,7 +126,7 @@ def test_missing_packages_at_their_entry_points(tmp_path, monkeypatch, capsys):
     tokenizer = train_tokenizer(documents(4), str(tmp_path / "tokenizer.json"))
     (tmp_path / "c.parquet").write_bytes(b"")
     (tmp_path / "c.txt").write_text("hello")
-    (tmp_path / "m.jsonl").write_text(json.dumps(_record(1)) + "\n")
+    (tmp_path / "m.jsonl").write_text(json.dumps(_plot_record(1)) + "\n")
     for package in ("tokenizers", "pyarrow", "tqdm", "matplotlib"):
         monkeypatch.setitem(sys.modules, package, None)
     with pytest.raises(MissingDependency, match=r"tokenizer.json tokenizer needs the 'tokenizers' package: "

@@ -13,7 +13,7 @@ from hyper_parallel.data import build_source, iter_documents, prepare_tokens, re
 from tests.recipes.script_main import script_main
 
 
-def _run(capsys, *args: str) -> tuple[int, str]:
+def _prepare_data(capsys, *args: str) -> tuple[int, str]:
     capsys.readouterr()
     try:
         code = script_main("prepare_data")([*args, "--quiet"])
@@ -43,24 +43,24 @@ def test_an_output_that_is_an_input_is_refused(tmp_path, capsys):
     ]
     (tmp_path / "corpus.txt.json").write_text('{"text": "a sidecar path used as input"}')
     for args, expected in cases:
-        code, err = _run(capsys, *args)
+        code, err = _prepare_data(capsys, *args)
         assert code == 1, err
         _one_error_line(err, expected)
     assert corpus.read_text() == "precious text" and (tmp_path / "dir" / "a.txt").read_text() == "more text"
     assert os.path.islink(tmp_path / "link.bin") and not list(tmp_path.glob("**/*.partial"))
     # a token file next to the corpus folder's files, but not one the folder scan reads, is fine
-    assert _run(capsys, str(tmp_path / "dir"), "--output", str(tmp_path / "dir" / "tokens.bin"))[0] == 0
+    assert _prepare_data(capsys, str(tmp_path / "dir"), "--output", str(tmp_path / "dir" / "tokens.bin"))[0] == 0
 
 
 def test_a_stale_partial_file_is_reported_and_the_old_output_kept(tmp_path, capsys):
     (tmp_path / "c.txt").write_text("hello")
     out = tmp_path / "t.bin"
-    assert _run(capsys, str(tmp_path / "c.txt"), "--output", str(out))[0] == 0
+    assert _prepare_data(capsys, str(tmp_path / "c.txt"), "--output", str(out))[0] == 0
     before = out.read_bytes(), (tmp_path / "t.bin.json").read_text()
     (tmp_path / "c.txt").write_text("a longer text now")
     for stale in ("t.bin.partial", "t.bin.json.partial"):
         (tmp_path / stale).symlink_to(tmp_path / "c.txt")  # never written through
-        code, err = _run(capsys, str(tmp_path / "c.txt"), "--output", str(out))
+        code, err = _prepare_data(capsys, str(tmp_path / "c.txt"), "--output", str(out))
         assert code == 1 and (tmp_path / "c.txt").read_text() == "a longer text now"
         _one_error_line(err, f"{tmp_path / stale} exists")
         assert f"rm {tmp_path / stale}" in err
@@ -98,7 +98,7 @@ def test_ids_above_65535_are_stored_as_uint32_not_wrapped(tmp_path):
 @pytest.mark.parametrize("value", ["0", "-3", "two"])
 def test_nonsense_counts_are_refused_by_the_parser(tmp_path, capsys, flag, value):
     (tmp_path / "c.txt").write_text("hello")
-    code, err = _run(capsys, str(tmp_path / "c.txt"), "--output", str(tmp_path / "t.bin"), flag, value)
+    code, err = _prepare_data(capsys, str(tmp_path / "c.txt"), "--output", str(tmp_path / "t.bin"), flag, value)
     assert code == 2 and not (tmp_path / "t.bin").exists()
     _one_error_line(err, f"argument {flag}: {value!r} is not an integer >= 1")
     with pytest.raises(ValueError, match="must be a positive integer"):
