@@ -24,13 +24,18 @@ test: install
 	$(PY) -m pytest -q $(ARGS)
 
 # The suite on another torch version, in its own venv .venv-torch-<version> (not in CI):
-#   make test-torch TORCH=2.14.1 [ARGS="tests/fully_shard -x"]
+#   make test-torch TORCH=2.15.0 [ARGS="tests/fully_shard -x"]
 # A version outside pyproject.toml's declared torch range fails to install (pip says why).
+# PIP_CONSTRAINT (a file in the venv holding torch==<version>) keeps the dependencies from
+# moving torch, and replaces for this install only a machine-wide pip constraint that caps torch
+# below the version asked for.
+TORCH_VENV := .venv-torch-$(TORCH)
 test-torch:
 	@test -n "$(TORCH)" || { echo "usage: make test-torch TORCH=<version> [ARGS=...]"; exit 2; }
-	test -x .venv-torch-$(TORCH)/bin/python || python3 -m venv .venv-torch-$(TORCH)
-	.venv-torch-$(TORCH)/bin/python -m pip install -q torch==$(TORCH) -e '.[test]'
-	.venv-torch-$(TORCH)/bin/python -m pytest -q $(ARGS)
+	test -x $(TORCH_VENV)/bin/python || python3 -m venv $(TORCH_VENV)
+	echo 'torch==$(TORCH)' > $(TORCH_VENV)/torch-constraint.txt
+	PIP_CONSTRAINT=$(TORCH_VENV)/torch-constraint.txt $(TORCH_VENV)/bin/python -m pip install -q torch==$(TORCH) -e '.[test]'
+	$(TORCH_VENV)/bin/python -m pytest -q $(ARGS)
 
 clean:
 	rm -rf $(VENV) outputs .pytest_cache

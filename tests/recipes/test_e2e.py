@@ -73,7 +73,7 @@ def test_resume_on_hsdp_2x2_over_two_nodes_matches(reference, tmp_path):
     overrides = [*TINY, *_copy_checkpoint(os.path.join(ref_out, "checkpoints"), 6, str(tmp_path)),
                  "parallel=hsdp", "checkpoint.interval=100"]
     env = {"NNODES": "2", "NPROC": "2", "RDZV_ENDPOINT": f"127.0.0.1:{free_port()}",
-           "RDZV_ID": "e2e", "TORCHRUN": f"{os.path.dirname(sys.executable)}/torchrun"}
+           "RDZV_ID": "e2e", "TORCHRUN": f"{os.path.dirname(sys.executable)}/torchrun", "PYTHON": sys.executable}
     nodes = [start(["env", *(f"{k}={v}" for k, v in env.items()), "scripts/train.sh", *overrides])
              for _ in range(2)]
     outputs = [finish(node, timeout=150) for node in nodes]

@@ -97,7 +97,8 @@ def stopped_then_resumed(corpus, reference, tmp_path_factory):
         os.chmod(fake_bin / tool, 0o755)
     slurm = {"PATH": f"{fake_bin}:{os.environ['PATH']}", "DRY_RUN": "1", "HP_REPO": REPO, "NPROC": "1",
              "SLURM_JOB_NODELIST": "node[1-2]", "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_ID": "42",
-             "RDZV_PORT": str(free_port()), "TORCHRUN": os.path.join(os.path.dirname(sys.executable), "torchrun")}
+             "RDZV_PORT": str(free_port()), "TORCHRUN": os.path.join(os.path.dirname(sys.executable), "torchrun"),
+             "PYTHON": sys.executable}
     line = subprocess.run(["scripts/slurm/train.sbatch", *common, *token_file, f"output_dir={out}"], cwd=REPO,
                           env={**env(), **slurm}, capture_output=True, text=True, timeout=30)
     assert line.returncode == 0, line.stderr
