@@ -9,7 +9,6 @@ unsharded state machine and the reductions in flight.
 from __future__ import annotations
 
 import enum
-import weakref
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -87,16 +86,6 @@ class HSDPParamGroup:
         self.offloads = GradOffload(self._streams)  # reduced gradients copied to host memory
         self._initialized = False
         self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
-        # The input-gradient nodes (one per forward call of a module using this group's
-        # parameters: its owner's and borrowers') that have not run yet; weakly held, so a
-        # call whose graph was dropped without a backward does not count. Once empty the
-        # owner's ``on_backward_done`` reduces (see state.py, [Note: when a group reduces]).
-        self.backward_calls: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        # True once such a forward call had no input that requires grad: nothing marks the end
-        # of its backward, so the group reduces in the end-of-backward callback.
-        self.backward_untracked = False
-        self.backward_started = False  # a module using the group started its backward
-        self.on_backward_done: Optional[Callable[[], None]] = None
         self._all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
         self._all_reduce_hook_stream: Optional[Any] = None  # None: the reduce-scatter stream
         self._unsharded_slots: List[tuple] = []
