@@ -207,6 +207,7 @@ class HSDPState:
         modules = self.modules[0].modules()
         states = list(dict.fromkeys(m.__dict__["_hsdp_state"] for m in modules if "_hsdp_state" in m.__dict__))
         fqns = {param: name for name, param in self.modules[0].named_parameters(remove_duplicate=False)}
+        module_fqns = {module: name for name, module in self.modules[0].named_modules()}
         ctx = _RootContext(states)
         ctx.is_last_backward = self.is_last_backward
         ctx.post_optim_event = next((s.post_optim_event for s in states if s.post_optim_event is not None), None)
@@ -214,6 +215,7 @@ class HSDPState:
             state.ctx, state.is_root = ctx, state is self
             user_value = state.group.user_reshard_after_forward
             state.group.reshard_after_forward = (not state.is_root) if user_value is None else user_value
+            state.group.module_fqn = ", ".join(module_fqns[m] for m in state.modules if module_fqns.get(m))
             state.group.lazy_init(fqns)
         for state in states:  # borrowed groups may live outside this subtree
             for owner in state.borrowed:
