@@ -1,4 +1,6 @@
-"""Per-module hook state of fully_shard: forward/backward hooks, root logic, prefetch order."""
+"""The step state of fully_shard and the hooks that drive it: each module's phase (StepPhase),
+each group's backward protocol (GroupBackward), what one root's modules share (_RootContext:
+forward order, prefetch, reductions in flight), and the per-module hooks (HSDPState)."""
 
 from __future__ import annotations
 
@@ -59,7 +61,7 @@ class _RootContext:
         self.prev_in_forward: Dict[HSDPState, HSDPState] = {}  # this step: implicit backward prefetch
         self.reducing: List[HSDPParamGroup] = []  # reduce-scatters in flight
         self.all_reducing: List[HSDPParamGroup] = []  # HSDP all-reduces in flight
-        self.callback_queued = False
+        self.callback_queued = False  # the end-of-backward callback, queued once per backward
         # False: the end of backward leaves the last reductions in flight (set_is_last_backward).
         self.is_last_backward = True
         # The user's event recorded after the optimizer step (set_post_optim_event), used once.
