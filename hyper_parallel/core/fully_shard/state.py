@@ -147,7 +147,7 @@ class _RootContext:
 
     def reset_iter_state(self) -> None:
         """Discard a step aborted by an exception: wait for its collectives, drop its
-        unreduced gradients, reshard, and forget its forward order and flags."""
+        unreduced gradients, reshard, and forget its forward order and step state."""
         for state in self.states:
             state.group.reset_iter_state()
             state.reset_backward()
@@ -158,7 +158,7 @@ class _RootContext:
 
 
 class HSDPState:
-    """Hooks and step flags of one fully_shard module.
+    """Hooks and step state of one fully_shard module (its phase, its group's GroupBackward).
 
     Args:
         modules: the wrapped module, or the modules of one ``fully_shard([a, b])`` call:
