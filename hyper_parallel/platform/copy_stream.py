@@ -1,18 +1,79 @@
 """Host <-> device copies on a side stream, so that they overlap compute and file I/O.
 
-On CPU there is no stream: every call runs synchronously and events are None, so code
-written against :class:`CopyStream` behaves the same everywhere and CPU tests exercise the
-accelerator code path.
+The CPU/accelerator split is the one of ``streams.py``: a contract (:class:`CopyOps`) with a
+CPU implementation on which every operation is a no-op and events are None (copies run
+synchronously, so code written against :class:`CopyStream` behaves the same everywhere and
+CPU tests exercise the accelerator code path) and one on the accelerator's device module,
+chosen from the platform once.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Iterator, Optional
+from abc import ABC, abstractmethod
+from typing import Any, ContextManager, Optional
 
 import torch
 
 from hyper_parallel.platform.platform import Platform
+
+
+class CopyOps(ABC):
+    """The operations of one device's copy stream (see :class:`CopyStream`)."""
+
+    @abstractmethod
+    def after_current_work(self) -> None:
+        """Order later copies on the stream after the calling thread's queued work."""
+
+    @abstractmethod
+    def active(self) -> ContextManager[None]:
+        """Make the stream its device's current stream inside the ``with`` block."""
+
+    @abstractmethod
+    def record(self) -> Optional[Any]:
+        """A blocking-sync event marking the copies issued so far (None: done)."""
+
+    @abstractmethod
+    def make_current_wait(self) -> None:
+        """Order the calling thread's later work on the device after the stream's copies."""
+
+
+class CpuCopyOps(CopyOps):
+    """CPU: no stream; copies are synchronous, so nothing is left to order."""
+
+    def after_current_work(self) -> None:
+        pass
+
+    def active(self) -> ContextManager[None]:
+        return contextlib.nullcontext()
+
+    def record(self) -> Optional[Any]:
+        return None
+
+    def make_current_wait(self) -> None:
+        pass
+
+
+class AcceleratorCopyOps(CopyOps):
+    """A CUDA / NPU stream of ``device`` through the device module (``torch.cuda``, ``torch.npu``)."""
+
+    def __init__(self, device_module: Any, device: torch.device) -> None:
+        self._module, self._device = device_module, device
+        self._stream = device_module.Stream(device=device)
+
+    def after_current_work(self) -> None:
+        self._stream.wait_stream(self._module.current_stream(self._device))
+
+    def active(self) -> ContextManager[None]:
+        return self._module.stream(self._stream)
+
+    def record(self) -> Optional[Any]:
+        event = self._module.Event(blocking=True)
+        event.record(self._stream)
+        return event
+
+    def make_current_wait(self) -> None:
+        self._module.current_stream(self._device).wait_stream(self._stream)
 
 
 class CopyStream:
@@ -27,9 +88,9 @@ class CopyStream:
     """
 
     def __init__(self, platform: Platform, device: torch.device) -> None:
-        self._module = platform.device_module
         self.device = device
-        self._stream = self._module.Stream(device=device) if self._module is not None else None
+        self._ops: CopyOps = (AcceleratorCopyOps(platform.device_module, device) if platform.is_accelerator
+                              else CpuCopyOps())
 
     def serves(self, tensor: torch.Tensor) -> bool:
         """Whether copies of ``tensor`` under :meth:`active` run on this stream (or need none):
@@ -39,34 +100,23 @@ class CopyStream:
     def after_current_work(self) -> None:
         """Order later copies on this stream after the work already queued on the calling
         thread's current stream of the device (which produces the data they read)."""
-        if self._stream is not None:
-            self._stream.wait_stream(self._module.current_stream(self.device))
+        self._ops.after_current_work()
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[None]:
+    def active(self) -> ContextManager[None]:
         """Run the enclosed (``non_blocking``) copies on this stream (made the current stream
         of its device inside the block)."""
-        if self._stream is None:
-            yield
-            return
-        with self._module.stream(self._stream):
-            yield
+        return self._ops.active()
 
     def record(self) -> Optional[Any]:
         """An event marking the copies issued so far on this stream (None on CPU: done). A
         blocking-sync event: a host thread waiting for it (:func:`wait_event`) sleeps instead
         of spinning a core."""
-        if self._stream is None:
-            return None
-        event = self._module.Event(blocking=True)
-        event.record(self._stream)
-        return event
+        return self._ops.record()
 
     def make_current_wait(self) -> None:
         """Order the calling thread's later work on the device's current stream after this
         stream's copies (loads)."""
-        if self._stream is not None:
-            self._module.current_stream(self.device).wait_stream(self._stream)
+        self._ops.make_current_wait()
 
 
 def wait_event(event: Optional[Any]) -> None:

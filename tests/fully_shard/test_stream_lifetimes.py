@@ -74,7 +74,7 @@ def _post_forward_pieces_held_until_the_copy_out():
         block = harness.model.layers[0]
         loss = lm_loss(harness.model, harness.batch)
         group = block._state.group
-        pieces = [weakref.ref(p) for p in group._post_forward_pieces]
+        pieces = [weakref.ref(p) for p in group._post_forward.pieces]
         handle = block.unshard(async_op=True)
         held = [r() is not None for r in pieces]
         mark = len(harness.streams.log)

@@ -19,19 +19,21 @@ from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.core.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.core.fully_shard.state import HSDPState
 
-# id(original or sharded parameter) -> owning group, to keep tied parameters tied. No weak
-# references to the parameters themselves: those would block to_empty()'s swap_tensors.
-_OWNERS: "weakref.WeakValueDictionary[int, HSDPParamGroup]" = weakref.WeakValueDictionary()
+# id(original or sharded parameter) -> the state owning its group, to keep tied parameters
+# tied. No weak references to the parameters themselves: those would block to_empty()'s
+# swap_tensors.
+_OWNERS: "weakref.WeakValueDictionary[int, HSDPState]" = weakref.WeakValueDictionary()
 
 
-def _owner(param: nn.Parameter) -> Optional[Tuple[HSDPParam, HSDPParamGroup]]:
-    """The managed parameter (and its group) that ``param`` is, or was before sharding."""
-    group = _OWNERS.get(id(param))
-    if group is None:
+def _owner(param: nn.Parameter) -> Optional[Tuple[HSDPParam, HSDPState]]:
+    """The managed parameter (and the state owning its group) that ``param`` is, or was
+    before sharding."""
+    owner = _OWNERS.get(id(param))
+    if owner is None:
         return None
-    for hsdp_param in group.params:
+    for hsdp_param in owner.group.params:
         if hsdp_param.sharded_param is param or hsdp_param.original() is param:
-            return hsdp_param, group
+            return hsdp_param, owner
     return None
 
 
@@ -194,19 +196,20 @@ def fully_shard(
         except ValueError as err:
             raise ValueError(f"parameter {name!r}: {err}") from err
     group = HSDPParamGroup(params, dp, mp_policy, offload_policy, reshard_after_forward, post_forward_group)
-    for hsdp_param, (original, _, _) in zip(params, own.values()):
-        _OWNERS[id(original)] = _OWNERS[id(hsdp_param.sharded_param)] = group
+    for hsdp_param in params:
         hsdp_param.use_sharded()
     load_slots = [(mod, name, p) for p in params for mod, name in p.slots]
-    borrowed: List[HSDPParamGroup] = []
+    borrowed: List[HSDPState] = []  # (foreign parameters are owned by earlier calls' groups)
     for mod, name, param in foreign:
-        owner_param, owner_group = _owner(param)
-        owner_group.add_slot(owner_param, mod, name)
+        owner_param, owner = _owner(param)
+        owner.group.add_slot(owner_param, mod, name)
         load_slots.append((mod, name, owner_param))
-        if owner_group is not group and owner_group not in borrowed:
-            borrowed.append(owner_group)
+        if owner not in borrowed:
+            borrowed.append(owner)
     _register_full_state_dict_loading(load_slots)
     state = HSDPState(modules, group, mp_policy, borrowed)
+    for hsdp_param, (original, _, _) in zip(params, own.values()):
+        _OWNERS[id(original)] = _OWNERS[id(hsdp_param.sharded_param)] = state
     for mod in modules:
         mod.__dict__["_hsdp_state"] = state  # on mod itself, even if it forwards setattr (torch.compile)
         cls = type(mod)

@@ -1,7 +1,8 @@
 """The only place that calls torch.distributed collectives for fully_shard.
 
 Every call is counted (``collective_counts``) so tests can check that a parameter group issues
-one all-gather / reduce-scatter / all-reduce per pass.
+one all-gather / reduce-scatter / all-reduce per pass; :func:`profiler_label` names the
+profiler ranges around them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,12 @@ def collective_counts() -> Dict[str, int]:
 
 def reset_collective_counts() -> None:
     _COUNTS.clear()
+
+
+def profiler_label(name: str, module_fqn: str) -> str:
+    """``hp::<name>``, followed by the modules' qualified names where there are any (the
+    root's are empty), as FSDP2 labels its ranges (``FSDP::all_gather (layers.0)``)."""
+    return f"hp::{name} ({module_fqn})" if module_fqn else f"hp::{name}"
 
 
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,

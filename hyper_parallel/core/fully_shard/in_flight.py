@@ -1,6 +1,7 @@
-"""The records of a parameter group's side-stream work in flight (``param_group.py``): what
-each holds, and until when, is what keeps the caching allocator from handing a buffer to
-another stream while a collective or copy still reads it (docs/fully_shard.md, "Streams")."""
+"""The records of a parameter group's side-stream work in flight (``param_group.py``), and of
+the shards kept for a side-stream reader: what each holds, and until when, is what keeps the
+caching allocator from handing a buffer to another stream while a collective or copy still
+reads it (docs/fully_shard.md, "Streams")."""
 
 from __future__ import annotations
 
@@ -10,6 +11,15 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
+
+
+class PostForwardShards(NamedTuple):
+    """The shards of the smaller group kept after forward (``reshard_after_forward=<int>``,
+    state ``SHARDED_POST_FORWARD``), cut on the compute stream; the backward all-gather (or a
+    prefetch) reads them on the all-gather stream, and its InFlightGather takes them over."""
+
+    pieces: List[torch.Tensor]  # one per bucket
+    written: Optional[Any]  # compute-stream event after the cut: the all-gather stream waits for it
 
 
 class InFlightGather(NamedTuple):

@@ -10,6 +10,7 @@ import torch
 from torch.profiler import record_function
 
 from hyper_parallel._torch_compat import post_accumulate_grad_hooks
+from hyper_parallel.core.fully_shard.collectives import profiler_label
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
 from hyper_parallel.core.fully_shard.in_flight import OffloadedGrads
 from hyper_parallel.platform import Streams, get_platform
@@ -26,14 +27,14 @@ class GradOffload:
     def pending(self) -> bool:
         return bool(self._copies)
 
-    def copy(self, bucket: FlatBucket, reduced: torch.Tensor, pin: bool) -> None:
+    def copy(self, bucket: FlatBucket, reduced: torch.Tensor, pin: bool, module_fqn: str = "") -> None:
         """Copy ``bucket``'s reduced gradients (written on the compute stream) to host memory on
         the reduce-scatter stream: into pinned memory without blocking the host when ``pin``.
         A post-accumulate-grad hook reads the gradient on the host as soon as it is set, so such
-        a bucket's copy is waited for at once."""
+        a bucket's copy is waited for at once. ``module_fqn`` labels the profiler range."""
         streams = self._streams
         streams.wait_for_current(streams.reduce_scatter)
-        with record_function("hp::offload_grads"), streams.use(streams.reduce_scatter):
+        with record_function(profiler_label("offload_grads", module_fqn)), streams.use(streams.reduce_scatter):
             host = reduced.to("cpu", non_blocking=pin)
             event = streams.record_host_event()
         self._copies.append(OffloadedGrads(bucket, host, reduced, bucket.take_local_grads(), event))

@@ -9,8 +9,7 @@ unsharded state machine and the reductions in flight.
 from __future__ import annotations
 
 import enum
-import weakref
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -19,7 +18,7 @@ from torch.profiler import record_function
 from hyper_parallel._torch_compat import disable_functorch_if_active, local_tensor, module_parameters
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
-from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingReduce
+from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingReduce, PostForwardShards
 from hyper_parallel.core.fully_shard.offload import GradOffload
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh
 from hyper_parallel.core.fully_shard.param import HSDPParam
@@ -28,12 +27,28 @@ from hyper_parallel.platform import get_platform
 
 
 class ShardState(enum.Enum):
-    SHARDED = "sharded"
+    """Where a group's parameters are (FSDP2's ``ShardedState``, plus the all-gather in flight)."""
+
+    SHARDED = "sharded"  # the modules hold the sharded DTensors; no unsharded storage
     # Sharded, and also holding the shards of a smaller group kept after forward
-    # (reshard_after_forward=<int>): the backward all-gather runs within that group.
+    # (reshard_after_forward=<int>, PostForwardShards): the backward all-gather runs within it.
     SHARDED_POST_FORWARD = "sharded_post_forward"
-    UNSHARDING = "unsharding"  # all-gather in flight
-    UNSHARDED = "unsharded"
+    UNSHARDING = "unsharding"  # all-gather in flight (InFlightGather records); wait_for_unshard ends it
+    UNSHARDED = "unsharded"  # the modules hold the unsharded parameters (views of the buffers)
+
+
+class ParamSlot(NamedTuple):
+    """A module attribute holding a managed parameter, and the parameter that a reshard (or
+    unshard) registers there."""
+
+    # The module's ``_parameters``, written directly (FSDP2's unsafe_setattr_param): no
+    # ``__setattr__`` of the module runs for every unshard and reshard.
+    registry: Dict[str, Optional[torch.nn.Parameter]]
+    name: str
+    param: torch.nn.Parameter
+
+    def register(self) -> None:
+        self.registry[self.name] = self.param
 
 
 def _divide_factors(world: int) -> Tuple[float, float]:
@@ -74,8 +89,8 @@ class HSDPParamGroup:
         self.reshard_after_backward = True
         # reshard_after_forward=<int>: (size, group) of the smaller group kept after forward.
         self.post_forward_group = post_forward_group
-        self._post_forward_pieces: Optional[List[torch.Tensor]] = None  # SHARDED_POST_FORWARD only
-        self._post_forward_event: Optional[Any] = None  # the pieces were written (compute stream)
+        self._post_forward: Optional[PostForwardShards] = None  # SHARDED_POST_FORWARD only
+        self.module_fqn = ""  # the modules' names under the root (its lazy init), for profiler labels
         self.requires_gradient_sync = True
         self.requires_all_reduce = True
         self.state = ShardState.SHARDED
@@ -87,19 +102,10 @@ class HSDPParamGroup:
         self.offloads = GradOffload(self._streams)  # reduced gradients copied to host memory
         self._initialized = False
         self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
-        # The input-gradient nodes (one per forward call of a module using this group's
-        # parameters: its owner's and borrowers') that have not run yet; weakly held, so a
-        # call whose graph was dropped without a backward does not count. Once empty the
-        # owner's ``on_backward_done`` reduces (see state.py, [Note: when a group reduces]).
-        self.backward_calls: "weakref.WeakSet[Any]" = weakref.WeakSet()
-        # True once such a forward call had no input that requires grad: nothing marks the end
-        # of its backward, so the group reduces in the end-of-backward callback.
-        self.backward_untracked = False
-        self.backward_started = False  # a module using the group started its backward
-        self.on_backward_done: Optional[Callable[[], None]] = None
         self._all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
         self._all_reduce_hook_stream: Optional[Any] = None  # None: the reduce-scatter stream
-        self._unsharded_slots: List[tuple] = []
+        self._sharded_slots: List[ParamSlot] = []
+        self._unsharded_slots: List[ParamSlot] = []
         override = mp_policy.param_dtype_override_fn  # sees the parameters before sharding
         self._compute_dtypes = [(override and override(p.original())) or mp_policy.param_dtype for p in params]
         self._bind_buckets([p._initial_local.device for p in params], pin=False)
@@ -109,9 +115,9 @@ class HSDPParamGroup:
         """Register another module attribute holding ``param`` (a tied parameter)."""
         param.slots.append((module, name))
         module_parameters(module)[name] = param.sharded_param
-        self._sharded_slots.append((module_parameters(module), name, param.sharded_param))
+        self._sharded_slots.append(ParamSlot(module_parameters(module), name, param.sharded_param))
         if self._initialized:
-            self._unsharded_slots.append((module_parameters(module), name, param.unsharded_param))
+            self._unsharded_slots.append(ParamSlot(module_parameters(module), name, param.unsharded_param))
 
     def _bind_buckets(self, devices: List[torch.device], pin: bool) -> None:
         """Bucket the parameters by their current dtype, bind their shards into flat buffers on
@@ -126,14 +132,15 @@ class HSDPParamGroup:
             device = entries[0][1]
             bucket.bind_shards(torch.device("cpu") if self.offload and device.type != "meta" else device, pin)
             self.buckets.append(bucket)
-        self._sharded_slots = [(module_parameters(m), n, p.sharded_param) for p in self.params for m, n in p.slots]
+        self._sharded_slots = [ParamSlot(module_parameters(m), n, p.sharded_param)
+                               for p in self.params for m, n in p.slots]
         if self._initialized:
             self._bind_unsharded()
 
     def _bind_unsharded(self) -> None:
         for bucket in self.buckets:
             bucket.bind_unsharded(self.device)
-        self._unsharded_slots = [(module_parameters(m), n, p.unsharded_param)
+        self._unsharded_slots = [ParamSlot(module_parameters(m), n, p.unsharded_param)
                                  for p in self.params for m, n in p.slots]
 
     def _adopt_replacements(self) -> bool:
@@ -198,10 +205,10 @@ class HSDPParamGroup:
         host_async = async_op and self._streams.async_collectives
         if self.state == ShardState.SHARDED_POST_FORWARD:
             size, group = self.post_forward_group
-            pieces, self._post_forward_pieces = self._post_forward_pieces, None
+            kept, self._post_forward = self._post_forward, None
             # The pieces were cut on the compute stream after the root's ordering point.
-            self._issue_gathers(lambda b, piece: b.all_gather_pieces(piece, group, size, host_async), pieces,
-                                after=self._post_forward_event, wait_for_compute=not ordered)
+            self._issue_gathers(lambda b, piece: b.all_gather_pieces(piece, group, size, host_async), kept.pieces,
+                                after=kept.written, wait_for_compute=not ordered)
         elif self.state == ShardState.SHARDED:
             rebound = self._adopt_replacements()  # a rebind copies shards on the compute stream
             self._sync_requires_grad()
@@ -220,14 +227,13 @@ class HSDPParamGroup:
         streams = self._streams
         if wait_for_compute:
             streams.wait_for_current(streams.all_gather)
-        with record_function("hp::all_gather"), streams.use(streams.all_gather):
+        with self._range("all_gather"), streams.use(streams.all_gather):
             streams.reclaim(streams.all_gather)  # earlier results: reused after their copy-outs
             if after is not None:
                 streams.wait_event(after)
             issued = [(b, *gather(b, x), x) for b, x in zip(self.buckets, inputs)]
             event = streams.record_event()
         self._gathers = [InFlightGather(b, work, gathered, event, x) for b, work, gathered, x in issued]
-        self._post_forward_event = None
         self.state = ShardState.UNSHARDING
 
     @disable_functorch_if_active
@@ -235,7 +241,7 @@ class HSDPParamGroup:
         if self.state != ShardState.UNSHARDING:
             return
         streams = self._streams
-        with record_function("hp::all_gather_copy_out"):
+        with self._range("all_gather_copy_out"):
             for item in self._gathers:
                 if item.work is not None:
                     item.work.wait()
@@ -243,8 +249,8 @@ class HSDPParamGroup:
                 item.bucket.copy_out(item.gathered)
                 streams.free_after_use(item.gathered, streams.all_gather)
         self._gathers = []
-        for slots, name, value in self._unsharded_slots:
-            slots[name] = value
+        for slot in self._unsharded_slots:
+            slot.register()
         self.state = ShardState.UNSHARDED
 
     def reshard_after_forward_pass(self) -> None:
@@ -258,24 +264,26 @@ class HSDPParamGroup:
         size, _ = self.post_forward_group
         pieces = [b.post_forward_piece(size, self.dp.shard_rank % size) for b in self.buckets]
         self.reshard()
-        self._post_forward_pieces = pieces
-        self._post_forward_event = self._streams.record_event()  # the backward all-gather reads them
+        self._post_forward = PostForwardShards(pieces, self._streams.record_event())
         self.state = ShardState.SHARDED_POST_FORWARD
 
     @disable_functorch_if_active
     def reshard(self) -> None:
         """Free the unsharded parameters and register the sharded ones on the modules."""
-        self._post_forward_pieces = None
-        self._post_forward_event = None
+        self._post_forward = None
         if self.state in (ShardState.SHARDED, ShardState.SHARDED_POST_FORWARD):
             self.state = ShardState.SHARDED
             return
         self.wait_for_unshard()
-        for slots, name, value in self._sharded_slots:
-            slots[name] = value
+        for slot in self._sharded_slots:
+            slot.register()
         for bucket in self.buckets:
             bucket.free_unsharded()
         self.state = ShardState.SHARDED
+
+    def _range(self, name: str) -> record_function:
+        """A profiler range labelled with the group's modules (collectives.profiler_label)."""
+        return record_function(collectives.profiler_label(name, self.module_fqn))
 
     # -- gradients ------------------------------------------------------------------------
     def set_gradient_divide_factor(self, factor: float) -> None:
@@ -319,7 +327,7 @@ class HSDPParamGroup:
                 continue
             output = torch.empty(bucket.reduced_numel, dtype=bucket.reduce_dtype, device=grad_input.device)
             streams.wait_for_current(streams.reduce_scatter)  # the copy-in ran on the compute stream
-            with record_function("hp::reduce_scatter"), streams.use(streams.reduce_scatter):
+            with self._range("reduce_scatter"), streams.use(streams.reduce_scatter):
                 work = collectives.reduce_scatter(output, grad_input, self.dp.shard_group,
                                                   async_op=streams.async_collectives)
                 event = streams.record_event()
@@ -351,7 +359,7 @@ class HSDPParamGroup:
                 bucket.partial_grad = reduced
                 continue
             streams.wait_for_current(streams.reduce_scatter)  # the partial sum was added here
-            with record_function("hp::all_reduce"), streams.use(streams.reduce_scatter):
+            with self._range("all_reduce"), streams.use(streams.reduce_scatter):
                 work = collectives.all_reduce(reduced, self.dp.replicate_group, async_op=streams.async_collectives)
                 event = streams.record_event()
             self._all_reducing.append(PendingReduce(bucket, work, event, None, reduced))
@@ -375,7 +383,7 @@ class HSDPParamGroup:
         streams = self._streams
         stream = self._all_reduce_hook_stream or streams.reduce_scatter
         streams.wait_for_current(stream)  # the gradient was divided on the compute stream
-        with record_function("hp::all_reduce_hook"), streams.use(stream):
+        with self._range("all_reduce_hook"), streams.use(stream):
             self._all_reduce_hook(reduced)
             done = streams.record_event()
         streams.wait_event(done)
@@ -386,6 +394,6 @@ class HSDPParamGroup:
         if self._all_reduce_hook is not None:
             self._run_all_reduce_hook(reduced[:bucket.grad_total])
         if self.offload:
-            self.offloads.copy(bucket, reduced, self.pin_memory)
+            self.offloads.copy(bucket, reduced, self.pin_memory, self.module_fqn)
             return
         bucket.assign_grads(reduced, bucket.take_local_grads())

@@ -1,15 +1,19 @@
-"""Per-module hook state of fully_shard: forward/backward hooks, root logic, prefetch order."""
+"""The step state of fully_shard and the hooks that drive it: each module's phase (StepPhase),
+each group's backward protocol (GroupBackward), what one root's modules share (_RootContext:
+forward order, prefetch, reductions in flight), and the per-module hooks (HSDPState)."""
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import weakref
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
 
-from hyper_parallel._torch_compat import current_graph_task_id, queue_autograd_callback
+from hyper_parallel._torch_compat import queue_autograd_callback
+from hyper_parallel.core.fully_shard.hooks import FullyShardModuleInputs, eager, in_backward
 from hyper_parallel.core.fully_shard.offload import finish_offloads
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.core.fully_shard.policy import MixedPrecisionPolicy
@@ -17,48 +21,34 @@ from hyper_parallel.core.fully_shard.tree import cast_floating, iter_tensors, ma
 from hyper_parallel.platform import get_platform
 
 
-class BackwardPhase(enum.Enum):
-    """Where one fully_shard module is in the current backward."""
+class StepPhase(enum.Enum):
+    """Where one fully_shard module is in the current step (FSDP2's ``TrainingState``, per
+    module). Back to ``IDLE`` when the step ends (end-of-backward callback,
+    ``reset_iter_state``) and when the root's next forward begins."""
 
-    IDLE = "idle"  # no backward of this step has reached the module yet
-    STARTED = "started"  # pre-backward ran: parameters unsharded, gradients arriving
+    IDLE = "idle"  # not in this step's forward order: no forward with grad has run it yet
+    FORWARD = "forward"  # ran forward with grad (in the step's forward order); backward not reached
+    BACKWARD = "backward"  # pre-backward ran: parameters unsharded, gradients arriving
     REDUCED = "reduced"  # post-backward ran: gradients reduced (or issued), resharding pending
 
 
-def _eager(hook):
-    """``hook`` run eagerly, never traced by torch.compile: a compiled caller graph-breaks at
-    it, and dynamo does not compile it as a frame of its own (it unshards, issues collectives
-    and mutates module state, none of which belongs in a graph). Same approach as FSDP2."""
-    return torch.compiler.disable(hook, recursive=True, reason="hyper_parallel fully_shard hook")
+@dataclasses.dataclass(eq=False)
+class GroupBackward:
+    """The backward protocol of one parameter group: when it reduces (see [Note: when a group
+    reduces]). Kept by the group's owner state; the forward calls it tracks are those of every
+    module using the group's parameters (the owner's and those of modules borrowing them). A
+    fresh record starts each backward."""
 
-
-class FullyShardModuleInputs(torch.autograd.Function):
-    """Identity on one forward call's inputs that require grad; the node is the call's entry
-    in its groups' ``backward_calls``, and its backward (once the gradients w.r.t. all those
-    inputs are computed) reports it to the module's state. Being an autograd node, it runs
-    before those gradients reach the hooks of the input tensors themselves (the previous
-    module's pre-backward, registered on its outputs), so the module reduces and reshards
-    before the previous one prefetches (FSDP2's post-backward point; see [Note: when a group
-    reduces]). Like FSDP2's, the outputs are views that the module's forward must not modify
-    in place."""
-
-    @staticmethod
-    def forward(ctx: Any, state: "HSDPState", *inputs: torch.Tensor) -> tuple:
-        ctx.state = state
-        for group in (state.group, *state.borrowed):
-            group.backward_calls.add(ctx)  # this node is the call's
-        ctx.set_materialize_grads(False)
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: Optional[torch.Tensor]) -> tuple:
-        ctx.state.input_grads_hook(ctx)
-        return (None, *grads)
-
-
-def _in_backward() -> bool:
-    """True while the autograd engine runs (e.g. checkpoint recomputation calls forward)."""
-    return current_graph_task_id() != -1
+    # The input-gradient nodes (FullyShardModuleInputs) of those calls that have not run yet;
+    # weakly held, so a call whose graph was dropped without a backward does not count. Once
+    # empty, the owner reduces the group.
+    calls: "weakref.WeakSet[Any]" = dataclasses.field(default_factory=weakref.WeakSet)
+    # A call had no input that requires grad: nothing marks the end of its backward, so the
+    # group reduces in the end-of-backward callback.
+    untracked: bool = False
+    # A module using the group started its backward: the end-of-backward callback reduces the
+    # group if nothing did before.
+    started: bool = False
 
 
 class _RootContext:
@@ -71,7 +61,7 @@ class _RootContext:
         self.prev_in_forward: Dict[HSDPState, HSDPState] = {}  # this step: implicit backward prefetch
         self.reducing: List[HSDPParamGroup] = []  # reduce-scatters in flight
         self.all_reducing: List[HSDPParamGroup] = []  # HSDP all-reduces in flight
-        self.callback_queued = False
+        self.callback_queued = False  # the end-of-backward callback, queued once per backward
         # False: the end of backward leaves the last reductions in flight (set_is_last_backward).
         self.is_last_backward = True
         # The user's event recorded after the optimizer step (set_post_optim_event), used once.
@@ -79,7 +69,7 @@ class _RootContext:
         # True from the root's pre-forward until the step ends: the all-gather stream is
         # ordered after the last writes to the shards, so this step's all-gathers need no wait.
         self.all_gathers_ordered = False
-        self._final_callback_hook = _eager(self._final_callback)
+        self._final_callback_hook = eager(self._final_callback)
 
     def begin_step(self) -> None:
         # Reductions a non-last backward left in flight overlap this forward; the next
@@ -108,8 +98,8 @@ class _RootContext:
         self.all_gathers_ordered = True
 
     def record_forward(self, state: "HSDPState") -> None:
-        if not state.recorded:
-            state.recorded = True
+        if state.phase is StepPhase.IDLE:
+            state.phase = StepPhase.FORWARD
             self.forward_order.append(state)
 
     def ensure_final_callback(self) -> None:
@@ -130,12 +120,14 @@ class _RootContext:
         self.reducing = []
 
     def finish_reductions(self) -> None:
-        self.advance_reductions()
-        self.advance_reductions()
+        """Advance the pipeline until no reduction is in flight (a reduce-scatter reaches its
+        gradients in one step, or in two through its HSDP all-reduce)."""
+        while self.reducing or self.all_reducing:
+            self.advance_reductions()
 
     def _final_callback(self) -> None:
         for state in self.states:  # (a group whose modules' backward started: rank-consistent)
-            if state.phase is not BackwardPhase.REDUCED and state.group.backward_started:
+            if state.phase is not StepPhase.REDUCED and state.backward.started:
                 state.post_backward()
         if self.is_last_backward:
             self.finish_reductions()
@@ -155,7 +147,7 @@ class _RootContext:
 
     def reset_iter_state(self) -> None:
         """Discard a step aborted by an exception: wait for its collectives, drop its
-        unreduced gradients, reshard, and forget its forward order and flags."""
+        unreduced gradients, reshard, and forget its forward order and step state."""
         for state in self.states:
             state.group.reset_iter_state()
             state.reset_backward()
@@ -166,19 +158,20 @@ class _RootContext:
 
 
 class HSDPState:
-    """Hooks and step flags of one fully_shard module.
+    """Hooks and step state of one fully_shard module (its phase, its group's GroupBackward).
 
     Args:
         modules: the wrapped module, or the modules of one ``fully_shard([a, b])`` call:
             the first of them to run in a forward unshards the group, the last reshards it.
         group: its parameter group.
         mp_policy: casts of forward inputs/outputs.
-        borrowed: groups owning parameters this module shares (tied across groups); they are
-            unsharded around this module's forward and backward too.
+        borrowed: the states owning the groups of parameters this module shares (tied across
+            groups); those groups are unsharded around this module's forward and backward too,
+            and reduce only once this module's backward is done.
     """
 
     def __init__(self, modules: Sequence[nn.Module], group: HSDPParamGroup, mp_policy: MixedPrecisionPolicy,
-                 borrowed: List[HSDPParamGroup]):
+                 borrowed: List["HSDPState"]):
         self.modules = tuple(modules)
         self.group = group
         self.mp_policy = mp_policy
@@ -187,19 +180,18 @@ class HSDPState:
         self.is_root = False
         self.forward_prefetch: Optional[List[HSDPState]] = None  # None: implicit
         self.backward_prefetch: Optional[List[HSDPState]] = None
-        self.recorded = False
-        self.phase = BackwardPhase.IDLE
+        self.phase = StepPhase.IDLE
+        self.backward = GroupBackward()  # of this state's own group
         self.to_run: Set[nn.Module] = set()  # modules of this group yet to run in this forward
         self.unshard_in_backward = True
         self.is_last_backward = True  # copied to the root context at lazy init
         self.post_optim_event: Optional[Any] = None  # likewise
-        # Every entry point called by nn.Module or autograd, wrapped once (see _eager);
+        # Every entry point called by nn.Module or autograd, wrapped once (see hooks.eager);
         # pre_forward_hook/post_forward_hook also run custom forward methods.
-        self._pre_backward_hook = _eager(self._pre_backward)
-        self.input_grads_hook = _eager(self._on_input_grads)
-        self.pre_forward_hook = _eager(self._pre_forward)
-        self.post_forward_hook = _eager(self._post_forward)
-        group.on_backward_done = self._backward_done
+        self._pre_backward_hook = eager(self._pre_backward)
+        self.input_grads_hook = eager(self._on_input_grads)
+        self.pre_forward_hook = eager(self._pre_forward)
+        self.post_forward_hook = eager(self._post_forward)
         for module in self.modules:
             module.register_forward_pre_hook(self.pre_forward_hook, prepend=True, with_kwargs=True)
             module.register_forward_hook(self.post_forward_hook)
@@ -217,6 +209,7 @@ class HSDPState:
         modules = self.modules[0].modules()
         states = list(dict.fromkeys(m.__dict__["_hsdp_state"] for m in modules if "_hsdp_state" in m.__dict__))
         fqns = {param: name for name, param in self.modules[0].named_parameters(remove_duplicate=False)}
+        module_fqns = {module: name for name, module in self.modules[0].named_modules()}
         ctx = _RootContext(states)
         ctx.is_last_backward = self.is_last_backward
         ctx.post_optim_event = next((s.post_optim_event for s in states if s.post_optim_event is not None), None)
@@ -224,21 +217,30 @@ class HSDPState:
             state.ctx, state.is_root = ctx, state is self
             user_value = state.group.user_reshard_after_forward
             state.group.reshard_after_forward = (not state.is_root) if user_value is None else user_value
+            state.group.module_fqn = ", ".join(module_fqns[m] for m in state.modules if module_fqns.get(m))
             state.group.lazy_init(fqns)
         for state in states:  # borrowed groups may live outside this subtree
-            for group in state.borrowed:
-                group.lazy_init()
+            for owner in state.borrowed:
+                owner.group.lazy_init()
+
+    def track_call(self, node: Any) -> None:
+        """``node`` (a :class:`FullyShardModuleInputs`) stands for a forward call of this
+        module: the groups it uses reduce only once its backward has run."""
+        for owner in self.owners:
+            owner.backward.calls.add(node)
+
+    @property
+    def owners(self) -> Tuple["HSDPState", ...]:
+        """This state and the owners of the groups it borrows."""
+        return (self, *self.borrowed)
 
     def reset_forward(self) -> None:
-        self.recorded = False
-        self.phase = BackwardPhase.IDLE
+        self.phase = StepPhase.IDLE
         self.to_run.clear()
 
     def reset_backward(self) -> None:
         self.reset_forward()
-        self.group.backward_calls = weakref.WeakSet()
-        self.group.backward_untracked = False
-        self.group.backward_started = False
+        self.backward = GroupBackward()
 
     def set_reshard_after_forward(self, value: bool) -> None:
         group = self.group
@@ -266,9 +268,8 @@ class HSDPState:
     # -- hooks ----------------------------------------------------------------------------
     def _unshard(self) -> None:
         ordered = self.ctx.all_gathers_ordered
-        self.group.unshard(ordered=ordered)
-        for group in self.borrowed:
-            group.unshard(ordered=ordered)
+        for owner in self.owners:
+            owner.group.unshard(ordered=ordered)
 
     def _prefetch(self, states: List["HSDPState"]) -> None:
         for state in states:
@@ -277,17 +278,17 @@ class HSDPState:
     def _pre_forward(self, module: nn.Module, args: Any, kwargs: Any):
         if self.ctx is None:
             self.lazy_init()
-        in_backward = _in_backward()  # checkpoint recomputation: only unshard
-        training = not in_backward and torch.is_grad_enabled()
-        if not in_backward and self.is_root:
+        recomputing = in_backward()  # checkpoint recomputation: only unshard
+        training = not recomputing and torch.is_grad_enabled()
+        if not recomputing and self.is_root:
             self.ctx.begin_step()
             self.ctx.order_all_gathers()
         if training:
             self.ctx.record_forward(self)
-        if not in_backward and not self.to_run:
+        if not recomputing and not self.to_run:
             self.to_run.update(self.modules)
         self._unshard()
-        if not in_backward:
+        if not recomputing:
             self._prefetch_forward()
         dtype = self.mp_policy.param_dtype
         if dtype is not None and self.mp_policy.cast_forward_inputs:
@@ -307,14 +308,14 @@ class HSDPState:
         :class:`FullyShardModuleInputs` node (see there)."""
         inputs = list({id(t): t for t in iter_tensors((args, kwargs)) if t.requires_grad}.values())
         if not inputs:
-            for group in (self.group, *self.borrowed):
-                group.backward_untracked = True
+            for owner in self.owners:
+                owner.backward.untracked = True
             return args, kwargs
         passed = dict(zip(map(id, inputs), FullyShardModuleInputs.apply(self, *inputs)))
         return map_tensors(lambda t: passed.get(id(t), t), (args, kwargs))
 
     def _post_forward(self, module: nn.Module, args: Any, output: Any) -> Any:
-        if _in_backward():  # recomputation (activation checkpointing): backward needs the params
+        if in_backward():  # recomputation (activation checkpointing): backward needs the params
             # ... and the same output dtype as the original forward (checkpoint checks it)
             if self.mp_policy.output_dtype is not None:
                 output = cast_floating(output, self.mp_policy.output_dtype)
@@ -339,19 +340,19 @@ class HSDPState:
         return output
 
     def _finish_forward(self, grad_enabled: bool) -> None:
-        for group in (self.group, *self.borrowed):
+        for group in [owner.group for owner in self.owners]:
             if not grad_enabled:
                 group.reshard()
             elif group.reshard_after_forward:
                 group.reshard_after_forward_pass()
 
     def _pre_backward(self, grad: torch.Tensor) -> None:
-        if self.phase is not BackwardPhase.IDLE:
+        if self.phase not in (StepPhase.IDLE, StepPhase.FORWARD):
             return
-        self.phase = BackwardPhase.STARTED
+        self.phase = StepPhase.BACKWARD
         self.ctx.ensure_final_callback()
-        for group in (self.group, *self.borrowed):
-            group.backward_started = True
+        for owner in self.owners:
+            owner.backward.started = True
         if self.unshard_in_backward:
             self._unshard()
         if self.backward_prefetch is not None:
@@ -362,9 +363,9 @@ class HSDPState:
 
     def post_backward(self) -> None:
         """Reduce the group's gradients (async)."""
-        if self.phase is BackwardPhase.REDUCED:
+        if self.phase is StepPhase.REDUCED:
             return
-        self.phase = BackwardPhase.REDUCED
+        self.phase = StepPhase.REDUCED
         self.ctx.ensure_final_callback()
         self.ctx.advance_reductions()  # overlap: at most one group per stage in flight
         if self.group.requires_gradient_sync:
@@ -374,12 +375,13 @@ class HSDPState:
             self.group.accumulate_unreduced_grads()
 
     def _on_input_grads(self, call: Any) -> None:
-        for group in (self.group, *self.borrowed):
-            if call not in group.backward_calls:  # counted before an earlier backward's end reset
+        for owner in self.owners:
+            backward = owner.backward
+            if call not in backward.calls:  # counted before an earlier backward's end reset
                 continue  # the group (a chunked loss head): this backward's end reduces it
-            group.backward_calls.discard(call)
-            if not group.backward_calls and not group.backward_untracked:
-                group.on_backward_done()
+            backward.calls.discard(call)
+            if not backward.calls and not backward.untracked:
+                owner._backward_done()
 
     def _backward_done(self) -> None:
         """[Note: when a group reduces] Every forward call of the modules using this group's
