@@ -21,8 +21,8 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel import fully_shard
-from hyper_parallel.core.distributed_checkpoint.async_saver import optimizers_in
-from hyper_parallel.core.distributed_checkpoint.staging import StagedSave
+from hyper_parallel.core.distributed_checkpoint.host_memory.background import optimizers_in
+from hyper_parallel.core.distributed_checkpoint.host_memory.snapshot import StagedSave
 from tests.checkpoint.helpers import full_state, load_and_check
 from tests.multirank import run_on_ranks
 

@@ -19,8 +19,9 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hyper_parallel.checkpoint as hdcp
 from hyper_parallel._torch_compat import init_fake_process_group
-from hyper_parallel.core.distributed_checkpoint.chunk_table import ChunkTable
-from hyper_parallel.core.distributed_checkpoint.resharding import local_chunk, overlap
+from hyper_parallel.core.distributed_checkpoint.format.chunk_table import ChunkTable
+from hyper_parallel.core.distributed_checkpoint.format.geometry import overlap
+from hyper_parallel.core.distributed_checkpoint.planning.shards import local_chunk
 
 
 def _cuts(rng: random.Random, length: int, pieces: int):

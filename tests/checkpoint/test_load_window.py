@@ -16,10 +16,10 @@ import pytest
 import torch
 
 from hyper_parallel import checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint.bounce import BounceReads
-from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.filesystem.bounce import BounceReads
+from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from hyper_parallel.core.distributed_checkpoint.staging_buffers import StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import StagingBuffers
 
 ROWS, COLS = 4, 32  # one box: 4 x 32 float64 = 1024 bytes = one slab
 JOIN_S = 20.0

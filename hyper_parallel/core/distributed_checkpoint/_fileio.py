@@ -16,7 +16,7 @@ import uuid
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 
 
 def fsync_dir(path: str) -> None:

@@ -9,17 +9,18 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaveFuture, AsyncSaver, optimizers_in
-from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpReader, is_dcp_checkpoint
-from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
-from hyper_parallel.core.distributed_checkpoint.plan_cache import PlannedSave, SavePlanCache
-from hyper_parallel.core.distributed_checkpoint.load_planner import StandardLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
+from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture, AsyncSaver, optimizers_in
+from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.host_memory.snapshot import StagedSave
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
-from hyper_parallel.core.distributed_checkpoint.save_planner import StandardSavePlanner
-from hyper_parallel.core.distributed_checkpoint.staging import StagedSave
-from hyper_parallel.core.distributed_checkpoint.staging_buffers import StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.planning.collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint.planning.load_planner import StandardLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.planning.plan_cache import PlannedSave, SavePlanCache
+from hyper_parallel.core.distributed_checkpoint.planning.save_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.stateful import resolve_stateful
 from hyper_parallel.core.distributed_checkpoint.storage import (
     AsyncCommitWriter,

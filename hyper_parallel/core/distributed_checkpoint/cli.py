@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import argparse
 import os
 import signal
@@ -10,19 +11,19 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import local_path
-from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.commands import add_dcp_commands, run_dcp_command
+from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
 from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, resolve_checkpoint
-from hyper_parallel.core.distributed_checkpoint.metadata import (
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     FORMAT_NAME,
-    CheckpointError,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
     dtype_name,
 )
-from hyper_parallel.core.distributed_checkpoint.resharding import numel
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+
 
 
 def _human(nbytes: int) -> str:
@@ -73,7 +74,7 @@ def inspect(directory: str, out: TextIO) -> None:
     width = max((len(k) for k in tensors), default=0)
     for fqn in sorted(tensors):
         md = tensors[fqn]
-        nbytes = numel(md.size) * md.dtype.itemsize
+        nbytes = math.prod(md.size) * md.dtype.itemsize
         total += nbytes
         shape = "x".join(str(s) for s in md.size) or "scalar"
         print(f"  {fqn:<{width}}  {dtype_name(md.dtype):<9} {shape:<16} {_human(nbytes):>11}  "

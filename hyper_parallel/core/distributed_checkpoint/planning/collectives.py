@@ -12,7 +12,7 @@ from typing import Any, Callable, List, Optional
 
 import torch.distributed as dist
 
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 
 _COORDINATOR = 0
 
