@@ -47,6 +47,7 @@ from hyper_parallel.core.distributed_checkpoint.api import (
     staging_buffers,
     wait_for_pending_save,
 )
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
 from hyper_parallel.core.distributed_checkpoint.filesystem.commit import is_checkpoint, read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
@@ -61,7 +62,6 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.planner import (
     LoadItemType,
     LoadPlan,

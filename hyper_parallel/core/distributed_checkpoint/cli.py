@@ -12,6 +12,7 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import local_path
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.commands import add_dcp_commands, run_dcp_command
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
 from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, resolve_checkpoint
@@ -22,7 +23,6 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     TensorStorageMetadata,
     dtype_name,
 )
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 
 
 

@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
@@ -35,7 +36,6 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     TensorStorageMetadata,
     check_relative_path,
 )
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 
 from hyper_parallel.core.distributed_checkpoint.format.safetensors_format import DTYPE_BY_TAG, read_header
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata

@@ -24,6 +24,7 @@ from torch.distributed.checkpoint import save as torch_dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpFiles, translate_metadata
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
@@ -36,7 +37,6 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.planner import (
     BytesIOWriteData,
     SavePlan,

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 
 from hyper_parallel.core.distributed_checkpoint._fileio import open_regular, read_exact
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.unpickler import DCP_METADATA_FILE, read_dcp_metadata
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     METADATA_FILE,
     BytesStorageMetadata,
@@ -32,7 +33,6 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     StorageTable,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_tiling
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner

@@ -25,12 +25,12 @@ from typing import Callable, Dict, List, Optional
 
 from hyper_parallel.core.distributed_checkpoint._fileio import (
     create_file,
-    fsync_dir,
     local_path,
     read_regular_file,
     replace_dir,
     write_file_atomically,
 )
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     METADATA_FILE,
     FileInfo,
@@ -39,9 +39,9 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata, verify_files
 from hyper_parallel.core.distributed_checkpoint.storage import RankWriteResult, WriteResult
+from hyper_parallel.utils.fileio import fsync_dir
 
 RANK_METADATA = "metadata.rank{}.json"
 _DONE_MARKER = ".done.rank{}.json"

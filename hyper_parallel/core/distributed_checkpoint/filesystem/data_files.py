@@ -9,7 +9,8 @@ import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Tuple
 
-from hyper_parallel.core.distributed_checkpoint._fileio import create_file, start_writeback, write_file
+from hyper_parallel.core.distributed_checkpoint._fileio import create_file, write_file
+from hyper_parallel.utils.fileio import start_writeback
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32, crc32_combine
 from hyper_parallel.core.distributed_checkpoint.format.metadata import FileInfo, StorageInfo

@@ -19,7 +19,8 @@ import shutil
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
-from hyper_parallel.core.distributed_checkpoint._fileio import fsync_dir, local_path
+from hyper_parallel.core.distributed_checkpoint._fileio import local_path
+from hyper_parallel.utils.fileio import fsync_dir
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem import commit
 from hyper_parallel.core.distributed_checkpoint.filesystem.data_files import split_by_bytes, write_safetensors, write_values

@@ -21,6 +21,7 @@ import os
 from typing import Any, Dict, List, Tuple
 
 from hyper_parallel.core.distributed_checkpoint._fileio import open_regular
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32, crc32_combine
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     ChunkStorageMetadata,
@@ -30,7 +31,6 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     TensorStorageMetadata,
     check_relative_path,
 )
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 
 from hyper_parallel.core.distributed_checkpoint.format.values import decode_value
 

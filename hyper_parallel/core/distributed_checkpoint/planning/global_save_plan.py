@@ -8,6 +8,7 @@ import math
 import dataclasses
 from typing import Dict, List, Sequence, Tuple
 
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     BytesStorageMetadata,
     Metadata,
@@ -15,7 +16,6 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     StorageMetadata,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 
