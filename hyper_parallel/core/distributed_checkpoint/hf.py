@@ -9,8 +9,8 @@ the byte ranges of its own slices.
 
 from __future__ import annotations
 
-import math
 import json
+import math
 import os
 import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import math
 import argparse
+import math
 from typing import Tuple
 
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.convert import export_dcp, import_dcp

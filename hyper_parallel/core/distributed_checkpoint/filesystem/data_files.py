@@ -3,8 +3,8 @@ encoding; both return where every item landed and the file's size and crc32."""
 
 from __future__ import annotations
 
-import math
 import json
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Tuple

@@ -4,8 +4,8 @@ one pass over the items (linear in the number of chunks)."""
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from typing import Dict, List, Sequence, Tuple
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError

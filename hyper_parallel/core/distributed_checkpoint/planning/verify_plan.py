@@ -16,8 +16,8 @@ A chunk some verifying rank reads whole anyway needs no duty: that read checks i
 
 from __future__ import annotations
 
-import math
 import dataclasses
+import math
 from collections import defaultdict
 from typing import Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
