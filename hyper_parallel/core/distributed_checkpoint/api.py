@@ -28,6 +28,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
     StorageReader,
     StorageWriter,
 )
+from hyper_parallel.utils.ranks import dist_ready, rank_and_world
 
 __all__ = ["save", "async_save", "load"]
 
@@ -36,7 +37,7 @@ _SAVER = AsyncSaver()
 
 
 def _dist_ready(no_dist: bool) -> bool:
-    return not no_dist and dist.is_available() and dist.is_initialized()
+    return not no_dist and dist_ready()
 
 
 class _SaveJob:
@@ -50,8 +51,7 @@ class _SaveJob:
         self.writer = writer if writer is not None else FileSystemWriter()
         self.planner = planner if planner is not None else StandardSavePlanner()
         with_dist = _dist_ready(no_dist)
-        self.rank = dist.get_rank() if with_dist else 0
-        self.world = dist.get_world_size() if with_dist else 1
+        self.rank, self.world = rank_and_world(with_dist)
         self.use_collectives = use_collectives
         self.remove_redundancy, self.save_to_minimum_rank = remove_redundancy, save_to_minimum_rank
         self.dw = DistWrapper(with_dist and use_collectives)
@@ -270,7 +270,7 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     reader.initialize_reader(None if checkpoint_id is None else os.fspath(checkpoint_id))
     planner = planner if planner is not None else StandardLoadPlanner()
     with_dist = _dist_ready(no_dist)
-    rank = dist.get_rank() if with_dist else 0
+    rank, _ = rank_and_world(with_dist)
     dw = DistWrapper(with_dist and use_collectives)
     metadata = dw.from_coordinator("reading checkpoint metadata", reader.load_metadata)
 

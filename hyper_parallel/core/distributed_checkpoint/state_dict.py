@@ -16,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor, distribute_tensor
+
+from hyper_parallel.utils.ranks import rank_and_world
 
 __all__ = [
     "StateDictOptions",
@@ -69,10 +70,6 @@ def _options(options: StateDictOptions | None) -> StateDictOptions:
     return options if options is not None else StateDictOptions()
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _export_tensor(value: torch.Tensor, options: StateDictOptions) -> torch.Tensor:
     """One tensor of a state dict as ``options`` want it (collective when gathering)."""
     value = value.detach()
@@ -97,7 +94,7 @@ def _export(values: Dict[str, Any], options: StateDictOptions) -> Dict[str, Any]
 
     Ranks that do not keep the values (rank-0-only state) drop each gathered tensor at once.
     """
-    keep = not _rank0_only(options) or _rank() == 0
+    keep = not _rank0_only(options) or rank_and_world()[0] == 0
     out: Dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, dict):
@@ -112,7 +109,7 @@ def _export(values: Dict[str, Any], options: StateDictOptions) -> Dict[str, Any]
 
 
 def _finish(state: Dict[str, Any], options: StateDictOptions) -> Dict[str, Any]:
-    return {} if _rank0_only(options) and _rank() != 0 else state
+    return {} if _rank0_only(options) and rank_and_world()[0] != 0 else state
 
 
 def _check_keys(missing: Iterable[str], unexpected: Iterable[str], what: str,
