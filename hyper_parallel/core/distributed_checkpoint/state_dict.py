@@ -17,8 +17,9 @@ from typing import Any, Dict, Iterable, List, NamedTuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from hyper_parallel.core.layout import local_part
 from hyper_parallel.utils.ranks import rank_and_world
 
 __all__ = [
@@ -134,10 +135,7 @@ def _local_part(value: torch.Tensor, like: DTensor, key: str) -> torch.Tensor:
         if tuple(value.placements) != tuple(like.placements):
             value = value.redistribute(like.device_mesh, like.placements)
         return value.to_local()
-    # A full value: every rank slices its own part (src_data_rank=None: no scatter).
-    return distribute_tensor(
-        value.to(like.device), like.device_mesh, like.placements, src_data_rank=None
-    ).to_local()
+    return local_part(value, like)  # a full value: every rank takes its own part, no communication
 
 
 @torch.no_grad()

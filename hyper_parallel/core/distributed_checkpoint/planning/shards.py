@@ -10,17 +10,15 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement
 
-from hyper_parallel._torch_compat import compute_local_shape_and_global_offset
 from hyper_parallel.core.distributed_checkpoint.format.chunk_table import ChunkStorageMetadata
+from hyper_parallel.core.layout import local_box
 
 
 def local_chunk(value: torch.Tensor) -> ChunkStorageMetadata:
     """The global box this rank holds: its DTensor shard, or the whole plain tensor."""
     if isinstance(value, DTensor):
-        sizes, offsets = compute_local_shape_and_global_offset(
-            value.shape, value.device_mesh, value.placements
-        )
-        return ChunkStorageMetadata(tuple(offsets), tuple(sizes))
+        sizes, offsets = local_box(value)
+        return ChunkStorageMetadata(offsets, sizes)
     return ChunkStorageMetadata((0,) * value.dim(), tuple(value.shape))
 
 
