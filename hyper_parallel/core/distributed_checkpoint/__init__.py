@@ -16,6 +16,7 @@ Map of the package (each layer imports only the layers below it; see ``docs/chec
     planner.py        contract: write/read items and plans, SavePlanner, LoadPlanner
     storage.py        contract: StorageWriter, StorageReader, ChunkSource (a writer's input)
     errors.py         CheckpointError
+    _fileio.py        file operations (hyper_parallel.utils.fileio's, refusals as CheckpointError)
     planning/         save_planner, load_planner (per rank), global_save_plan (coordinator),
                       plan_cache (repeated saves), verify_plan (who checks which chunk on load),
                       shards (which box a rank holds), collectives (coordinator steps)
@@ -49,7 +50,11 @@ from hyper_parallel.core.distributed_checkpoint.api import (
 )
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import is_checkpoint, read_checkpoint_metadata, verify_checkpoint
+from hyper_parallel.core.distributed_checkpoint.filesystem.commit import (
+    is_checkpoint,
+    read_checkpoint_metadata,
+    verify_checkpoint,
+)
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.format.flatten import flatten_state_dict

@@ -17,7 +17,11 @@ import torch.distributed as dist
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import local_path, open_regular
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import is_checkpoint, pending_target, verify_checkpoint
+from hyper_parallel.core.distributed_checkpoint.filesystem.commit import (
+    is_checkpoint,
+    pending_target,
+    verify_checkpoint,
+)
 from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
 from hyper_parallel.platform import get_platform

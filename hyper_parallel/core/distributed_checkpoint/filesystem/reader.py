@@ -19,11 +19,21 @@ from hyper_parallel.core.distributed_checkpoint.filesystem.bounce import BounceR
 from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.format.geometry import BoxGeometry
-from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, MetadataIndex, StorageInfo, TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+)
 from hyper_parallel.core.distributed_checkpoint.format.validation import decode_stored_value, open_data_file
 from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import process_staging_buffers
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import assign_duties, duties_of, mark_local_plan, reads_whole
+from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import (
+    assign_duties,
+    duties_of,
+    mark_local_plan,
+    reads_whole,
+)
 from hyper_parallel.core.distributed_checkpoint.storage import StorageReader
 from hyper_parallel.platform import get_platform
 

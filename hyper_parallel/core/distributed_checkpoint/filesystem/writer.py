@@ -23,10 +23,19 @@ from hyper_parallel.core.distributed_checkpoint._fileio import local_path
 from hyper_parallel.utils.fileio import fsync_dir
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem import commit
-from hyper_parallel.core.distributed_checkpoint.filesystem.data_files import split_by_bytes, write_safetensors, write_values
+from hyper_parallel.core.distributed_checkpoint.filesystem.data_files import (
+    split_by_bytes,
+    write_safetensors,
+    write_values,
+)
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from hyper_parallel.core.distributed_checkpoint.storage import AsyncCommitWriter, ChunkSource, DirectChunks, RankWriteResult
+from hyper_parallel.core.distributed_checkpoint.storage import (
+    AsyncCommitWriter,
+    ChunkSource,
+    DirectChunks,
+    RankWriteResult,
+)
 
 
 class FileSystemWriter(AsyncCommitWriter):

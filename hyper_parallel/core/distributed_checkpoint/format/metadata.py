@@ -12,7 +12,12 @@ import torch
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.chunk_table import ChunkStorageMetadata, ChunkTable
-from hyper_parallel.core.distributed_checkpoint.format.storage_table import MetadataIndex, StorageEntry, StorageInfo, StorageTable
+from hyper_parallel.core.distributed_checkpoint.format.storage_table import (
+    MetadataIndex,
+    StorageEntry,
+    StorageInfo,
+    StorageTable,
+)
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "DTYPE_TO_SAFETENSORS", "MAX_DIMS", "MAX_NESTING",
