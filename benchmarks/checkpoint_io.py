@@ -39,7 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import hyper_parallel.checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint._fileio import start_writeback
+from hyper_parallel.utils.fileio import start_writeback
 from hyper_parallel.platform import free_port, get_platform, reset_platform
 
 ROWS, COLS = 4096, 1024  # one parameter: 16 MiB in fp32

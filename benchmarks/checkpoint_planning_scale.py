@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 import hyper_parallel.checkpoint as hdcp
 from hyper_parallel._torch_compat import compute_local_shape_and_global_offset, init_fake_process_group
 from hyper_parallel.core.distributed_checkpoint.planner import TensorWriteData
-from hyper_parallel.core.distributed_checkpoint.validation import check_metadata
+from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata
 
 HSDP_SHARD = 8  # ranks per shard group (one node)
 DTYPE = torch.bfloat16

@@ -1,7 +1,7 @@
 """A box with gaps (a column block of a row-major chunk): one ``preadv`` per piece vs its whole
 rows read in a few large reads and copied out (``BlockReads.read_rows``), from the page cache.
 
-The reader picks whole rows when the pieces lie less than 8 KiB apart (``filesystem.py``
+The reader picks whole rows when the pieces lie less than 8 KiB apart (``filesystem/reader.py``
 ``_SPAN_GAP_BYTES``); this measures where the crossover lies on this machine.
 
     python benchmarks/piece_reads.py [--reps 15]
@@ -16,11 +16,11 @@ import time
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.block_reads import BlockReads
-from hyper_parallel.core.distributed_checkpoint.bounce import read_box
-from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.filesystem.block_reads import BlockReads
+from hyper_parallel.core.distributed_checkpoint.filesystem.bounce import read_box
+from hyper_parallel.core.distributed_checkpoint.format.metadata import MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
-from hyper_parallel.core.distributed_checkpoint.resharding import BoxGeometry
+from hyper_parallel.core.distributed_checkpoint.format.geometry import BoxGeometry
 
 _CHUNK = 8 << 20  # bytes: one stored chunk of benchmarks/checkpoint_io.py's state
 

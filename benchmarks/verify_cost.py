@@ -27,7 +27,7 @@ from isal import isal_zlib
 
 import hyper_parallel.checkpoint as hdcp
 from checkpoint_io import drop_caches  # benchmarks/ is sys.path[0] when run as a script
-from hyper_parallel.core.distributed_checkpoint import checksum
+from hyper_parallel.core.distributed_checkpoint.format import checksum
 
 _TENSOR = 4 << 20  # fp32 elements per tensor: 16 MiB
 

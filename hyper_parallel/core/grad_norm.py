@@ -21,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from hyper_parallel._torch_compat import foreach_mul_
 from hyper_parallel.platform import get_platform
+from hyper_parallel.utils.ranks import rank_and_world
 
 __all__ = ["clip_grad_norm_", "get_total_norm"]
 
@@ -124,7 +125,7 @@ def _owned_local_tensors(tensors: Iterable[torch.Tensor]) -> Dict[_Scope, List[t
     Every scope a tensor maps to is listed even when this rank owns none of its slices:
     the rank must still join that scope's collective.
     """
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    _, world = rank_and_world()
     owned: Dict[_Scope, List[torch.Tensor]] = {}
     for tensor in tensors:
         if not isinstance(tensor, DTensor):

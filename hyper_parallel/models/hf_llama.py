@@ -16,8 +16,9 @@ from typing import Any, Dict, Optional, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
 
+from hyper_parallel.core.layout import local_part
 from hyper_parallel.models.llama import LlamaConfig
 
 CONFIG_FILE = "config.json"
@@ -189,8 +190,7 @@ def _rows_to_interleaved_(param: torch.Tensor, n_heads: int) -> None:
     full = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
     fixed = halves_to_interleaved(full, n_heads)
     if isinstance(param, DTensor):
-        local = distribute_tensor(fixed, param.device_mesh, param.placements, src_data_rank=None).to_local()
-        param.to_local().copy_(local)
+        param.to_local().copy_(local_part(fixed, param))
     else:
         param.copy_(fixed)
 

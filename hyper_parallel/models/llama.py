@@ -13,8 +13,9 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
-from hyper_parallel._torch_compat import compute_local_shape_and_global_offset
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.core.layout import local_part
 
 
 @dataclass
@@ -47,16 +48,6 @@ class LlamaConfig:
         return self.dim // self.n_heads
 
 
-def _local_part(full: torch.Tensor, like: DTensor) -> torch.Tensor:
-    """This rank's part of ``full`` (a CPU tensor) in the layout of ``like``, without collectives."""
-    if all(type(p) in (Shard, Replicate) for p in like.placements):
-        shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
-        for dim, (size, start) in enumerate(zip(shape, offset)):
-            full = full.narrow(dim, start, size)
-        return full
-    return distribute_tensor(full, like.device_mesh, like.placements, src_data_rank=None).to_local()
-
-
 def init_tensor_(param: torch.Tensor, fill: Callable[[torch.Tensor, torch.Generator], object],
                  generator: torch.Generator) -> None:
     """Fill ``param`` with ``fill(tensor, generator)`` drawn for its whole (global) shape on CPU.
@@ -67,7 +58,7 @@ def init_tensor_(param: torch.Tensor, fill: Callable[[torch.Tensor, torch.Genera
     full = torch.empty(param.shape, dtype=param.dtype)
     fill(full, generator)
     if isinstance(param, DTensor):
-        param.to_local().copy_(_local_part(full, param))
+        param.to_local().copy_(local_part(full, param))
     else:
         param.copy_(full)
 

@@ -10,21 +10,13 @@ from typing import Any, Dict, List, Optional, TextIO
 
 from hyper_parallel.core.distributed_checkpoint._fileio import open_regular
 from hyper_parallel.trainer.sinks import MetricsSink, TensorBoardSink, WandbSettings, WandbSink
+from hyper_parallel.utils.units import format_bytes
 
 
 def _format_duration(seconds: float) -> str:
     seconds = int(round(seconds))
     hours, rest = divmod(seconds, 3600)
     return f"{hours}:{rest // 60:02d}:{rest % 60:02d}" if hours else f"{rest // 60}:{rest % 60:02d}"
-
-
-def format_bytes(n: float) -> str:
-    """Bytes as B, KiB, MiB, GiB or TiB (e.g. "341MiB")."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f}{unit}"
-        n /= 1024
-    return f"{n:.1f}TiB"
 
 
 class MetricsLogger:

@@ -29,7 +29,7 @@ from hyper_parallel.trainer.config import ConfigError, problems_message
 from hyper_parallel.trainer.config_schema import (
     ParallelDims, SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig, llama_config)
 from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
-from hyper_parallel.trainer.metrics import format_bytes
+from hyper_parallel.utils.units import format_bytes
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments.
 _STATE_BYTES_PER_PARAM = 16

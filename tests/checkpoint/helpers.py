@@ -18,7 +18,7 @@ import hyper_parallel as hp
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel._torch_compat import init_fake_process_group
 from hyper_parallel.core.distributed_checkpoint.cli import main as cli_main
-from hyper_parallel.core.distributed_checkpoint.metadata import Metadata, MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.models import build_llama
 from torch.distributed.device_mesh import init_device_mesh

@@ -20,8 +20,8 @@ from torch.distributed.device_mesh import init_device_mesh
 
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel import fully_shard
-from hyper_parallel.core.distributed_checkpoint.async_saver import optimizers_in
-from hyper_parallel.core.distributed_checkpoint.staging import StagedSave
+from hyper_parallel.core.distributed_checkpoint.host_memory.background import optimizers_in
+from hyper_parallel.core.distributed_checkpoint.host_memory.snapshot import StagedSave
 from tests.checkpoint.helpers import app_state, full_state, load_and_check, local_tensor_clones
 from tests.multirank import run_on_ranks
 

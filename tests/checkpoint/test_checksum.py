@@ -8,8 +8,8 @@ import torch
 from isal import isal_zlib
 
 from hyper_parallel import checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint import checksum
-from hyper_parallel.core.distributed_checkpoint.checksum import crc32, crc32_combine
+from hyper_parallel.core.distributed_checkpoint.format import checksum
+from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32, crc32_combine
 
 
 def test_the_fast_crc32_is_used():

@@ -15,8 +15,9 @@ import pytest
 import torch
 
 import hyper_parallel.checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint.chunk_table import ChunkTable
-from hyper_parallel.core.distributed_checkpoint.resharding import local_chunk, overlap
+from hyper_parallel.core.distributed_checkpoint.format.chunk_table import ChunkTable
+from hyper_parallel.core.distributed_checkpoint.format.geometry import overlap
+from hyper_parallel.core.distributed_checkpoint.planning.shards import local_chunk
 from tests.checkpoint.helpers import META_LAYOUTS, META_SHAPES, meta_state
 
 

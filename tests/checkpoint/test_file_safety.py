@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hyper_parallel import checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint import commit
+from hyper_parallel.core.distributed_checkpoint.filesystem import commit
 from hyper_parallel.core.distributed_checkpoint.cli import main as cli_main
 from hyper_parallel.core.distributed_checkpoint.manager import LOCK_FILE
 from tests.checkpoint.helpers import refused

@@ -5,7 +5,7 @@ import os
 import threading
 import zlib
 
-from hyper_parallel.core.distributed_checkpoint import block_reads
+from hyper_parallel.core.distributed_checkpoint.filesystem import block_reads
 
 
 def test_reads_into_memory_go_on_while_the_crc_thread_is_stalled(tmp_path, monkeypatch):

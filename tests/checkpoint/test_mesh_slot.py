@@ -1,4 +1,4 @@
-"""``resharding.mesh_slot``: what planning asks of a DTensor's mesh, right for every rank of
+"""``planning/shards.mesh_slot``: what planning asks of a DTensor's mesh, right for every rank of
 every layout, and computed once per mesh layout rather than once per tensor (torch's
 ``fake`` process group, meta tensors)."""
 
@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 
 import hyper_parallel.checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint.resharding import mesh_slot
+from hyper_parallel.core.distributed_checkpoint.planning.shards import mesh_slot
 from tests.checkpoint.helpers import META_LAYOUTS, meta_state
 
 

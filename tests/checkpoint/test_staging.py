@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from hyper_parallel import checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint.staging_buffers import StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import StagingBuffers
 from hyper_parallel.platform import Platform
 from hyper_parallel.platform.copy_stream import CopyStream
 from tests.checkpoint.helpers import distribute_state, full_state, load_and_check

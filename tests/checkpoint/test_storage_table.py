@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import hyper_parallel.checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint import storage_table
-from hyper_parallel.core.distributed_checkpoint.storage_table import StorageTable
+from hyper_parallel.core.distributed_checkpoint.format import storage_table
+from hyper_parallel.core.distributed_checkpoint.format.storage_table import StorageTable
 
 FQNS = ("model.w", "model.v", "optim.state.w.exp_avg", "train.step")
 

@@ -14,10 +14,10 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from hyper_parallel import checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint.block_reads import BlockReads
-from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.filesystem.block_reads import BlockReads
+from hyper_parallel.core.distributed_checkpoint.format.metadata import MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, ReadItem
-from hyper_parallel.core.distributed_checkpoint.verify_plan import assign_duties, duties_of, mark_local_plan
+from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import assign_duties, duties_of, mark_local_plan
 from tests.checkpoint.helpers import counting_reads
 from tests.multirank import run_on_ranks
 

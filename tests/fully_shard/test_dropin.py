@@ -13,7 +13,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
-from tests.fully_shard._helpers import DTYPE, TOL, full_params, global_batch, max_diff, parity, train
+from tests.fully_shard._helpers import DTYPE, TOL, full_params, global_batch, max_diff, parity
 from tests.multirank import run_on_ranks
 
 DIM, HIDDEN = 6, 5  # HIDDEN is odd: uneven shards on either dim over 2 ranks

@@ -164,7 +164,7 @@ def _train_with_a_full_disk(overrides):
     """As _train, with rank 1's writes of the second checkpoint failing with ENOSPC."""
     import errno
 
-    from hyper_parallel.core.distributed_checkpoint import filesystem
+    from hyper_parallel.core.distributed_checkpoint.filesystem import writer as filesystem
 
     original, saves = filesystem.write_safetensors, set()
 

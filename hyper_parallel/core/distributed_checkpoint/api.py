@@ -4,22 +4,23 @@ from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaveFuture, AsyncSaver, optimizers_in
-from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpReader, is_dcp_checkpoint
-from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
-from hyper_parallel.core.distributed_checkpoint.plan_cache import PlannedSave, SavePlanCache
-from hyper_parallel.core.distributed_checkpoint.load_planner import StandardLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
+from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
+from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture, AsyncSaver, optimizers_in
+from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.host_memory.snapshot import StagedSave
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
-from hyper_parallel.core.distributed_checkpoint.save_planner import StandardSavePlanner
-from hyper_parallel.core.distributed_checkpoint.staging import StagedSave
-from hyper_parallel.core.distributed_checkpoint.staging_buffers import StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.planning.collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint.planning.load_planner import StandardLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.planning.plan_cache import PlannedSave, SavePlanCache
+from hyper_parallel.core.distributed_checkpoint.planning.save_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.stateful import resolve_stateful
 from hyper_parallel.core.distributed_checkpoint.storage import (
     AsyncCommitWriter,
@@ -27,6 +28,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
     StorageReader,
     StorageWriter,
 )
+from hyper_parallel.utils.ranks import dist_ready, rank_and_world
 
 __all__ = ["save", "async_save", "load"]
 
@@ -35,22 +37,22 @@ _SAVER = AsyncSaver()
 
 
 def _dist_ready(no_dist: bool) -> bool:
-    return not no_dist and dist.is_available() and dist.is_initialized()
+    return not no_dist and dist_ready()
 
 
 class _SaveJob:
-    """What one save call works with: its writer, planner, rank, process group and plan cache key."""
+    """What one save call works with: its state (:class:`Stateful` values resolved), writer,
+    planner, rank, process group and plan cache key."""
 
     def __init__(self, state_dict: Dict[str, Any], checkpoint_id: Optional[str],
                  writer: Optional[StorageWriter], planner: Optional[SavePlanner], no_dist: bool,
                  use_collectives: bool, remove_redundancy: bool, save_to_minimum_rank: bool) -> None:
-        self.state_dict = state_dict
+        self.state_dict, self.stateful = resolve_stateful(state_dict)
         self.checkpoint_id = None if checkpoint_id is None else os.fspath(checkpoint_id)
         self.writer = writer if writer is not None else FileSystemWriter()
         self.planner = planner if planner is not None else StandardSavePlanner()
         with_dist = _dist_ready(no_dist)
-        self.rank = dist.get_rank() if with_dist else 0
-        self.world = dist.get_world_size() if with_dist else 1
+        self.rank, self.world = rank_and_world(with_dist)
         self.use_collectives = use_collectives
         self.remove_redundancy, self.save_to_minimum_rank = remove_redundancy, save_to_minimum_rank
         self.dw = DistWrapper(with_dist and use_collectives)
@@ -77,6 +79,11 @@ class _SaveJob:
             metadata.world_size = self.world
             planned = PlannedSave(plan, metadata, self.key, None)
         return planned._replace(plan=self.planner.finalize_plan(planned.plan))
+
+    def plan_and_stage(self, snapshot: bool) -> Tuple[PlannedSave, StagedSave]:
+        """The plan, and its copy to host memory (all of it: ``snapshot``, for async saves)."""
+        planned = self.plan()
+        return planned, StagedSave(_SAVER.staging, planned.plan, self.planner, snapshot=snapshot)
 
 
 # -------------------------------------------------------------------------------- save
@@ -116,18 +123,15 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
         TypeError / ValueError: a value cannot be stored (names the key).
     """
     _SAVER.wait()
-    state_dict, _ = resolve_stateful(state_dict)
     job = _SaveJob(state_dict, checkpoint_id, storage_writer, planner, no_dist, use_collectives,
                    remove_redundancy, save_to_minimum_rank)
-    planned = job.plan()
-    staged = StagedSave(_SAVER.staging, planned.plan, job.planner, snapshot=False)
+    planned, staged = job.plan_and_stage(snapshot=False)
 
     def write() -> RankWriteResult:  # the async pipeline, waited on
         return _SAVER.write_while_staging(lambda: staged.write_with(job.writer, planned.plan), staged).result()
 
     if not use_collectives:
-        job.writer.finalize_checkpoint(planned.metadata, [write()])
-        return planned.metadata
+        return _write_rank_local(job.writer, planned, write)
 
     def commit(results):
         job.writer.finalize_checkpoint(planned.metadata, results)
@@ -144,8 +148,10 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     return metadata
 
 
-def _write_rank_local(writer: StorageWriter, planned: PlannedSave, staged: StagedSave) -> Metadata:
-    writer.finalize_checkpoint(planned.metadata, [staged.write_with(writer, planned.plan)])
+def _write_rank_local(writer: StorageWriter, planned: PlannedSave,
+                      write: Callable[[], RankWriteResult]) -> Metadata:
+    """A save without collectives: ``write`` this rank's files, then commit its own metadata."""
+    writer.finalize_checkpoint(planned.metadata, [write()])
     return planned.metadata
 
 
@@ -197,11 +203,9 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = Non
     writer = storage_writer if storage_writer is not None else FileSystemWriter()
     if use_collectives and not isinstance(writer, AsyncCommitWriter):
         raise TypeError(f"{type(writer).__name__} cannot commit asynchronously: it is not an AsyncCommitWriter")
-    state_dict, stateful = resolve_stateful(state_dict)
     job = _SaveJob(state_dict, checkpoint_id, writer, planner, no_dist, use_collectives,
                    remove_redundancy, save_to_minimum_rank)
-    planned = job.plan()
-    staged = StagedSave(_SAVER.staging, planned.plan, job.planner, snapshot=True)
+    planned, staged = job.plan_and_stage(snapshot=True)
     if use_collectives:
         _PLANS.remember(planned)
 
@@ -209,9 +213,9 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = Non
             return _write_then_commit(writer, planned, staged, job.dw.is_coordinator)
     else:
         def write() -> Metadata:
-            return _write_rank_local(writer, planned, staged)
+            return _write_rank_local(writer, planned, lambda: staged.write_with(writer, planned.plan))
     if stage_in_background:
-        _SAVER.guard(optimizers_in(stateful))
+        _SAVER.guard(optimizers_in(job.stateful))
     return _SAVER.start(write, staged, background=stage_in_background)
 
 
@@ -269,7 +273,7 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     reader.initialize_reader(None if checkpoint_id is None else os.fspath(checkpoint_id))
     planner = planner if planner is not None else StandardLoadPlanner()
     with_dist = _dist_ready(no_dist)
-    rank = dist.get_rank() if with_dist else 0
+    rank, _ = rank_and_world(with_dist)
     dw = DistWrapper(with_dist and use_collectives)
     metadata = dw.from_coordinator("reading checkpoint metadata", reader.load_metadata)
 

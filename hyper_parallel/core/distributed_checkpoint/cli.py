@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import signal
 import sys
@@ -10,30 +11,20 @@ from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import local_path
-from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.commands import add_dcp_commands, run_dcp_command
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
 from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, resolve_checkpoint
-from hyper_parallel.core.distributed_checkpoint.metadata import (
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     FORMAT_NAME,
-    CheckpointError,
     Metadata,
     MetadataIndex,
     TensorStorageMetadata,
     dtype_name,
 )
-from hyper_parallel.core.distributed_checkpoint.resharding import numel
+from hyper_parallel.utils.units import format_bytes
 
-
-def _human(nbytes: int) -> str:
-    if nbytes < 1024:
-        return f"{nbytes} B"
-    size, unit = float(nbytes), "B"
-    for unit in ("KiB", "MiB", "GiB"):
-        size /= 1024
-        if size < 1024:
-            break
-    return f"{size:.2f} {unit}"
 
 
 def _layout(metadata: Metadata, fqn: str) -> str:
@@ -73,10 +64,10 @@ def inspect(directory: str, out: TextIO) -> None:
     width = max((len(k) for k in tensors), default=0)
     for fqn in sorted(tensors):
         md = tensors[fqn]
-        nbytes = numel(md.size) * md.dtype.itemsize
+        nbytes = math.prod(md.size) * md.dtype.itemsize
         total += nbytes
         shape = "x".join(str(s) for s in md.size) or "scalar"
-        print(f"  {fqn:<{width}}  {dtype_name(md.dtype):<9} {shape:<16} {_human(nbytes):>11}  "
+        print(f"  {fqn:<{width}}  {dtype_name(md.dtype):<9} {shape:<16} {format_bytes(nbytes, digits=2, sep=' '):>11}  "
               f"{len(md.chunks)} chunk(s)  {_layout(metadata, fqn)}", file=out)
     print(f"values ({len(values)}):{'' if values else ' -'}", file=out)
     if values:
@@ -88,7 +79,7 @@ def inspect(directory: str, out: TextIO) -> None:
             text = "<pickled>" if key in pickled else repr(loaded[key])
             print(f"  {key} = {text if len(text) <= 120 else text[:117] + '...'}", file=out)
     file_bytes = sum(f.size for f in metadata.files.values())
-    print(f"total tensor bytes: {total} ({_human(total)}); {len(metadata.files)} data file(s), "
+    print(f"total tensor bytes: {total} ({format_bytes(total, digits=2, sep=' ')}); {len(metadata.files)} data file(s), "
           f"{file_bytes} bytes on disk", file=out)
 
 

@@ -10,6 +10,7 @@ the byte ranges of its own slices.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
@@ -22,12 +23,12 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
-from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata
-from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader
-from hyper_parallel.core.distributed_checkpoint.metadata import (
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
+from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     MAX_DIMS,
     ChunkStorageMetadata,
-    CheckpointError,
     FileInfo,
     Metadata,
     MetadataIndex,
@@ -35,10 +36,10 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     TensorStorageMetadata,
     check_relative_path,
 )
-from hyper_parallel.core.distributed_checkpoint.resharding import numel
-from hyper_parallel.core.distributed_checkpoint.safetensors_format import DTYPE_BY_TAG, read_header
+
+from hyper_parallel.core.distributed_checkpoint.format.safetensors_format import DTYPE_BY_TAG, read_header
+from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata
 from hyper_parallel.core.distributed_checkpoint.state_dict import copy_into, get_model_state_dict
-from hyper_parallel.core.distributed_checkpoint.validation import check_metadata
 
 __all__ = ["export_hf", "load_hf", "INDEX_FILE"]
 
@@ -62,7 +63,7 @@ def _exported_names(metadata: Metadata) -> Dict[str, str]:
 
 
 def _nbytes(md: TensorStorageMetadata) -> int:
-    return numel(md.size) * md.dtype.itemsize
+    return math.prod(md.size) * md.dtype.itemsize
 
 
 def _plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> List[List[str]]:

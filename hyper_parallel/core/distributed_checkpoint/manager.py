@@ -16,9 +16,14 @@ import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import local_path, open_regular
-from hyper_parallel.core.distributed_checkpoint.async_saver import AsyncSaveFuture
-from hyper_parallel.core.distributed_checkpoint.commit import is_checkpoint, staging_target, verify_checkpoint
-from hyper_parallel.core.distributed_checkpoint.metadata import METADATA_FILE, CheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.filesystem.commit import (
+    is_checkpoint,
+    pending_target,
+    verify_checkpoint,
+)
+from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE
+from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
 from hyper_parallel.platform import get_platform
 
 __all__ = ["CheckpointManager", "checkpoint_step", "committed_steps", "resolve_checkpoint"]
@@ -79,7 +84,7 @@ def checkpoint_step(path: Union[str, os.PathLike]) -> Optional[int]:
 
 
 def committed_steps(folder: Union[str, os.PathLike]) -> List[int]:
-    """Steps of the committed ``step-N`` checkpoints in ``folder``, ascending (staging/partial dirs ignored)."""
+    """Steps of the committed ``step-N`` checkpoints in ``folder``, ascending (pending/partial dirs ignored)."""
     if not os.path.isdir(folder):
         return []
     steps = (checkpoint_step(name) for name in os.listdir(folder))
@@ -167,9 +172,9 @@ class CheckpointManager:
             if refusal is None:  # held until close(), the manager is collected, or the process ends
                 self._unlock = weakref.finalize(self, _unlock_folder, self.folder)
             if refusal is None:
-                # We hold the folder and write nothing yet: staging dirs of step-N are from crashed runs.
+                # We hold the folder and write nothing yet: pending dirs of step-N are from crashed runs.
                 for name in os.listdir(self.folder):
-                    target = staging_target(name)
+                    target = pending_target(name)
                     if target is not None and checkpoint_step(target) is not None:
                         shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
         if self._agree(0 if refusal is None else None) is None:
@@ -188,7 +193,7 @@ class CheckpointManager:
         return os.path.join(self.folder, f"step-{step}")
 
     def committed_steps(self) -> List[int]:
-        """Steps of committed checkpoints in ``folder``, ascending (staging/partial dirs ignored)."""
+        """Steps of committed checkpoints in ``folder``, ascending (pending/partial dirs ignored)."""
         return committed_steps(self.folder)
 
     def latest_step(self) -> Optional[int]:

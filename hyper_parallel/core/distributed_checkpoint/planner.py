@@ -15,7 +15,7 @@ from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.format.metadata import ChunkStorageMetadata, Metadata, MetadataIndex
 
 
 class WriteItemType(enum.Enum):

@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from typing import Any, Dict, Iterable, List, NamedTuple
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor
+
+from hyper_parallel.core.layout import local_part
+from hyper_parallel.utils.ranks import rank_and_world
 
 __all__ = [
     "StateDictOptions",
@@ -69,10 +71,6 @@ def _options(options: StateDictOptions | None) -> StateDictOptions:
     return options if options is not None else StateDictOptions()
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
 def _export_tensor(value: torch.Tensor, options: StateDictOptions) -> torch.Tensor:
     """One tensor of a state dict as ``options`` want it (collective when gathering)."""
     value = value.detach()
@@ -97,7 +95,7 @@ def _export(values: Dict[str, Any], options: StateDictOptions) -> Dict[str, Any]
 
     Ranks that do not keep the values (rank-0-only state) drop each gathered tensor at once.
     """
-    keep = not _rank0_only(options) or _rank() == 0
+    keep = not _rank0_only(options) or rank_and_world()[0] == 0
     out: Dict[str, Any] = {}
     for key, value in values.items():
         if isinstance(value, dict):
@@ -112,7 +110,7 @@ def _export(values: Dict[str, Any], options: StateDictOptions) -> Dict[str, Any]
 
 
 def _finish(state: Dict[str, Any], options: StateDictOptions) -> Dict[str, Any]:
-    return {} if _rank0_only(options) and _rank() != 0 else state
+    return {} if _rank0_only(options) and rank_and_world()[0] != 0 else state
 
 
 def _check_keys(missing: Iterable[str], unexpected: Iterable[str], what: str,
@@ -137,10 +135,7 @@ def _local_part(value: torch.Tensor, like: DTensor, key: str) -> torch.Tensor:
         if tuple(value.placements) != tuple(like.placements):
             value = value.redistribute(like.device_mesh, like.placements)
         return value.to_local()
-    # A full value: every rank slices its own part (src_data_rank=None: no scatter).
-    return distribute_tensor(
-        value.to(like.device), like.device_mesh, like.placements, src_data_rank=None
-    ).to_local()
+    return local_part(value, like)  # a full value: every rank takes its own part, no communication
 
 
 @torch.no_grad()

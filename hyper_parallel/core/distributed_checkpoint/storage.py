@@ -1,13 +1,16 @@
-"""Storage interfaces: where a save's bytes go and where a load's bytes come from."""
+"""Storage interfaces: where a save's bytes go and where a load's bytes come from, and
+:class:`ChunkSource`, where a writer gets the tensor bytes it writes."""
 
 from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterator, List, Optional
 
-from hyper_parallel.core.distributed_checkpoint.metadata import FileInfo, Metadata, MetadataIndex, StorageInfo
-from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner
+import torch
+
+from hyper_parallel.core.distributed_checkpoint.format.metadata import FileInfo, Metadata, MetadataIndex, StorageInfo
+from hyper_parallel.core.distributed_checkpoint.planner import LoadPlan, LoadPlanner, SavePlan, SavePlanner, WriteItem
 
 
 @dataclass(frozen=True)
@@ -104,3 +107,37 @@ class StorageReader(abc.ABC):
 
     @abc.abstractmethod
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None: ...
+
+
+class ChunkSource(abc.ABC):
+    """Where a writer gets the bytes of the tensor chunks it writes."""
+
+    @abc.abstractmethod
+    def chunks(self, item: WriteItem) -> Iterator[torch.Tensor]:
+        """The bytes of TENSOR ``item`` as consecutive host uint8 tensors, in order. Each is
+        valid until the next one is requested (its memory is then reused)."""
+
+    @abc.abstractmethod
+    def known_checksum(self, item: WriteItem) -> Optional[int]:
+        """crc32 of the item's bytes if already known, else None."""
+
+    @abc.abstractmethod
+    def abort(self, error: BaseException) -> None:
+        """A writer failed: stop producing and wake every consumer with ``error``."""
+
+
+class DirectChunks(ChunkSource):
+    """A planner's chunks used directly (a writer called without staging): each chunk is
+    fetched and moved to host memory when it is written."""
+
+    def __init__(self, planner: SavePlanner) -> None:
+        self._planner = planner
+
+    def chunks(self, item: WriteItem) -> Iterator[torch.Tensor]:
+        yield self._planner.get_data(item).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+    def known_checksum(self, item: WriteItem) -> Optional[int]:
+        return self._planner.known_checksum(item)
+
+    def abort(self, error: BaseException) -> None:
+        """Nothing runs ahead of the writer."""

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Tuple
 
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.convert import export_dcp, import_dcp
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import is_dcp_checkpoint
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, TensorStorageMetadata
-from hyper_parallel.core.distributed_checkpoint.resharding import numel
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.format.metadata import TensorStorageMetadata
+
 
 __all__ = ["add_dcp_commands", "run_dcp_command"]
 
@@ -49,7 +51,7 @@ def run_dcp_command(args: argparse.Namespace) -> bool:
     if args.command == "import-dcp":
         metadata = import_dcp(args.src, args.dst, rename=args.rename, exclude=args.exclude)
         tensors = [md for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata)]
-        nbytes = sum(numel(md.size) * md.dtype.itemsize for md in tensors)
+        nbytes = sum(math.prod(md.size) * md.dtype.itemsize for md in tensors)
         print(f"imported {len(tensors)} tensors ({nbytes} bytes) and "
               f"{len(metadata.state_dict_metadata) - len(tensors)} values from {args.src} into {args.dst}")
         return True

@@ -13,6 +13,7 @@ loaded whole from our checkpoint: memory is about the largest tensor.
 
 from __future__ import annotations
 
+import math
 import os
 import uuid
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -22,14 +23,15 @@ from torch.distributed.checkpoint import FileSystemWriter as TorchFileSystemWrit
 from torch.distributed.checkpoint import save as torch_dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
-from hyper_parallel.core.distributed_checkpoint.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpFiles, translate_metadata
-from hyper_parallel.core.distributed_checkpoint.filesystem import FileSystemReader, FileSystemWriter
-from hyper_parallel.core.distributed_checkpoint.global_save_plan import build_global_save_plan
-from hyper_parallel.core.distributed_checkpoint.load_planner import StandardLoadPlanner
-from hyper_parallel.core.distributed_checkpoint.metadata import (
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
+from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
+from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
+from hyper_parallel.core.distributed_checkpoint.planning.global_save_plan import build_global_save_plan
+from hyper_parallel.core.distributed_checkpoint.planning.load_planner import StandardLoadPlanner
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     DTYPE_TO_SAFETENSORS,
-    CheckpointError,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -43,8 +45,8 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from hyper_parallel.core.distributed_checkpoint.resharding import numel
-from hyper_parallel.core.distributed_checkpoint.values import encode_value
+
+from hyper_parallel.core.distributed_checkpoint.format.values import encode_value
 
 __all__ = ["export_dcp", "import_dcp", "map_keys"]
 
@@ -97,7 +99,7 @@ class _DcpImportPlanner(SavePlanner):
             if md.dtype not in DTYPE_TO_SAFETENSORS:
                 raise CheckpointError(f"DCP tensor {old!r} has dtype {md.dtype}, which safetensors cannot store; "
                                       "leave it out (--exclude)")
-            chunks = [c for c in md.chunks if numel(c.sizes)] or [ChunkStorageMetadata((0,) * len(md.size), md.size)]
+            chunks = [c for c in md.chunks if math.prod(c.sizes)] or [ChunkStorageMetadata((0,) * len(md.size), md.size)]
             for chunk in chunks:
                 items.append(WriteItem(MetadataIndex(new, chunk.offsets), WriteItemType.TENSOR,
                                        TensorWriteData(chunk, md.dtype, md.size)))
@@ -113,7 +115,7 @@ class _DcpImportPlanner(SavePlanner):
         if item.type == WriteItemType.BYTE_IO:
             return self._values[item.index.fqn]
         old, td = self.names[item.index.fqn], item.tensor_data
-        if not numel(td.size):
+        if not math.prod(td.size):
             return torch.empty(td.size, dtype=td.dtype)
         return self._read(old, td.chunk.offsets).contiguous()
 

@@ -22,10 +22,10 @@ from torch.distributed.checkpoint import metadata as dcp_md
 
 from hyper_parallel.core.distributed_checkpoint._fileio import open_regular, read_exact
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.unpickler import DCP_METADATA_FILE, read_dcp_metadata
-from hyper_parallel.core.distributed_checkpoint.metadata import (
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     METADATA_FILE,
     BytesStorageMetadata,
-    CheckpointError,
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -33,10 +33,10 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     StorageTable,
     TensorStorageMetadata,
 )
+from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow
+from hyper_parallel.core.distributed_checkpoint.format.validation import check_tiling
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
-from hyper_parallel.core.distributed_checkpoint.resharding import narrow
 from hyper_parallel.core.distributed_checkpoint.storage import StorageReader
-from hyper_parallel.core.distributed_checkpoint.validation import check_tiling
 
 __all__ = ["DCP_ENCODING", "DcpFiles", "DcpReader", "is_dcp_checkpoint", "read_dcp_item", "translate_metadata"]
 

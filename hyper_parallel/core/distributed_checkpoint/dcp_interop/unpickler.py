@@ -24,8 +24,9 @@ from torch.distributed.checkpoint import metadata as dcp_md
 
 from hyper_parallel._torch_compat import dcp_mem_format_encoding, dcp_storage_info, get_layout
 from hyper_parallel.core.distributed_checkpoint._fileio import read_regular_file
-from hyper_parallel.core.distributed_checkpoint.commit import MAX_METADATA_BYTES
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, check_relative_path
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.filesystem.commit import MAX_METADATA_BYTES
+from hyper_parallel.core.distributed_checkpoint.format.metadata import check_relative_path
 
 __all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "unpickle_dcp_metadata"]
 

@@ -1,5 +1,5 @@
-"""Save staging: the pipeline that copies a save's tensor chunks into slabs of the host pool
-(staging_buffers.py) for the writer, chunk by chunk.
+"""A save's snapshot: the pipeline that copies a save's tensor chunks into slabs of the host pool
+(slabs.py) for the writer, chunk by chunk.
 
 [Note: the save pipeline]
 One producer (:meth:`StagedSave.produce`: the caller's thread, or the staging thread of an
@@ -16,7 +16,7 @@ is full, so copying piece i+1 overlaps writing piece i and host memory stays bou
   complete once the producer is done: with ``budget_bytes=None`` (the default) right after
   the copies; with a budget smaller than the rank's state, once all but the budget has been
   written. ``async_save`` returns then, or right after planning with ``stage_in_background``
-  (async_saver.py: the producer then runs on a staging thread, and in-place updates wait
+  (background.py: the producer then runs on a staging thread, and in-place updates wait
   for it).
 - The copy stream is ordered after the caller's queued work when the pipeline is created
   (``StagedSave(...)``, in the caller's thread: the current device and stream are per
@@ -28,54 +28,21 @@ is full, so copying piece i+1 overlaps writing piece i and host memory stays bou
 
 from __future__ import annotations
 
-import abc
+import math
 import queue
 import threading
 from typing import Any, Callable, Dict, Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, Metadata, MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
-from hyper_parallel.core.distributed_checkpoint.resharding import numel
-from hyper_parallel.core.distributed_checkpoint.storage import RankWriteResult, StorageWriter
-from hyper_parallel.core.distributed_checkpoint.staging_buffers import Slab, StagingBuffers, check_copy_device
+
+from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import Slab, StagingBuffers, check_copy_device
+from hyper_parallel.core.distributed_checkpoint.storage import ChunkSource, RankWriteResult, StorageWriter
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.copy_stream import CopyStream, wait_event
-
-
-class ChunkSource(abc.ABC):
-    """Where a writer gets the bytes of the tensor chunks it writes."""
-
-    @abc.abstractmethod
-    def chunks(self, item: WriteItem) -> Iterator[torch.Tensor]:
-        """The bytes of TENSOR ``item`` as consecutive host uint8 tensors, in order. Each is
-        valid until the next one is requested (its memory is then reused)."""
-
-    @abc.abstractmethod
-    def known_checksum(self, item: WriteItem) -> Optional[int]:
-        """crc32 of the item's bytes if already known, else None."""
-
-    @abc.abstractmethod
-    def abort(self, error: BaseException) -> None:
-        """A writer failed: stop producing and wake every consumer with ``error``."""
-
-
-class DirectChunks(ChunkSource):
-    """A planner's chunks used directly (a writer called without staging): each chunk is
-    fetched and moved to host memory when it is written."""
-
-    def __init__(self, planner: SavePlanner) -> None:
-        self._planner = planner
-
-    def chunks(self, item: WriteItem) -> Iterator[torch.Tensor]:
-        yield self._planner.get_data(item).detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-    def known_checksum(self, item: WriteItem) -> Optional[int]:
-        return self._planner.known_checksum(item)
-
-    def abort(self, error: BaseException) -> None:
-        """Nothing runs ahead of the writer."""
 
 
 class _Piece(NamedTuple):
@@ -182,7 +149,7 @@ class StagedSave(SavePlanner, ChunkSource):
             out.put(_Piece(flat, None, None, None))  # host memory, written while the caller waits
         else:
             keep = None if flat.device.type == "cpu" else flat
-            done, total = 0, numel(td.chunk.sizes) * td.dtype.itemsize
+            done, total = 0, math.prod(td.chunk.sizes) * td.dtype.itemsize
             while done < total:
                 slab, at, size = self._reserve(total - done)
                 target = slab.buffer[at:at + size]

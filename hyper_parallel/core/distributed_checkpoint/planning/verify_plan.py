@@ -17,12 +17,13 @@ A chunk some verifying rank reads whole anyway needs no duty: that read checks i
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import defaultdict
 from typing import Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
-from hyper_parallel.core.distributed_checkpoint.metadata import MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.format.metadata import MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, ReadItem
-from hyper_parallel.core.distributed_checkpoint.resharding import numel
+
 
 
 class Verification(NamedTuple):
@@ -38,7 +39,7 @@ class Verification(NamedTuple):
 
 def reads_whole(item: ReadItem, chunk_sizes: Sequence[int]) -> bool:
     """Whether ``item`` copies every element of its stored chunk."""
-    return numel(item.lengths) == numel(chunk_sizes)
+    return math.prod(item.lengths) == math.prod(chunk_sizes)
 
 
 def mark_local_plan(plan: LoadPlan, verifying: bool) -> LoadPlan:
@@ -72,7 +73,7 @@ def assign_duties(plans: List[LoadPlan], chunk_bytes: Dict[MetadataIndex, Tuple[
             if item.type != LoadItemType.TENSOR:
                 continue
             total, itemsize = chunk_bytes[item.storage_index]
-            nbytes = numel(item.lengths) * itemsize
+            nbytes = math.prod(item.lengths) * itemsize
             load[rank] += nbytes
             if not verifying[rank]:
                 continue

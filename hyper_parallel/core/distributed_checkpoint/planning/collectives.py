@@ -12,7 +12,8 @@ from typing import Any, Callable, List, Optional
 
 import torch.distributed as dist
 
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.utils.ranks import rank_and_world
 
 _COORDINATOR = 0
 
@@ -30,8 +31,7 @@ class DistWrapper:
 
     def __init__(self, use_dist: bool) -> None:
         self.use_dist = use_dist
-        self.rank = dist.get_rank() if use_dist else 0
-        self.world_size = dist.get_world_size() if use_dist else 1
+        self.rank, self.world_size = rank_and_world(use_dist)
         self.is_coordinator = self.rank == _COORDINATOR
 
     def gather(self, obj: Any) -> Optional[List[Any]]:

@@ -8,16 +8,17 @@ the copy stream too, so the caller's wait covers whatever device copy it makes.
 
 from __future__ import annotations
 
+import math
 import os
 from collections import deque
 from typing import Any, Deque, NamedTuple, Optional, Sequence
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, read_exact
-from hyper_parallel.core.distributed_checkpoint.resharding import BoxGeometry, numel
-from hyper_parallel.core.distributed_checkpoint.staging_buffers import (
+from hyper_parallel.core.distributed_checkpoint.format.geometry import BoxGeometry
+from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, ReadItem
+from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import (
     Slab,
     SlabWindow,
     StagingBuffers,
@@ -83,12 +84,12 @@ class BounceReads:
         check_copy_device(self._stream, dest, item.storage_index.fqn)
         lengths, offsets, itemsize = tuple(item.lengths), tuple(item.storage_offsets), dtype.itemsize
         rows = lengths[0] if lengths else 1
-        row_bytes = numel(lengths[1:]) * itemsize
+        row_bytes = math.prod(lengths[1:]) * itemsize
         per_slab = max(1, self._pool.slab_bytes // max(row_bytes, 1))
         for first in range(0, rows, per_slab):
             n = min(per_slab, rows - first)
             part = (n,) + lengths[1:] if lengths else ()
-            nbytes = numel(part) * itemsize
+            nbytes = math.prod(part) * itemsize
             slab, buffer = self._space(nbytes)
             box = BoxGeometry(sizes, ((offsets[0] + first,) + offsets[1:]) if lengths else (), part)
             read_box(fd, buffer, box, chunk_offset, itemsize, path)
@@ -103,7 +104,7 @@ class BounceReads:
         returns) into ``target`` (``key``'s, of the same shape): into slabs first, in
         slab-sized groups of rows, then on the copy stream."""
         check_copy_device(self._stream, target, key)
-        row_bytes = numel(source.shape[1:]) * source.element_size()
+        row_bytes = math.prod(source.shape[1:]) * source.element_size()
         per_slab = max(1, self._pool.slab_bytes // max(row_bytes, 1))
         for first in range(0, source.shape[0], per_slab):
             part = source[first:first + per_slab]

@@ -4,24 +4,27 @@ encoding; both return where every item landed and the file's size and crc32."""
 from __future__ import annotations
 
 import json
+import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import List, Tuple
 
-from hyper_parallel.core.distributed_checkpoint._fileio import create_file, start_writeback, write_file
-from hyper_parallel.core.distributed_checkpoint.checksum import crc32, crc32_combine
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, FileInfo, StorageInfo
+from hyper_parallel.core.distributed_checkpoint._fileio import create_file, write_file
+from hyper_parallel.utils.fileio import start_writeback
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32, crc32_combine
+from hyper_parallel.core.distributed_checkpoint.format.metadata import FileInfo, StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner, WriteItem
-from hyper_parallel.core.distributed_checkpoint.resharding import numel
-from hyper_parallel.core.distributed_checkpoint.safetensors_format import encode_header, tensor_name
-from hyper_parallel.core.distributed_checkpoint.staging import ChunkSource
+
+from hyper_parallel.core.distributed_checkpoint.format.safetensors_format import encode_header, tensor_name
+from hyper_parallel.core.distributed_checkpoint.storage import ChunkSource
 from hyper_parallel.core.distributed_checkpoint.storage import WriteResult
 
 
 def chunk_nbytes(item: WriteItem) -> int:
     """Bytes of a TENSOR write item's chunk."""
     td = item.tensor_data
-    return numel(td.chunk.sizes) * td.dtype.itemsize
+    return math.prod(td.chunk.sizes) * td.dtype.itemsize
 
 
 def write_safetensors(path: str, items: List[WriteItem], source: ChunkSource, name: str,

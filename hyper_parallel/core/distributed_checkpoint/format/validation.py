@@ -16,13 +16,14 @@ The metadata document's field types, ranges and nesting are checked while parsin
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Any, Dict, List, Tuple
 
 from hyper_parallel.core.distributed_checkpoint._fileio import open_regular
-from hyper_parallel.core.distributed_checkpoint.checksum import crc32, crc32_combine
-from hyper_parallel.core.distributed_checkpoint.metadata import (
-    CheckpointError,
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32, crc32_combine
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
@@ -30,8 +31,8 @@ from hyper_parallel.core.distributed_checkpoint.metadata import (
     TensorStorageMetadata,
     check_relative_path,
 )
-from hyper_parallel.core.distributed_checkpoint.resharding import numel
-from hyper_parallel.core.distributed_checkpoint.values import decode_value
+
+from hyper_parallel.core.distributed_checkpoint.format.values import decode_value
 
 _BLOCK = 1 << 24  # bytes read at a time by _verify_file
 
@@ -42,8 +43,8 @@ def check_tiling(fqn: str, md: TensorStorageMetadata, source: str) -> None:
         if any(o + s > d for o, s, d in zip(chunk.offsets, chunk.sizes, md.size)):
             raise CheckpointError(f"{source}: chunk at {chunk.offsets} of size {chunk.sizes} lies outside "
                                   f"{fqn!r} of size {md.size}")
-    covered, total = sum(numel(c.sizes) for c in md.chunks), numel(md.size)
-    boxes = [c for c in md.chunks if numel(c.sizes)]
+    covered, total = sum(math.prod(c.sizes) for c in md.chunks), math.prod(md.size)
+    boxes = [c for c in md.chunks if math.prod(c.sizes)]
     if boxes:
         # Sweep along the dimension with the most distinct offsets: only chunks whose ranges
         # on it intersect are compared on every dimension.
@@ -74,7 +75,7 @@ def _expected_location(metadata: Metadata, entry: StorageEntry, source: str) -> 
         sizes = md.chunks.sizes_at(entry.offset)
         if sizes is None:
             raise CheckpointError(f"{source}: stored item {_index(entry)} is not a chunk of {entry.fqn!r}")
-        return numel(sizes) * md.dtype.itemsize, ("raw",)
+        return math.prod(sizes) * md.dtype.itemsize, ("raw",)
     if entry.offset is not None:
         raise CheckpointError(f"{source}: stored value {_index(entry)} has a chunk offset")
     return -1, ("json", "pickle")

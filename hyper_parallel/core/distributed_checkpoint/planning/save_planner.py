@@ -2,16 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from hyper_parallel.core.distributed_checkpoint.checksum import crc32
-from hyper_parallel.core.distributed_checkpoint.flatten import flatten_state_dict
-from hyper_parallel.core.distributed_checkpoint.global_save_plan import build_global_save_plan
-from hyper_parallel.core.distributed_checkpoint.metadata import (
+from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32
+from hyper_parallel.core.distributed_checkpoint.format.flatten import flatten_state_dict
+from hyper_parallel.core.distributed_checkpoint.planning.global_save_plan import build_global_save_plan
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     DTYPE_TO_SAFETENSORS,
     ChunkStorageMetadata,
     Metadata,
@@ -25,8 +26,8 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-from hyper_parallel.core.distributed_checkpoint.resharding import local_chunk, local_data, mesh_slot, numel
-from hyper_parallel.core.distributed_checkpoint.values import encode_value
+from hyper_parallel.core.distributed_checkpoint.format.values import encode_value
+from hyper_parallel.core.distributed_checkpoint.planning.shards import local_chunk, local_data, mesh_slot
 
 
 def _crc_of_tensor(tensor: torch.Tensor) -> int:
@@ -121,12 +122,12 @@ class StandardSavePlanner(SavePlanner):
         size = tuple(value.shape)
         chunk = local_chunk(value)
         index: Optional[int] = None
-        if numel(size) == 0:
+        if math.prod(size) == 0:
             # Nobody holds a non-empty chunk; the lowest rank of the mesh records the shape.
             if self.rank != mesh_slot(value).lowest:
                 return None
             chunk = ChunkStorageMetadata((0,) * len(size), size)
-        elif numel(chunk.sizes) == 0:
+        elif math.prod(chunk.sizes) == 0:
             return None
         else:
             holders = mesh_slot(value).replicas
@@ -136,7 +137,7 @@ class StandardSavePlanner(SavePlanner):
                 else:
                     load = replica_load[holders]
                     owner = min(holders, key=load.__getitem__)  # the first of the least loaded
-                    load[owner] += numel(chunk.sizes) * value.element_size()
+                    load[owner] += math.prod(chunk.sizes) * value.element_size()
                 if owner != self.rank:
                     return None
             else:

@@ -5,18 +5,19 @@ one pass over the items (linear in the number of chunks)."""
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Dict, List, Sequence, Tuple
 
-from hyper_parallel.core.distributed_checkpoint.metadata import (
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     BytesStorageMetadata,
-    CheckpointError,
     Metadata,
     MetadataIndex,
     StorageMetadata,
     TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, WriteItem, WriteItemType
-from hyper_parallel.core.distributed_checkpoint.resharding import numel
+
 
 
 def build_global_save_plan(all_plans: List[SavePlan], check_coverage: bool = True
@@ -51,10 +52,10 @@ def build_global_save_plan(all_plans: List[SavePlan], check_coverage: bool = Tru
     for fqn, md in state_md.items():
         if isinstance(md, TensorStorageMetadata):
             md.chunks.sort()
-            covered = sum(numel(md.chunks.sizes_of(i)) for i in range(len(md.chunks)))
-            if check_coverage and numel(md.size) and covered != numel(md.size):
+            covered = sum(math.prod(md.chunks.sizes_of(i)) for i in range(len(md.chunks)))
+            if check_coverage and math.prod(md.size) and covered != math.prod(md.size):
                 raise CheckpointError(
-                    f"the saved chunks of {fqn!r} cover {covered} of {numel(md.size)} elements; "
+                    f"the saved chunks of {fqn!r} cover {covered} of {math.prod(md.size)} elements; "
                     "ranks hold inconsistent layouts of this tensor"
                 )
     return plans, Metadata(state_dict_metadata=state_md, layouts=layouts, world_size=len(all_plans))

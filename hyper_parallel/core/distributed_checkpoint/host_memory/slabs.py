@@ -1,5 +1,5 @@
 """The process's pool of host staging memory: slabs (pinned on accelerators) allocated on
-first use, lent to saves (staging.py) and loads (bounce.py) within a window each, reused
+first use, lent to saves (snapshot.py) and loads (bounce.py) within a window each, reused
 across them, and released on request: a released slab's pages are unlocked and given back
 to the system (``Platform.pinned_host_buffer``), not kept by torch's caching host allocator.
 """
@@ -11,7 +11,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.copy_stream import CopyStream
 

@@ -1,15 +1,16 @@
 """The commit protocol: what makes a directory a checkpoint, and how ranks get there.
 
-- A collective save writes into a staging directory ``.{name}.staging-{save_id}`` next to the
-  target (:func:`staging_dir`); the coordinator writes ``metadata.json`` into it last and swaps
-  it into place (:func:`commit_staging_dir`).
+- A collective save writes into a pending directory next to the target (:func:`pending_dir`;
+  on disk ``.{name}.staging-{save_id}``, a name kept so that leftovers of older runs are still
+  recognised); the coordinator writes ``metadata.json`` into it last and swaps it into place
+  (:func:`commit_pending_dir`).
 - A save without collectives writes into the target and each rank commits its own
   ``metadata.rank{r}.json`` (:func:`commit_rank_metadata`); :func:`read_checkpoint_metadata`
   merges them once all ranks have.
-- An async save coordinates its commit through marker files in the staging directory instead
+- An async save coordinates its commit through marker files in the pending directory instead
   of collectives: each rank publishes ``.done.rank{r}.json`` (its write results) or
   ``.failed.rank{r}``; the coordinator collects them (:func:`collect_results`), the others wait
-  for the staging directory to disappear (:func:`wait_committed`).
+  for the pending directory to disappear (:func:`wait_committed`).
 """
 
 from __future__ import annotations
@@ -24,23 +25,23 @@ from typing import Callable, Dict, List, Optional
 
 from hyper_parallel.core.distributed_checkpoint._fileio import (
     create_file,
-    fsync_dir,
     local_path,
     read_regular_file,
     replace_dir,
     write_file_atomically,
 )
-from hyper_parallel.core.distributed_checkpoint.metadata import (
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     METADATA_FILE,
-    CheckpointError,
     FileInfo,
     Metadata,
     MetadataIndex,
     StorageInfo,
     TensorStorageMetadata,
 )
-from hyper_parallel.core.distributed_checkpoint.validation import check_metadata, verify_files
+from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata, verify_files
 from hyper_parallel.core.distributed_checkpoint.storage import RankWriteResult, WriteResult
+from hyper_parallel.utils.fileio import fsync_dir
 
 RANK_METADATA = "metadata.rank{}.json"
 _DONE_MARKER = ".done.rank{}.json"
@@ -52,20 +53,20 @@ MAX_METADATA_BYTES = 4 << 30
 """A metadata file larger than this is refused unread. 16,384 FSDP ranks' model-only metadata is
 367 MB (benchmarks/RESULTS.md), about 1.1 GB with AdamW state; parsing takes ~6x its size."""
 # ``.old``: a checkpoint swapped out by a commit where the OS has no atomic exchange.
-_STAGING_DIR = re.compile(r"\.(?P<target>.+)\.staging-[0-9a-f]+(\.old)?")
+_PENDING_DIR = re.compile(r"\.(?P<target>.+)\.staging-[0-9a-f]+(\.old)?")
 
 
-# --------------------------------------------------------------------- staging directories
+# --------------------------------------------------------------------- pending directories
 
-def staging_dir(path: str, save_id: str) -> str:
+def pending_dir(path: str, save_id: str) -> str:
     """Where a collective save of checkpoint ``path`` with id ``save_id`` writes its files."""
     return os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.staging-{save_id}")
 
 
-def staging_target(name: str) -> Optional[str]:
-    """The checkpoint name a staging directory ``name`` belongs to, or None if ``name`` is
-    not a staging directory."""
-    match = _STAGING_DIR.fullmatch(name)
+def pending_target(name: str) -> Optional[str]:
+    """The checkpoint name a pending directory ``name`` belongs to, or None if ``name`` is
+    not a pending directory."""
+    match = _PENDING_DIR.fullmatch(name)
     return match.group("target") if match else None
 
 
@@ -74,14 +75,14 @@ def has_committed_metadata(path: str, rank: int) -> bool:
     return any(os.path.exists(os.path.join(path, n)) for n in (METADATA_FILE, RANK_METADATA.format(rank)))
 
 
-def commit_staging_dir(staging: str, path: str, metadata: Metadata, sync: bool) -> None:
-    """Coordinator: write ``metadata.json`` into ``staging`` and swap it into place at ``path``."""
-    for name in glob.glob(os.path.join(glob.escape(staging), _ALIVE_MARKER.format("*"))):
+def commit_pending_dir(pending: str, path: str, metadata: Metadata, sync: bool) -> None:
+    """Coordinator: write ``metadata.json`` into ``pending`` and swap it into place at ``path``."""
+    for name in glob.glob(os.path.join(glob.escape(pending), _ALIVE_MARKER.format("*"))):
         os.remove(name)  # (their heartbeat threads stop when they find them gone)
-    write_file_atomically(os.path.join(staging, METADATA_FILE), metadata.to_json().encode(), sync)
+    write_file_atomically(os.path.join(pending, METADATA_FILE), metadata.to_json().encode(), sync)
     if sync:
-        fsync_dir(staging)
-    replace_dir(staging, path)
+        fsync_dir(pending)
+    replace_dir(pending, path)
 
 
 def commit_rank_metadata(path: str, metadata: Metadata, sync: bool) -> None:
@@ -117,27 +118,27 @@ def record_results(metadata: Metadata, results: List[RankWriteResult]) -> None:
 
 # ---------------------------------------------------------------- async commit by markers
 
-def publish_result(staging: str, rank: int, result: RankWriteResult) -> None:
-    """Write ``rank``'s "done" marker (its write results) into the staging directory."""
+def publish_result(pending: str, rank: int, result: RankWriteResult) -> None:
+    """Write ``rank``'s "done" marker (its write results) into the pending directory."""
     # Not fsynced: the coordinator deletes markers before committing, and a crash before
-    # the commit leaves an uncommitted staging directory either way.
-    write_file_atomically(os.path.join(staging, _DONE_MARKER.format(rank)),
+    # the commit leaves an uncommitted pending directory either way.
+    write_file_atomically(os.path.join(pending, _DONE_MARKER.format(rank)),
                           _results_to_json(result).encode(), sync=False)
 
 
-def publish_failure(staging: str, rank: int, error: BaseException) -> None:
+def publish_failure(pending: str, rank: int, error: BaseException) -> None:
     """Tell the other ranks (best effort) that ``rank``'s part of the save failed."""
     try:
-        write_file_atomically(os.path.join(staging, _FAILED_MARKER.format(rank)), repr(error).encode(), sync=False)
+        write_file_atomically(os.path.join(pending, _FAILED_MARKER.format(rank)), repr(error).encode(), sync=False)
     except OSError:
         pass
 
 
-def start_heartbeat(staging: str, rank: int, timeout_s: float) -> None:
-    """Touch ``rank``'s alive marker in ``staging`` every ``HEARTBEAT_S`` from a daemon thread,
+def start_heartbeat(pending: str, rank: int, timeout_s: float) -> None:
+    """Touch ``rank``'s alive marker in ``pending`` every ``HEARTBEAT_S`` from a daemon thread,
     so that ranks waiting for this one notice within ``DEAD_AFTER_S`` if its process dies.
     The thread stops when the marker is gone (commit or abort) or after ``timeout_s``."""
-    marker = os.path.join(staging, _ALIVE_MARKER.format(rank))
+    marker = os.path.join(pending, _ALIVE_MARKER.format(rank))
     create_file(marker).close()
 
     def beat() -> None:
@@ -157,15 +158,15 @@ class _Liveness:
     ``DEAD_AFTER_S`` (measured on this host's clock, so clock skew between hosts does not
     matter) means its rank died. Ranks never seen are not judged (bounded by the timeout)."""
 
-    def __init__(self, staging: str) -> None:
-        self.staging = staging
+    def __init__(self, pending: str) -> None:
+        self.pending = pending
         self.seen: Dict[int, tuple] = {}  # rank -> (mtime, local time it was first seen)
 
     def dead(self, ranks: List[int]) -> Optional[int]:
         now = time.monotonic()
         for rank in ranks:
             try:
-                mtime = os.stat(os.path.join(self.staging, _ALIVE_MARKER.format(rank))).st_mtime_ns
+                mtime = os.stat(os.path.join(self.pending, _ALIVE_MARKER.format(rank))).st_mtime_ns
             except FileNotFoundError:
                 continue
             last = self.seen.get(rank)
@@ -176,22 +177,22 @@ class _Liveness:
         return None
 
 
-def _poll(staging: str, path: str, timeout_s: float, done: Callable[[List[str]], bool],
+def _poll(pending: str, path: str, timeout_s: float, done: Callable[[List[str]], bool],
           waiting_for: Callable[[], str], watched: Callable[[], List[int]]) -> None:
-    """List ``staging`` until ``done(names)`` (or it is gone: names == []), raising on a
+    """List ``pending`` until ``done(names)`` (or it is gone: names == []), raising on a
     failure marker, when a ``watched()`` rank stopped its heartbeat, or after ``timeout_s``.
     Backs off to keep a shared file system's metadata load low when thousands of ranks wait."""
     deadline = time.monotonic() + timeout_s
     delay = 0.005
-    liveness = _Liveness(staging)
+    liveness = _Liveness(pending)
     while True:
         try:
-            names = os.listdir(staging)
+            names = os.listdir(pending)
         except FileNotFoundError:
             names = []
         failed = sorted(n for n in names if n.startswith(".failed.rank"))
         if failed:
-            with open(os.path.join(staging, failed[0])) as f:
+            with open(os.path.join(pending, failed[0])) as f:
                 reason = f.read()
             raise CheckpointError(f"async save to {path} failed on {failed[0][8:]}: {reason}")
         if done(names):
@@ -207,7 +208,7 @@ def _poll(staging: str, path: str, timeout_s: float, done: Callable[[List[str]],
         delay = min(delay * 2, 0.5)
 
 
-def collect_results(staging: str, path: str, world_size: int, timeout_s: float) -> List[RankWriteResult]:
+def collect_results(pending: str, path: str, world_size: int, timeout_s: float) -> List[RankWriteResult]:
     """Coordinator: wait for every rank's done marker (bounded by ``timeout_s``) and read them."""
     markers = [_DONE_MARKER.format(r) for r in range(world_size)]
     missing = set(markers)
@@ -216,30 +217,30 @@ def collect_results(staging: str, path: str, world_size: int, timeout_s: float) 
         missing.difference_update(names)
         return not missing
 
-    _poll(staging, path, timeout_s, all_done, lambda: f"ranks did not finish writing (missing {sorted(missing)[:8]})",
+    _poll(pending, path, timeout_s, all_done, lambda: f"ranks did not finish writing (missing {sorted(missing)[:8]})",
           lambda: [int(m[len(".done.rank"):-len(".json")]) for m in missing])
     results = []
     for marker in markers:
-        with open(os.path.join(staging, marker)) as f:
+        with open(os.path.join(pending, marker)) as f:
             results.append(_results_from_json(f.read()))
-        os.remove(os.path.join(staging, marker))
+        os.remove(os.path.join(pending, marker))
     return results
 
 
-def wait_committed(staging: str, path: str, save_id: str, timeout_s: float) -> Metadata:
-    """Non-coordinators: wait until the coordinator has renamed the staging directory away;
+def wait_committed(pending: str, path: str, save_id: str, timeout_s: float) -> Metadata:
+    """Non-coordinators: wait until the coordinator has renamed the pending directory away;
     returns the committed metadata.
 
     Raises:
         CheckpointError: a rank failed, the wait timed out, or another save replaced this one.
     """
-    _poll(staging, path, timeout_s, lambda names: not os.path.exists(staging), lambda: "the coordinator did not commit",
+    _poll(pending, path, timeout_s, lambda names: not os.path.exists(pending), lambda: "the coordinator did not commit",
           lambda: [0])
     try:
         metadata = read_checkpoint_metadata(path)
     except CheckpointError:
         raise CheckpointError(f"async save to {path} was not committed: another rank failed and removed "
-                              "its staging directory") from None
+                              "its pending directory") from None
     if metadata.save_id != save_id:
         raise CheckpointError(f"async save to {path} was replaced by another save before it committed")
     return metadata

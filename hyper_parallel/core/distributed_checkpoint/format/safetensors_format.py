@@ -1,7 +1,7 @@
 """The safetensors container: tensor names, header encoding and header parsing.
 
-One definition shared by the checkpoint writer/reader (``filesystem.py``, ``data_files.py``)
-and the Hugging Face interop (``hf.py``). The dtype tags live in ``metadata.py``
+One definition shared by the checkpoint writer/reader (``filesystem/``)
+and the Hugging Face interop (``hf.py``). The dtype tags live in ``format/metadata.py``
 (``DTYPE_TO_SAFETENSORS``) because metadata validation needs them too.
 """
 
@@ -13,11 +13,8 @@ from typing import Any, Dict, List, Tuple
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.metadata import (
-    DTYPE_TO_SAFETENSORS,
-    CheckpointError,
-    MetadataIndex,
-)
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.format.metadata import DTYPE_TO_SAFETENSORS, MetadataIndex
 
 DTYPE_BY_TAG: Dict[str, torch.dtype] = {tag: dtype for dtype, tag in DTYPE_TO_SAFETENSORS.items()}
 MAX_HEADER_BYTES = 100_000_000  # the safetensors library's own limit

@@ -15,10 +15,10 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Hashable, List, NamedTuple, Optional, Union
 
-from hyper_parallel.core.distributed_checkpoint.collectives import DistWrapper
-from hyper_parallel.core.distributed_checkpoint.metadata import Metadata
-from hyper_parallel.core.distributed_checkpoint.global_save_plan import check_values_agree
+from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
+from hyper_parallel.core.distributed_checkpoint.planning.collectives import DistWrapper
+from hyper_parallel.core.distributed_checkpoint.planning.global_save_plan import check_values_agree
 from hyper_parallel.core.distributed_checkpoint.storage import StorageWriter
 
 

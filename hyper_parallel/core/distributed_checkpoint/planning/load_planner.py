@@ -3,15 +3,18 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any, Dict, List, Tuple
 
 import torch
 from torch.distributed.tensor import DTensor
 
-from hyper_parallel.core.distributed_checkpoint.flatten import flatten_state_dict, set_by_path
-from hyper_parallel.core.distributed_checkpoint.metadata import CheckpointError, Metadata, MetadataIndex, TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.format.flatten import flatten_state_dict, set_by_path
+from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow, overlap
+from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, MetadataIndex, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from hyper_parallel.core.distributed_checkpoint.resharding import local_chunk, local_data, mesh_slot, narrow, numel, overlap
+from hyper_parallel.core.distributed_checkpoint.planning.shards import local_chunk, local_data, mesh_slot
 
 
 class StandardLoadPlanner(LoadPlanner):
@@ -80,12 +83,12 @@ class StandardLoadPlanner(LoadPlanner):
         for position in md.chunks.overlapping(dest.offsets, dest.sizes):  # indexed: not every chunk
             stored = md.chunks[position]
             dest_offsets, storage_offsets, lengths = overlap(dest, stored)
-            covered += numel(lengths)
+            covered += math.prod(lengths)
             reads.append(ReadItem(LoadItemType.TENSOR, MetadataIndex(key, dest.offsets), dest_offsets,
                                   MetadataIndex(key, stored.offsets), storage_offsets, lengths))
-        if covered != numel(dest.sizes):
+        if covered != math.prod(dest.sizes):
             raise CheckpointError(
-                f"the checkpoint holds {covered} of the {numel(dest.sizes)} elements of {key!r} "
+                f"the checkpoint holds {covered} of the {math.prod(dest.sizes)} elements of {key!r} "
                 f"this rank needs (box offsets {dest.offsets} sizes {dest.sizes}): a chunk is missing"
             )
         return reads

@@ -19,6 +19,7 @@ and unchecked loads reach device memory the same way.
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple
@@ -26,9 +27,9 @@ from typing import Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple
 import torch
 
 from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, read_exact
-from hyper_parallel.core.distributed_checkpoint.checksum import crc32
+from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32
+from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow
 from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
-from hyper_parallel.core.distributed_checkpoint.resharding import narrow, numel
 
 BLOCK_BYTES = 8 << 20
 """Bytes read (and checksummed) at a time."""
@@ -114,7 +115,7 @@ class BlockReads:
         starts, lengths = tuple(item.storage_offsets), tuple(item.lengths)
         if not sizes:  # a scalar: one row of one element
             sizes, starts, lengths, dest = (1,), (0,), (1,), dest.reshape(1)
-        row_bytes = numel(sizes[1:]) * dtype.itemsize
+        row_bytes = math.prod(sizes[1:]) * dtype.itemsize
         length = sizes[0] * row_bytes
         block = max(1, self._block // max(row_bytes, 1)) * row_bytes
         if length:

@@ -10,12 +10,18 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.chunk_table import ChunkStorageMetadata, ChunkTable
-from hyper_parallel.core.distributed_checkpoint.storage_table import MetadataIndex, StorageEntry, StorageInfo, StorageTable
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.format.chunk_table import ChunkStorageMetadata, ChunkTable
+from hyper_parallel.core.distributed_checkpoint.format.storage_table import (
+    MetadataIndex,
+    StorageEntry,
+    StorageInfo,
+    StorageTable,
+)
 
 __all__ = [
     "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "DTYPE_TO_SAFETENSORS", "MAX_DIMS", "MAX_NESTING",
-    "BytesStorageMetadata", "CheckpointError", "ChunkStorageMetadata", "ChunkTable", "FileInfo", "Metadata",
+    "BytesStorageMetadata", "ChunkStorageMetadata", "ChunkTable", "FileInfo", "Metadata",
     "MetadataIndex", "StorageEntry", "StorageInfo", "StorageMetadata", "StorageTable", "TensorStorageMetadata", "check_relative_path",
     "dtype_from_name", "dtype_name",
 ]
@@ -32,10 +38,6 @@ DTYPE_TO_SAFETENSORS: Dict[torch.dtype, str] = {
     torch.float8_e4m3fn: "F8_E4M3", torch.float8_e5m2: "F8_E5M2",
 }
 _DTYPE_BY_NAME = {str(d).removeprefix("torch."): d for d in DTYPE_TO_SAFETENSORS}
-
-
-class CheckpointError(RuntimeError):
-    """A checkpoint is missing, incomplete, corrupt or not loadable into the given state."""
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -1,0 +1,141 @@
+"""Durable, safe file operations: open only regular files, write new files and small files
+atomically, fsync files and directories, start writeback early.
+
+Plain OS work with no checkpoint semantics (the checkpoint package presents the refusals here
+as ``CheckpointError``: ``distributed_checkpoint/_fileio.py``); the trainer and scripts write
+their small files through it too.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import stat
+import uuid
+
+
+def fsync_dir(path: str) -> None:
+    """Make a directory's entries (new, renamed or removed files) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+_KINDS = ((stat.S_ISDIR, "a directory"), (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+          (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket"), (stat.S_ISLNK, "a symbolic link"))
+
+
+class RefusedFileError(RuntimeError):
+    """A file was refused: not a regular file, reached through a symbolic link or hard link
+    for writing, or larger than the caller allows. The message names the path."""
+
+
+def _not_regular(path: str, mode: int) -> RefusedFileError:
+    kind = next((name for test, name in _KINDS if test(mode)), "not a regular file")
+    return RefusedFileError(f"{path} is {kind}, not a regular file; refusing to use it")
+
+
+def open_regular(path: str, flags: int = os.O_RDONLY, mode: int = 0o666) -> int:
+    """``os.open(path, flags, mode)`` that only ever returns a regular file.
+
+    The open cannot block (``O_NONBLOCK``, cleared afterwards: a FIFO or device would block or
+    never end), anything but a regular file is refused after ``fstat``, and a file opened for
+    writing is never reached through a symbolic link (``O_NOFOLLOW``) nor has other names
+    (hard links): writing must not change another file.
+
+    Raises:
+        RefusedFileError: ``path`` is a directory, FIFO, device, socket, symbolic link (writing)
+            or a file with several links (writing); names the path.
+        OSError: as ``os.open`` (missing file, permissions).
+    """
+    writing = bool(flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC))
+    extra = os.O_NONBLOCK | os.O_CLOEXEC | (os.O_NOFOLLOW if writing else 0)
+    try:
+        fd = os.open(path, flags | extra, mode)
+    except OSError as exc:
+        if exc.errno in (errno.ELOOP, errno.EISDIR, errno.ENXIO, errno.EOPNOTSUPP):
+            try:
+                found = os.lstat(path).st_mode
+            except OSError:
+                raise exc from None
+            if not stat.S_ISREG(found):
+                raise _not_regular(path, found) from None
+        raise
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise _not_regular(path, info.st_mode)
+        if writing and info.st_nlink > 1:
+            raise RefusedFileError(f"{path} has {info.st_nlink} names (hard links); refusing to write to it, "
+                                  "as that would change another file: remove it")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def read_regular_file(path: str, limit: int, what: str) -> bytes:
+    """The bytes of regular file ``path`` (see :func:`open_regular`), at most ``limit`` of them.
+
+    Raises:
+        RefusedFileError: not a regular file, or larger than ``limit`` (names ``what``).
+        OSError: as ``os.open``.
+    """
+    fd = open_regular(path)
+    with os.fdopen(fd, "rb") as f:
+        size = os.fstat(fd).st_size
+        if size > limit:
+            raise RefusedFileError(f"{path} has {size} bytes, more than the {limit} bytes {what} may have; "
+                                  "refusing to read it")
+        return f.read(size)  # (what it has now: one that grows meanwhile is cut, and fails to parse)
+
+
+def create_file(path: str):
+    """A new file at ``path`` opened for binary writing: whatever is at ``path`` (a leftover of
+    a failed save, a symbolic link) is removed first, never written through (``O_EXCL``)."""
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    return os.fdopen(open_regular(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666), "wb")
+
+
+def write_file(path: str, data: bytes, sync: bool) -> None:
+    """Write ``data`` as a new file at ``path`` (:func:`create_file`), fsynced if ``sync``."""
+    with create_file(path) as f:
+        f.write(data)
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+
+
+def write_file_atomically(path: str, data: bytes, sync: bool = True) -> None:
+    """Write ``data`` to ``path`` through a temporary name, so readers never see half a file."""
+    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
+    write_file(tmp, data, sync)
+    os.replace(tmp, path)
+
+
+def _load_sync_file_range():
+    try:
+        sync_file_range = getattr(ctypes.CDLL(None, use_errno=True), "sync_file_range", None)
+    except (OSError, TypeError):  # no C library handle for this process (e.g. Windows)
+        return None
+    if sync_file_range is not None:
+        sync_file_range.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    return sync_file_range
+
+
+_sync_file_range = _load_sync_file_range()
+_SYNC_FILE_RANGE_WRITE = 2
+
+
+def start_writeback(fd: int, offset: int, nbytes: int) -> None:
+    """Start writing a just-written byte range of ``fd`` to disk without waiting (Linux
+    ``sync_file_range``; elsewhere a no-op and the final fsync does all the work)."""
+    if _sync_file_range is not None:
+        _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
