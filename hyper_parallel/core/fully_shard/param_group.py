@@ -18,6 +18,7 @@ from torch.profiler import record_function
 
 from hyper_parallel._torch_compat import disable_functorch_if_active, local_tensor, module_parameters
 from hyper_parallel.core.fully_shard import collectives
+from hyper_parallel.core.fully_shard.extension_bucket import ExtensionBucket
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
 from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingReduce
 from hyper_parallel.core.fully_shard.offload import GradOffload
@@ -111,18 +112,22 @@ class HSDPParamGroup:
         module_parameters(module)[name] = param.sharded_param
         self._sharded_slots.append((module_parameters(module), name, param.sharded_param))
         if self._initialized:
-            self._unsharded_slots.append((module_parameters(module), name, param.unsharded_param))
+            self._unsharded_slots.append((module_parameters(module), name, param))
 
     def _bind_buckets(self, devices: List[torch.device], pin: bool) -> None:
         """Bucket the parameters by their current dtype, bind their shards into flat buffers on
         ``devices`` (the first of each bucket's parameters decides; CPU when offloading) and,
         once initialised, their unsharded parameters."""
-        by_dtype: Dict[Tuple[torch.dtype, Optional[torch.dtype]], List[Tuple[HSDPParam, torch.device]]] = {}
+        by_dtype: Dict[Tuple[torch.dtype, Optional[torch.dtype], bool], List[Tuple[HSDPParam, torch.device]]] = {}
         for param, compute_dtype, device in zip(self.params, self._compute_dtypes, devices):
-            by_dtype.setdefault((param.dtype, compute_dtype), []).append((param, device))
+            by_dtype.setdefault((param.dtype, compute_dtype, param.extension), []).append((param, device))
         self.buckets = []
-        for (_, compute_dtype), entries in by_dtype.items():
-            bucket = FlatBucket([p for p, _ in entries], self.dp.shard_size, self.mp_policy, compute_dtype)
+        for (_, compute_dtype, extension), entries in by_dtype.items():
+            params = [p for p, _ in entries]
+            if extension:  # gathered through the parameters' fsdp_pre/post_all_gather
+                bucket = ExtensionBucket(params, self.dp.shard_size, self.mp_policy, compute_dtype, self.dp.shard_mesh())
+            else:
+                bucket = FlatBucket(params, self.dp.shard_size, self.mp_policy, compute_dtype)
             device = entries[0][1]
             bucket.bind_shards(torch.device("cpu") if self.offload and device.type != "meta" else device, pin)
             self.buckets.append(bucket)
@@ -133,8 +138,8 @@ class HSDPParamGroup:
     def _bind_unsharded(self) -> None:
         for bucket in self.buckets:
             bucket.bind_unsharded(self.device)
-        self._unsharded_slots = [(module_parameters(m), n, p.unsharded_param)
-                                 for p in self.params for m, n in p.slots]
+        # The parameters, not their unsharded tensors: an extension's is built by its first gather.
+        self._unsharded_slots = [(module_parameters(m), n, p) for p in self.params for m, n in p.slots]
 
     def _adopt_replacements(self) -> bool:
         """Rebind after parameters were replaced on the modules or converted (``setattr``,
@@ -153,7 +158,8 @@ class HSDPParamGroup:
             requires_grad = param.sharded_param.requires_grad
             if param.requires_grad != requires_grad:
                 param.requires_grad = requires_grad
-                param.unsharded_param.requires_grad_(requires_grad)
+                if param.unsharded_param is not None:
+                    param.unsharded_param.requires_grad_(requires_grad)
                 changed = True
         if changed:
             for bucket in self.buckets:
@@ -243,8 +249,8 @@ class HSDPParamGroup:
                 item.bucket.copy_out(item.gathered)
                 streams.free_after_use(item.gathered, streams.all_gather)
         self._gathers = []
-        for slots, name, value in self._unsharded_slots:
-            slots[name] = value
+        for slots, name, param in self._unsharded_slots:
+            slots[name] = param.unsharded_param
         self.state = ShardState.UNSHARDED
 
     def reshard_after_forward_pass(self) -> None:
