@@ -13,10 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 import hyper_parallel as hp
+from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.fully_shard import collectives
 from tests.multirank import run_on_ranks
 
@@ -89,7 +90,8 @@ def _wrap(model: nn.Module, shard, checkpointed: bool = False, **kw) -> nn.Modul
 
 
 def _float8_weight_numel(model: nn.Module, world: int) -> int:
-    """Elements of this rank's padded shards of the float8 weights."""
+    """Elements of this rank's padded shards of the float8 weights (same on either shard dim
+    for these shapes)."""
     layers = [getattr(model[i], "block", model[i]) for i in (0, 2)]
     return sum(math.ceil(m.weight.shape[0] / world) * m.weight.shape[1] for m in layers)
 
@@ -158,6 +160,7 @@ def _variants():
     out["mixed_precision"] = _parity_with_torch(param_dtype=torch.bfloat16, steps=1, bf16_values=True)
     out["activation_checkpointing"] = _parity_with_torch(checkpointed=True)
     out["cpu_offload"] = _parity_with_torch(ours_kw=dict(offload_policy=hp.CPUOffloadPolicy()))
+    out["shard_dim1"] = _parity_with_torch(ours_kw=dict(shard_placement_fn=lambda p: Shard(p.ndim - 1)))
     return out
 
 
@@ -180,3 +183,43 @@ def test_float8_uneven_and_hsdp(world, variants):
     for result in run_on_ranks(world, variants, timeout=240):
         for value in result.values():
             _check(value)
+
+
+def _plain_model() -> nn.Module:
+    return nn.Sequential(nn.Linear(IN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, IN, bias=False), nn.ReLU(),
+                         nn.Linear(IN, OUT))
+
+
+def _checkpoint_round_trip(root: str):
+    """A float8-trained checkpoint resumes without float8, and that one's checkpoint with float8:
+    the state dicts hold the high-precision weights."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    float8 = _wrap(_model(True), hp.fully_shard)
+    inputs = []
+    _train(float8, rank, world, steps=2, record=inputs)
+    assert any(dtype == torch.uint8 for dtype, _ in inputs)
+    hdcp.save({"model": float8.state_dict()}, checkpoint_id=f"{root}/float8")
+    plain = _wrap(_plain_model(), hp.fully_shard)
+    state = {"model": plain.state_dict()}
+    hdcp.load(state, checkpoint_id=f"{root}/float8")
+    plain.load_state_dict(state["model"])
+    diffs = [max((a - _full(float8)[k]).abs().max().item() for k, a in _full(plain).items())]
+    _train(plain, rank, world, steps=1)
+    hdcp.save({"model": plain.state_dict()}, checkpoint_id=f"{root}/plain")
+    resumed = _wrap(_model(True), hp.fully_shard)
+    state = {"model": resumed.state_dict()}
+    hdcp.load(state, checkpoint_id=f"{root}/plain")
+    resumed.load_state_dict(state["model"])
+    assert all(type(m.weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
+               for m in (resumed[0], resumed[2]))
+    diffs.append(max((a - _full(plain)[k]).abs().max().item() for k, a in _full(resumed).items()))
+    # The resumed float8 model trains (its next gather is float8 again) like the plain one would.
+    inputs = []
+    _train(resumed, rank, world, steps=1, record=inputs)
+    assert any(dtype == torch.uint8 for dtype, _ in inputs)
+    return diffs
+
+
+def test_float8_checkpoint_resumes_without_float8_and_back(tmp_path):
+    for diffs in run_on_ranks(2, _checkpoint_round_trip, str(tmp_path), timeout=120):
+        assert diffs == [0.0, 0.0], diffs
