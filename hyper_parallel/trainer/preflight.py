@@ -28,6 +28,7 @@ from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.config import ConfigError, ParallelDims, llama_config, problems_message
 from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
+from hyper_parallel.trainer.float8 import float8_problems
 from hyper_parallel.trainer.metrics import format_bytes
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments.
@@ -43,7 +44,7 @@ def check_environment(cfg: DictConfig, dims: ParallelDims, *, ranks_per_node: in
         ConfigError: listing every problem found.
     """
     problems = (folder_problems(cfg) + init_from_problems(cfg) + resume_problems(cfg) + data_problems(cfg)
-                + memory_problems(cfg, dims, ranks_per_node))
+                + float8_problems(cfg) + memory_problems(cfg, dims, ranks_per_node))
     if problems:
         raise ConfigError(problems_message("cannot start", problems))
 

@@ -216,6 +216,8 @@ SCHEMA: Dict[str, Rule] = {
     "training.device": Choice("auto", "cpu"),
     "training.compile": Bool(),
     "training.compile_backend": Str(),
+    "training.float8": Bool(),
+    "training.float8_recipe": Choice("tensorwise", "rowwise"),
     "training.stop_after_steps": Nullable(Int(min=1)),
     "training.time_limit_minutes": Nullable(Float(min=0, min_open=True)),
     "training.peak_tflops": Nullable(Float(min=0, min_open=True)),

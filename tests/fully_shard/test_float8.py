@@ -17,6 +17,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.utils.checkpoint import checkpoint
 
 import hyper_parallel as hp
+from hyper_parallel._torch_compat import local_tensor
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.fully_shard import collectives
 from tests.multirank import run_on_ranks
@@ -113,6 +114,9 @@ def _parity_with_torch(hidden: int = HIDDEN, mesh_shape=None, precompute: bool =
                  mp_policy=hp.MixedPrecisionPolicy(param_dtype=param_dtype), **kw, **(ours_kw or {}))
     inputs = []
     losses = _train(ours, rank, world, precompute=precompute, steps=steps, record=inputs)
+    if precompute:  # torchao's one-all-reduce scales apply to our sharded parameters
+        assert all(local_tensor(getattr(ours[i], "block", ours[i]).weight)._precomputed_scale is not None
+                   for i in (0, 2))
     # Each float8 layer is gathered as often as the other (forward, and backward unless kept).
     float8 = [numel for dtype, numel in inputs if dtype == torch.uint8]
     ratio = sum(float8) / (len(float8) // 2 * _float8_weight_numel(ours, shard_world)) if float8 else 0.0
