@@ -33,9 +33,11 @@ def _keep_high_precision(module: nn.Module, fqn: str) -> bool:
     return isinstance(module, nn.Linear) and (module.in_features % 16 or module.out_features % 16)
 
 
-def convert_to_float8(model: nn.Module, recipe: str) -> None:
+def convert_to_float8(model: nn.Module, recipe: str, *, float8_all_gather: bool = True) -> None:
     """Swap ``model``'s eligible ``nn.Linear`` s for torchao's ``Float8Linear`` (in place, on
     any device including meta; before activation checkpointing, compile and ``fully_shard``).
+    ``float8_all_gather=False``: tensorwise weights are gathered in high precision (what torch's
+    fully_shard needs on backends without float8 collectives, e.g. gloo).
 
     Raises:
         MissingDependency: torchao is not installed.
@@ -45,7 +47,7 @@ def convert_to_float8(model: nn.Module, recipe: str) -> None:
         raise ValueError(f"training.float8_recipe={recipe!r}: expected one of {RECIPES}")
     float8 = require("torchao.float8", "training.float8=true")
     if recipe == "tensorwise":
-        config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=True)
+        config = float8.Float8LinearConfig(enable_fsdp_float8_all_gather=float8_all_gather)
     else:
         config = float8.Float8LinearConfig.from_recipe_name(recipe)
     float8.convert_to_float8_training(model, config=config,
