@@ -82,8 +82,10 @@ class _Checkpointed(nn.Module):
         return checkpoint(self.block, x, use_reentrant=False)
 
 
-def _wrap(model: nn.Module, shard, checkpointed: bool = False, **kw) -> nn.Module:
+def _wrap(model: nn.Module, shard, checkpointed: bool = False, compiled: bool = False, **kw) -> nn.Module:
     for i in (0, 2):
+        if compiled:  # per-block compile (fully_shard's hooks stay eager around it)
+            model[i].compile(backend="aot_eager", fullgraph=True)
         shard(model[i], **kw)
         if checkpointed:
             model[i] = _Checkpointed(model[i])
@@ -99,7 +101,8 @@ def _float8_weight_numel(model: nn.Module, world: int) -> int:
 
 def _parity_with_torch(hidden: int = HIDDEN, mesh_shape=None, precompute: bool = False, steps: int = STEPS,
                        bf16_values: bool = False, param_dtype: Optional[torch.dtype] = None,
-                       checkpointed: bool = False, ours_kw: Optional[dict] = None, **kw):
+                       checkpointed: bool = False, compiled: bool = False, ours_kw: Optional[dict] = None,
+                       **kw):
     """Our fully_shard (float8 gather) vs torch's (full-precision gather: its float8 gather
     cannot run on gloo) on the same torchao model; returns (ours, torch's) losses and params,
     and the uint8 all-gather bytes of the first step over the float8 shard elements."""
@@ -108,9 +111,10 @@ def _parity_with_torch(hidden: int = HIDDEN, mesh_shape=None, precompute: bool =
     shard_world = mesh_shape[1] if mesh_shape else world
     reference = _wrap(_model(False, hidden, bf16_values), torch.distributed.fsdp.fully_shard, mesh=mesh,
                       mp_policy=torch.distributed.fsdp.MixedPrecisionPolicy(param_dtype=param_dtype),
-                      checkpointed=checkpointed, **kw)
+                      checkpointed=checkpointed, compiled=compiled, **kw)
     ref_losses = _train(reference, rank, world, steps=steps)
     ours = _wrap(_model(True, hidden, bf16_values), hp.fully_shard, mesh=mesh, checkpointed=checkpointed,
+                 compiled=compiled,
                  mp_policy=hp.MixedPrecisionPolicy(param_dtype=param_dtype), **kw, **(ours_kw or {}))
     inputs = []
     losses = _train(ours, rank, world, precompute=precompute, steps=steps, record=inputs)
@@ -174,6 +178,10 @@ def test_float8_matches_torch_fully_shard():
             _check(value)
 
 
+def _compiled():
+    return {"compiled": _parity_with_torch(compiled=True, steps=2)}
+
+
 def _uneven():
     return {"uneven": _parity_with_torch(hidden=32)}  # 32 rows over 3 ranks: 11, 11, 10
 
@@ -182,8 +190,9 @@ def _hsdp():
     return {"hsdp": _parity_with_torch(mesh_shape=(2, 2))}
 
 
-@pytest.mark.parametrize("world, variants", [(3, _uneven), (4, _hsdp)], ids=["uneven", "hsdp"])
-def test_float8_uneven_and_hsdp(world, variants):
+@pytest.mark.parametrize("world, variants", [(3, _uneven), (4, _hsdp), (2, _compiled)],
+                         ids=["uneven", "hsdp", "compiled"])
+def test_float8_uneven_hsdp_compiled(world, variants):
     for result in run_on_ranks(world, variants, timeout=240):
         for value in result.values():
             _check(value)
@@ -217,13 +226,18 @@ def _checkpoint_round_trip(root: str):
     assert all(type(m.weight.to_local()).__name__ == "WeightWithDynamicFloat8CastTensor"
                for m in (resumed[0], resumed[2]))
     diffs.append(max((a - _full(plain)[k]).abs().max().item() for k, a in _full(resumed).items()))
-    # The resumed float8 model trains (its next gather is float8 again) like the plain one would.
-    inputs = []
-    _train(resumed, rank, world, steps=1, record=inputs)
-    assert any(dtype == torch.uint8 for dtype, _ in inputs)
+    # The resumed float8 model trains (its next gather is float8 again) like the plain one would;
+    # so does one given the plain model's DTensors with load_state_dict(assign=True).
+    assigned = _wrap(_model(True), hp.fully_shard)
+    assigned.load_state_dict({k: v.detach().clone() for k, v in plain.state_dict().items()}, assign=True)
+    for model in (resumed, assigned):
+        inputs = []
+        _train(model, rank, world, steps=1, record=inputs)
+        assert any(dtype == torch.uint8 for dtype, _ in inputs)
+    diffs.append(max((a - _full(resumed)[k]).abs().max().item() for k, a in _full(assigned).items()))
     return diffs
 
 
 def test_float8_checkpoint_resumes_without_float8_and_back(tmp_path):
     for diffs in run_on_ranks(2, _checkpoint_round_trip, str(tmp_path), timeout=120):
-        assert diffs == [0.0, 0.0], diffs
+        assert diffs == [0.0, 0.0, 0.0], diffs

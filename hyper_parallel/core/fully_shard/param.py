@@ -138,10 +138,13 @@ class HSDPParam:
                                               requires_grad=self.requires_grad)
         else:
             current = local_tensor(self.sharded_param)
-            data = extension_data(current) if self.extension else current
+            # A replacement with a plain local tensor (load_state_dict(assign=True) of a
+            # checkpoint's DTensors) keeps the extension of the tensor it replaced.
+            template = current if is_extension(current) else self._bound_local
+            data = extension_data(current) if self.extension and current is template else current
             if not data.is_meta and data.data_ptr() != local.data_ptr():
                 local.copy_(data)
-            local = wrap_like(current, local) if self.extension else local
+            local = wrap_like(template, local) if self.extension else local
         self._bound_local = local
         set_local_tensor(self.sharded_param, local)
 
