@@ -187,6 +187,8 @@ def _uneven():
 
 
 def _hsdp():
+    with pytest.raises(ValueError, match=r"reshard_after_forward=2 \(an int\) is not supported"):
+        hp.fully_shard(_model(True)[0], reshard_after_forward=2)  # 4 ranks: post-forward pairs
     return {"hsdp": _parity_with_torch(mesh_shape=(2, 2))}
 
 

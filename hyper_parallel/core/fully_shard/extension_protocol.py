@@ -41,11 +41,12 @@ def is_extension(local: torch.Tensor) -> bool:
     Raises:
         ValueError: it defines only one of the two hooks.
     """
-    pre, post = hasattr(local, "fsdp_pre_all_gather"), hasattr(local, "fsdp_post_all_gather")
-    if pre != post:
+    if isinstance(local, AllGatherExtension):
+        return True
+    if hasattr(local, "fsdp_pre_all_gather") or hasattr(local, "fsdp_post_all_gather"):
         raise ValueError(f"{type(local).__name__} defines only one of fsdp_pre_all_gather / "
                          "fsdp_post_all_gather: an all-gather extension needs both")
-    return pre
+    return False
 
 
 def _data_name(tensor: torch.Tensor) -> str:
