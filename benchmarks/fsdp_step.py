@@ -8,6 +8,12 @@ are timed alternately in the same processes, so machine load hits both alike. Se
     torchrun --standalone --nproc_per_node=4 benchmarks/fsdp_step.py --hsdp
     python benchmarks/fsdp_step.py [--hsdp]       # spawns the ranks itself (2, or 4 with --hsdp)
     torchrun --standalone --nproc_per_node=$NGPU benchmarks/fsdp_step.py --device cuda [--compile]
+    python benchmarks/fsdp_step.py --float8        # torchao float8 linears (pip install hyper_parallel[float8])
+
+With ``--float8`` both wrap the same torchao float8 model (tensorwise); ours all-gathers the
+float8 weights as bytes and precomputes their scales after the optimizer step, torch's gathers
+them in full precision (its float8 all-gather cannot run on gloo). The all-gather bytes each
+rank puts in during one step are reported per dtype.
 
 On an accelerator (``--device cuda``) the implementations run one after the other in the same
 processes (``--separate``), each built from the same seed on the meta device, bf16 mixed
@@ -25,7 +31,9 @@ import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Dict, List
+from collections import Counter
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -39,6 +47,7 @@ import hyper_parallel as hp
 from hyper_parallel.models import build_llama
 from hyper_parallel.models.llama import CONFIGS
 from hyper_parallel.platform import free_port, get_platform
+from hyper_parallel.trainer.float8 import convert_to_float8, precompute_scales
 
 IMPLS = ("torch", "ours")
 _SHARD_FNS = {"torch": lambda: torch_fully_shard, "ours": lambda: hp.fully_shard}
@@ -53,6 +62,7 @@ class ImplResult:
     resident_bytes: int = 0  # max over ranks, held between steps
     losses: List[float] = field(default_factory=list)  # global-batch loss at steps 1 and 2
     peak_reserved_bytes: int = 0  # --separate on an accelerator: the allocator's peak reserved
+    all_gather_bytes: Dict[str, int] = field(default_factory=dict)  # rank 0, one step, by dtype
 
     @property
     def median_step_s(self) -> float:
@@ -82,6 +92,8 @@ def _parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--layers", type=int, help="override the model's number of blocks (groups)")
     parser.add_argument("--batch", type=int, help="sequences per rank (default 2 on cpu, 4 on cuda)")
     parser.add_argument("--seq", type=int, help="default 256 on cpu, 2048 on cuda")
+    parser.add_argument("--float8", action="store_true",
+                        help="torchao float8 linears (tensorwise); ours gathers them in float8")
     parser.add_argument("--json", help="also write the results to this file (rank 0)")
     parser.add_argument("--profile", action="store_true",
                         help="print rank 0's torch.profiler op table for one extra step of each")
@@ -108,7 +120,10 @@ def _mp_policy(name: str, args: argparse.Namespace):
 
 
 def _wrap(model: torch.nn.Module, name: str, mesh, args: argparse.Namespace) -> torch.nn.Module:
-    """(Compile and) shard every block, then the root, with ``name``'s fully_shard."""
+    """(Convert to float8,) (compile and) shard every block, then the root, with ``name``'s
+    fully_shard."""
+    if args.float8:
+        convert_to_float8(model, "tensorwise", float8_all_gather=name == "ours")
     shard_fn = _SHARD_FNS[name]()
     policy = _mp_policy(name, args)
     kw = {} if policy is None else {"mp_policy": policy}
@@ -118,6 +133,29 @@ def _wrap(model: torch.nn.Module, name: str, mesh, args: argparse.Namespace) -> 
         shard_fn(block, mesh=mesh, **kw)
     shard_fn(model, mesh=mesh, **kw)
     return model
+
+
+def _optimizer(model: torch.nn.Module, name: str, args: argparse.Namespace) -> torch.optim.Optimizer:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if args.float8 and name == "ours":  # one all-reduce for all float8 scales per step
+        optimizer.register_step_post_hook(lambda *_: precompute_scales(model))
+    return optimizer
+
+
+@contextmanager
+def _counted_all_gathers() -> Iterator[Counter]:
+    """Bytes this rank passes into all-gathers (torch's FSDP2 and ours both call
+    ``dist.all_gather_single``) inside the block, by dtype."""
+    counts, original = Counter(), dist.all_gather_single
+
+    def counting(output, input, *args, **kwargs):
+        counts[str(input.dtype).replace("torch.", "")] += input.numel() * input.element_size()
+        return original(output, input, *args, **kwargs)
+    dist.all_gather_single = counting
+    try:
+        yield counts
+    finally:
+        dist.all_gather_single = original
 
 
 def _step(model, optimizer, tokens: torch.Tensor) -> float:
@@ -171,7 +209,7 @@ def _warm_up(args, mesh, tokens) -> None:
     """
     for name in IMPLS:
         model = _wrap(build_llama(args.model, n_layers=1, max_seq_len=args.seq), name, mesh, args)
-        _step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), tokens)
+        _step(model, _optimizer(model, name, args), tokens)
 
 
 def _build_impl(name: str, reference: torch.nn.Module, mesh, tokens, result: ImplResult,
@@ -184,11 +222,13 @@ def _build_impl(name: str, reference: torch.nn.Module, mesh, tokens, result: Imp
     gc.collect()
     before = _rss_bytes("VmRSS")
     model = _wrap(copy.deepcopy(reference), name, mesh, args)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optimizer = _optimizer(model, name, args)
     result.losses.append(_over_ranks(_step(model, optimizer, tokens), dist.ReduceOp.AVG))
     gc.collect()
     _reset_peak_rss()
-    result.losses.append(_over_ranks(_step(model, optimizer, tokens), dist.ReduceOp.AVG))
+    with _counted_all_gathers() as counts:
+        result.losses.append(_over_ranks(_step(model, optimizer, tokens), dist.ReduceOp.AVG))
+    result.all_gather_bytes = dict(counts)
     result.peak_step_bytes = int(_over_ranks(_rss_bytes("VmHWM") - before))
     gc.collect()
     result.resident_bytes = int(_over_ranks(_rss_bytes("VmRSS") - before))
@@ -262,9 +302,11 @@ def _run_separately(args: argparse.Namespace, mesh, tokens: torch.Tensor) -> Dic
         _wrap(model, name, mesh, args)
         model.to_empty(device=platform.current_device())
         model.init_weights(0)
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        optimizer = _optimizer(model, name, args)
         for _ in range(2):
-            result.losses.append(_over_ranks(_step(model, optimizer, tokens), dist.ReduceOp.AVG))
+            with _counted_all_gathers() as counts:
+                result.losses.append(_over_ranks(_step(model, optimizer, tokens), dist.ReduceOp.AVG))
+        result.all_gather_bytes = dict(counts)
         platform.synchronize()
         gc.collect()
         before = _rss_bytes("VmRSS")
@@ -305,6 +347,7 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
     blocks = f" ({args.layers} blocks)" if args.layers is not None else ""
     how = "one after the other" if args.separate else f"alternating, chunks of {args.chunk}"
     compiled = f", compiled ({args.compile_backend})" if args.compile else ", eager"
+    compiled += ", float8 tensorwise" if args.float8 else ""
     print(f"\n{args.model}{blocks}, {layout} {get_platform().backend} ranks, batch {args.batch}/rank x "
           f"seq {args.seq}, {args.mixed_precision}{compiled}, {len(torch_r.step_times_s)} timed steps each ({how})")
     print(f"{'':16}{'median step s':>14}{'min..max s':>16}{'median CPU s':>14}{'peak step MB':>14}"
@@ -327,6 +370,18 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
         "peak_step_memory": ours_r.peak_step_bytes / torch_r.peak_step_bytes,
         "resident_memory": ours_r.resident_bytes / torch_r.resident_bytes,
     }
+    for name, r in results.items():
+        by_dtype = ", ".join(f"{dtype} {n / mb:.2f}" for dtype, n in sorted(r.all_gather_bytes.items()))
+        print(f"{name:16}all-gather MB into one step (rank 0): {sum(r.all_gather_bytes.values()) / mb:.2f} ({by_dtype})")
+    ratios["all_gather_bytes"] = sum(ours_r.all_gather_bytes.values()) / sum(torch_r.all_gather_bytes.values())
+    if args.float8:
+        # Both gather everything else alike: torch's extra bytes are what it gathered for the
+        # weights ours gathered as float8 (uint8).
+        float8 = ours_r.all_gather_bytes.get("uint8", 0)
+        same_weights = sum(torch_r.all_gather_bytes.values()) - (sum(ours_r.all_gather_bytes.values()) - float8)
+        ratios["float8_layer_all_gather_bytes"] = float8 / same_weights
+        print(f"float8 layers: ours {float8 / mb:.3f} MB (float8) vs torch {same_weights / mb:.3f} MB "
+              f"({args.mixed_precision}): {ratios['float8_layer_all_gather_bytes']:.3f}x")
     if torch_r.peak_reserved_bytes:
         ratios["peak_reserved_memory"] = ours_r.peak_reserved_bytes / torch_r.peak_reserved_bytes
     print(f"{'ours/torch':16}{ratios['step_time']:>14.3f}{'':16}{ratios['cpu_time']:>14.3f}"

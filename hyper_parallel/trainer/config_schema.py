@@ -44,6 +44,8 @@ class TrainingConfig:
     device: str = key("auto", choices=("auto", "cpu"))  # auto (the platform's accelerator, else cpu) | cpu
     compile: bool = key(False)                        # torch.compile each block (after activation checkpointing, before fully_shard)
     compile_backend: str = key("inductor")            # torch.compile backend when compile=true (aot_eager: no codegen)
+    float8: bool = key(False)                           # torchao float8 linears (hyper_parallel[float8]); the output layer stays high precision
+    float8_recipe: str = key("tensorwise", choices=("tensorwise", "rowwise"))  # tensorwise: float8 all-gather | rowwise (H100+)
     stop_after_steps: Optional[int] = key(None, min=1)  # stop (with a checkpoint) after N steps of this job
     time_limit_minutes: Optional[float] = key(None, min=0, min_open=True)  # stop (with a checkpoint) before N minutes
     peak_tflops: Optional[float] = key(None, min=0, min_open=True)  # per-device peak for MFU (null: the built-in table)

@@ -24,6 +24,7 @@ from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
 from hyper_parallel.trainer.config import ConfigError, model_overrides, typed_config
 from hyper_parallel.trainer.config_schema import ParallelDims, TrainConfig, llama_config, shape
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
+from hyper_parallel.trainer.float8 import precompute_scales
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.optimizer import build_optimizer
@@ -49,13 +50,15 @@ def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
-               *, grad_accum_steps: int, max_grad_norm: float) -> Dict[str, torch.Tensor]:
+               *, grad_accum_steps: int, max_grad_norm: float, float8_scales: bool = False
+               ) -> Dict[str, torch.Tensor]:
     """One optimizer step on this rank's slice of the global batch.
 
     ``batch`` is ``(local_batch, seq_len + 1)``; it is split into ``grad_accum_steps``
     micro-batches whose gradients accumulate locally, synchronised only on the last one.
     Returns 0-dim tensors (no host sync): this rank's mean ``loss`` and the global
-    ``grad_norm`` before clipping.
+    ``grad_norm`` before clipping. ``float8_scales``: after the step, compute the next
+    all-gathers' float8 scales of all tensorwise float8 weights with one all-reduce.
     """
     import hyper_parallel as hp
 
@@ -72,6 +75,8 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = hp.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
+    if float8_scales:
+        precompute_scales(model)
     optimizer.zero_grad(set_to_none=True)
     return {"loss": loss_sum / grad_accum_steps, "grad_norm": grad_norm}
 
@@ -155,7 +160,8 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
     model = together(device, lambda: build_model(
         cfg.model, mesh=mesh, device=device, seed=t.seed, mixed_precision=cfg.parallel.mixed_precision,
         reshard_after_forward=cfg.parallel.reshard_after_forward,
-        compile_backend=t.compile_backend if t.compile else None))
+        compile_backend=t.compile_backend if t.compile else None,
+        float8_recipe=t.float8_recipe if t.float8 else None))
     # Every rank starts training from the same global generator state (the checkpoint stores it).
     torch.manual_seed(t.seed + 1)
     optimizer = build_optimizer(model, cfg.optim)
@@ -331,7 +337,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         platform.reset_peak_memory()
         lr = job.schedule.step()
         result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
-                            max_grad_norm=t.max_grad_norm)
+                            max_grad_norm=t.max_grad_norm, float8_scales=t.float8 and t.float8_recipe == "tensorwise")
         job.loader.advance()
         step += 1
         batch, error = _peek_batch(job, step + 1) if step < t.steps else (None, None)

@@ -14,6 +14,7 @@ from torch.utils.checkpoint import checkpoint
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.trainer.config import ConfigError
 from hyper_parallel.trainer.config_schema import ModelConfig, ParallelDims, llama_config
+from hyper_parallel.trainer.float8 import convert_to_float8
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
@@ -64,11 +65,12 @@ def compile_blocks(model: Transformer, backend: str) -> None:
 
 def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device, seed: int,
                 mixed_precision: str = "fp32", reshard_after_forward: bool = True,
-                compile_backend: Optional[str] = None) -> nn.Module:
+                compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None) -> nn.Module:
     """Build the configured model without allocating full weights, shard it, initialise it.
 
-    Order: activation checkpointing, then per-block ``torch.compile`` with ``compile_backend``
-    (None: eager), then ``fully_shard``.
+    Order (torchtitan's): float8 conversion with ``float8_recipe`` (None: none), activation
+    checkpointing, then per-block ``torch.compile`` with ``compile_backend`` (None: eager),
+    then ``fully_shard``.
 
     With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
     reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
@@ -82,6 +84,8 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
     """
     with torch.device("meta"):
         model = Transformer(llama_config(model_cfg))
+    if float8_recipe is not None:
+        convert_to_float8(model, float8_recipe)
     if model_cfg.activation_checkpointing:
         apply_activation_checkpointing(model)
     if compile_backend is not None:

@@ -29,6 +29,7 @@ from hyper_parallel.trainer.config import ConfigError, problems_message
 from hyper_parallel.trainer.config_schema import (
     ParallelDims, SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig, llama_config)
 from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
+from hyper_parallel.trainer.float8 import float8_problems
 from hyper_parallel.utils.units import format_bytes
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments.
@@ -44,7 +45,7 @@ def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: i
         ConfigError: listing every problem found.
     """
     problems = (folder_problems(cfg) + init_from_problems(cfg) + resume_problems(cfg) + data_problems(cfg)
-                + memory_problems(cfg, dims, ranks_per_node))
+                + float8_problems(cfg) + memory_problems(cfg, dims, ranks_per_node))
     if problems:
         raise ConfigError(problems_message("cannot start", problems))
 

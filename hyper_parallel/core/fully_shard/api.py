@@ -195,6 +195,10 @@ def fully_shard(
             params.append(HSDPParam(param, slots, dp, _shard_dim(param, shard_placement_fn)))
         except ValueError as err:
             raise ValueError(f"parameter {name!r}: {err}") from err
+    if post_forward_group is not None and any(p.extension for p in params):
+        raise ValueError(f"reshard_after_forward={post_forward_group[0]} (an int) is not supported for "
+                         "parameters with all-gather extensions (fsdp_pre_all_gather, e.g. torchao float8 "
+                         "weights): use True or False")
     group = HSDPParamGroup(params, dp, mp_policy, offload_policy, reshard_after_forward, post_forward_group)
     for hsdp_param in params:
         hsdp_param.use_sharded()

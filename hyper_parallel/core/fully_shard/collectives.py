@@ -1,19 +1,21 @@
 """The only place that calls torch.distributed collectives for fully_shard.
 
 Every call is counted (``collective_counts``) so tests can check that a parameter group issues
-one all-gather / reduce-scatter / all-reduce per pass; :func:`profiler_label` names the
-profiler ranges around them.
+one all-gather / reduce-scatter / all-reduce per pass, and so are the bytes each rank puts in
+(``collective_bytes``, by collective and dtype: e.g. float8 weights gathered as ``uint8``);
+:func:`profiler_label` names the profiler ranges around them.
 """
 
 from __future__ import annotations
 
 from collections import Counter
-from typing import Dict, Optional
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 _COUNTS: Counter = Counter()
+_BYTES: Counter = Counter()
 # The torch.distributed functions are looked up at call time (not bound at import) so that
 # instrumentation patching them (e.g. torch.testing's patch_all_gather) sees these calls.
 
@@ -23,8 +25,20 @@ def collective_counts() -> Dict[str, int]:
     return dict(_COUNTS)
 
 
+def collective_bytes() -> Dict[Tuple[str, torch.dtype], int]:
+    """Bytes this rank passed into fully_shard's collectives since the last reset, by
+    (collective, dtype)."""
+    return dict(_BYTES)
+
+
 def reset_collective_counts() -> None:
     _COUNTS.clear()
+    _BYTES.clear()
+
+
+def _count(name: str, tensor: torch.Tensor) -> None:
+    _COUNTS[name] += 1
+    _BYTES[(name, tensor.dtype)] += tensor.numel() * tensor.element_size()
 
 
 def profiler_label(name: str, module_fqn: str) -> str:
@@ -36,19 +50,19 @@ def profiler_label(name: str, module_fqn: str) -> str:
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                async_op: bool) -> Optional[dist.Work]:
     """Gather every rank's flat ``shard`` into the flat ``output`` (rank-major)."""
-    _COUNTS["all_gather"] += 1
+    _count("all_gather", shard)
     return dist.all_gather_single(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
                    async_op: bool) -> Optional[dist.Work]:
     """Sum the flat ``full`` (rank-major chunks) over ``group``; this rank's chunk into ``output``."""
-    _COUNTS["reduce_scatter"] += 1
+    _count("reduce_scatter", full)
     return dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
                                       async_op=async_op)
 
 
 def all_reduce(tensor: torch.Tensor, group: dist.ProcessGroup, async_op: bool) -> Optional[dist.Work]:
     """Sum ``tensor`` in place over ``group``."""
-    _COUNTS["all_reduce"] += 1
+    _count("all_reduce", tensor)
     return dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=group, async_op=async_op)

@@ -43,6 +43,7 @@ class FlatBucket:
         # Which trainable parameters had a gradient on this rank since the last assign_grads.
         self.local_grads: Optional[List[bool]] = None
         self.gathered_version = -1  # _shard_version() at the last all-gather
+        self.device: Optional[torch.device] = None  # of the unsharded parameters, once bound
 
     def update_trainable(self) -> None:
         """Take the parameters' current ``requires_grad``: frozen ones are not reduced."""
@@ -72,6 +73,7 @@ class FlatBucket:
             param.bind_shard(piece)
 
     def bind_unsharded(self, device: torch.device) -> None:
+        self.device = device
         self.unsharded_flat = torch.empty(self.world * self.total, dtype=self.compute_dtype, device=device)
         segments = self.unsharded_flat.split([self.world * n for n in self.sizes])
         self._copy_out_views = [seg.view(self.world, n) for seg, n in zip(segments, self.sizes)]
@@ -143,7 +145,7 @@ class FlatBucket:
         if self.local_grads is not None:  # HSDP partial sum pending
             present = [a or b for a, b in zip(self.local_grads, present)]
         self.local_grads = present
-        device = self.unsharded_flat.device
+        device = self.device
         accumulated = any(p.accumulated_grad is not None for p in self.trainable)
         dtype = self.reduce_dtype if accumulated else self.compute_dtype
         grads = [p.reduce_scatter_input(dtype, device) for p in self.trainable]

@@ -45,6 +45,14 @@ class DataParallelMesh:
         """Number of data-parallel ranks gradients are averaged over."""
         return self.shard_size * self.replicate_size
 
+    def shard_mesh(self) -> DeviceMesh:
+        """The 1-D mesh of this rank's shard group (what all-gather extensions are passed)."""
+        if not self.is_hsdp:
+            return self.mesh
+        if self.mesh.mesh_dim_names is not None:
+            return self.mesh[self.mesh.mesh_dim_names[-1]]
+        return DeviceMesh.from_group(self.shard_group, self.mesh.device_type)
+
     def placements(self, shard: Placement) -> Tuple[Placement, ...]:
         return (Replicate(), shard) if self.is_hsdp else (shard,)
 

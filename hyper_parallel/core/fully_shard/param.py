@@ -13,6 +13,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from hyper_parallel._torch_compat import (DTensorSpec, TensorMeta, dtensor_spec, local_tensor, module_parameters,
                                           post_accumulate_grad_hooks,
                                           set_local_tensor)
+from hyper_parallel.core.fully_shard.extension_protocol import extension_data, is_extension, wrap_like
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh, sharded_layout
 
 
@@ -66,6 +67,9 @@ class HSDPParam:
         self.global_shape = tuple(param.shape)
         self.shard_dim = shard_dim % local.ndim
         self.dtype = local.dtype
+        # The local tensor is an all-gather extension subclass (torchao float8 weights):
+        # gathered through its hooks by an ExtensionBucket; the shard keeps the subclass.
+        self.extension = is_extension(local)
         self.unsharded_local_shape = tuple(local.shape)
         size = local.shape[self.shard_dim]
         self.world = dp.shard_size
@@ -96,7 +100,8 @@ class HSDPParam:
         """Unpadded local shard (contiguous, original dim order) viewing a flat padded slot."""
         return padded_flat[:self.valid * self.rest_numel].view(self.local_shape)
 
-    def _rank_valid(self) -> List[int]:
+    def rank_valid(self) -> List[int]:
+        """Each rank's number of valid (unpadded) slices on the shard dim."""
         size = self.unsharded_local_shape[self.shard_dim]
         return [max(0, min(self.chunk, size - r * self.chunk)) for r in range(self.world)]
 
@@ -105,7 +110,7 @@ class HSDPParam:
         ``r`` holds rank ``r``'s shard flattened, then zeros."""
         rows = full.new_zeros(self.world, self.shard_numel)
         start = 0
-        for r, valid in enumerate(self._rank_valid()):
+        for r, valid in enumerate(self.rank_valid()):
             rows[r, :valid * self.rest_numel].view(self._rows_shape(valid)).copy_(
                 full.narrow(self.shard_dim, start, valid))
             start += valid
@@ -115,7 +120,7 @@ class HSDPParam:
         """Inverse of :meth:`rank_rows` (``d > 0``): concatenate the rank rows of an all-gather
         into the unsharded parameter's storage."""
         pieces = [rows[r, :valid * self.rest_numel].view(self._rows_shape(valid))
-                  for r, valid in enumerate(self._rank_valid())]
+                  for r, valid in enumerate(self.rank_valid())]
         torch.cat(pieces, dim=self.shard_dim, out=self.unsharded_data)
 
     def bind_shard(self, padded_flat: torch.Tensor) -> None:
@@ -128,12 +133,18 @@ class HSDPParam:
             self._initial_local = None
             if not source.is_meta:
                 local.copy_(source.narrow(self.shard_dim, self.shard_offset, self.valid))
+            local = wrap_like(source, local) if self.extension else local
             self.sharded_param = nn.Parameter(DTensor(local, self.spec, requires_grad=False),
                                               requires_grad=self.requires_grad)
         else:
             current = local_tensor(self.sharded_param)
-            if not current.is_meta and current.data_ptr() != local.data_ptr():
-                local.copy_(current)
+            # A replacement with a plain local tensor (load_state_dict(assign=True) of a
+            # checkpoint's DTensors) keeps the extension of the tensor it replaced.
+            template = current if is_extension(current) else self._bound_local
+            data = extension_data(current) if self.extension and current is template else current
+            if not data.is_meta and data.data_ptr() != local.data_ptr():
+                local.copy_(data)
+            local = wrap_like(template, local) if self.extension else local
         self._bound_local = local
         set_local_tensor(self.sharded_param, local)
 
@@ -179,10 +190,20 @@ class HSDPParam:
                              f"{self.spec.mesh} with {self.spec.placements}")
         return new if isinstance(new, nn.Parameter) else nn.Parameter(new, requires_grad=new.requires_grad)
 
+    def sharded_local(self) -> torch.Tensor:
+        """The sharded parameter's local tensor (an extension's subclass, for those)."""
+        return local_tensor(self.sharded_param)
+
     def bind_unsharded(self, padded_full_flat: torch.Tensor) -> None:
         """Create the unsharded parameter as a view of its slot in the group's unsharded buffer."""
         full = padded_full_flat[:math.prod(self.unsharded_local_shape)].view(self.unsharded_local_shape)
         self.unsharded_data = full
+        self.bind_unsharded_tensor(full)
+
+    def bind_unsharded_tensor(self, full: torch.Tensor) -> None:
+        """Make ``full`` (unsharded local shape; an extension's ``fsdp_post_all_gather``
+        result, or a view of the unsharded buffer) the unsharded parameter."""
+        full = torch.as_strided(full, self.unsharded_local_shape, _contiguous_stride(self.unsharded_local_shape))
         if self.tp_mesh is not None:
             full = DTensor.from_local(full, self.tp_mesh, self.tp_placements, run_check=False,
                                       shape=torch.Size(self.global_shape),

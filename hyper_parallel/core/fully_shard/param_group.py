@@ -17,6 +17,7 @@ from torch.profiler import record_function
 
 from hyper_parallel._torch_compat import disable_functorch_if_active, local_tensor, module_parameters
 from hyper_parallel.core.fully_shard import collectives
+from hyper_parallel.core.fully_shard.extension_bucket import ExtensionBucket
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
 from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingReduce, PostForwardShards
 from hyper_parallel.core.fully_shard.offload import GradOffload
@@ -49,6 +50,18 @@ class ParamSlot(NamedTuple):
 
     def register(self) -> None:
         self.registry[self.name] = self.param
+
+
+class UnshardedSlot(NamedTuple):
+    """A module attribute that an unshard points at its parameter's unsharded tensor. It holds
+    the parameter, not that tensor: a tensor-subclass extension's is built by its first gather."""
+
+    registry: Dict[str, Optional[torch.nn.Parameter]]
+    name: str
+    param: HSDPParam
+
+    def register(self) -> None:
+        self.registry[self.name] = self.param.unsharded_param
 
 
 def _divide_factors(world: int) -> Tuple[float, float]:
@@ -105,7 +118,7 @@ class HSDPParamGroup:
         self._all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
         self._all_reduce_hook_stream: Optional[Any] = None  # None: the reduce-scatter stream
         self._sharded_slots: List[ParamSlot] = []
-        self._unsharded_slots: List[ParamSlot] = []
+        self._unsharded_slots: List[UnshardedSlot] = []
         override = mp_policy.param_dtype_override_fn  # sees the parameters before sharding
         self._compute_dtypes = [(override and override(p.original())) or mp_policy.param_dtype for p in params]
         self._bind_buckets([p._initial_local.device for p in params], pin=False)
@@ -117,18 +130,22 @@ class HSDPParamGroup:
         module_parameters(module)[name] = param.sharded_param
         self._sharded_slots.append(ParamSlot(module_parameters(module), name, param.sharded_param))
         if self._initialized:
-            self._unsharded_slots.append(ParamSlot(module_parameters(module), name, param.unsharded_param))
+            self._unsharded_slots.append(UnshardedSlot(module_parameters(module), name, param))
 
     def _bind_buckets(self, devices: List[torch.device], pin: bool) -> None:
         """Bucket the parameters by their current dtype, bind their shards into flat buffers on
         ``devices`` (the first of each bucket's parameters decides; CPU when offloading) and,
         once initialised, their unsharded parameters."""
-        by_dtype: Dict[Tuple[torch.dtype, Optional[torch.dtype]], List[Tuple[HSDPParam, torch.device]]] = {}
+        by_dtype: Dict[Tuple[torch.dtype, Optional[torch.dtype], bool], List[Tuple[HSDPParam, torch.device]]] = {}
         for param, compute_dtype, device in zip(self.params, self._compute_dtypes, devices):
-            by_dtype.setdefault((param.dtype, compute_dtype), []).append((param, device))
+            by_dtype.setdefault((param.dtype, compute_dtype, param.extension), []).append((param, device))
         self.buckets = []
-        for (_, compute_dtype), entries in by_dtype.items():
-            bucket = FlatBucket([p for p, _ in entries], self.dp.shard_size, self.mp_policy, compute_dtype)
+        for (_, compute_dtype, extension), entries in by_dtype.items():
+            params = [p for p, _ in entries]
+            if extension:  # gathered through the parameters' fsdp_pre/post_all_gather
+                bucket = ExtensionBucket(params, self.dp.shard_size, self.mp_policy, compute_dtype, self.dp.shard_mesh())
+            else:
+                bucket = FlatBucket(params, self.dp.shard_size, self.mp_policy, compute_dtype)
             device = entries[0][1]
             bucket.bind_shards(torch.device("cpu") if self.offload and device.type != "meta" else device, pin)
             self.buckets.append(bucket)
@@ -140,8 +157,7 @@ class HSDPParamGroup:
     def _bind_unsharded(self) -> None:
         for bucket in self.buckets:
             bucket.bind_unsharded(self.device)
-        self._unsharded_slots = [ParamSlot(module_parameters(m), n, p.unsharded_param)
-                                 for p in self.params for m, n in p.slots]
+        self._unsharded_slots = [UnshardedSlot(module_parameters(m), n, p) for p in self.params for m, n in p.slots]
 
     def _adopt_replacements(self) -> bool:
         """Rebind after parameters were replaced on the modules or converted (``setattr``,
@@ -160,7 +176,8 @@ class HSDPParamGroup:
             requires_grad = param.sharded_param.requires_grad
             if param.requires_grad != requires_grad:
                 param.requires_grad = requires_grad
-                param.unsharded_param.requires_grad_(requires_grad)
+                if param.unsharded_param is not None:
+                    param.unsharded_param.requires_grad_(requires_grad)
                 changed = True
         if changed:
             for bucket in self.buckets:

@@ -1,0 +1,59 @@
+"""``training.float8``: the recipe's model with torchao float8 linears, sharded by fully_shard."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from hyper_parallel._torch_compat import local_tensor
+from hyper_parallel.core.fully_shard import collectives
+from hyper_parallel.data import DistributedBatchLoader, MarkovSource
+from hyper_parallel.trainer import compose_config, train_step, validate_config
+from hyper_parallel.trainer import float8 as float8_keys
+from hyper_parallel.trainer.loop import build_optimizer
+from hyper_parallel.trainer.parallelize import build_mesh, build_model
+from tests.multirank import run_on_ranks
+
+OVERRIDES = ["model.dim=32", "model.n_layers=2", "model.ffn_hidden_dim=64", "model.activation_checkpointing=true",
+             "optim.warmup_steps=0", "training.float8=true"]
+
+
+def test_missing_torchao_is_one_clear_line(monkeypatch):
+    monkeypatch.setattr(float8_keys, "available", lambda package: package != "torchao")
+    assert float8_keys.float8_problems(compose_config(OVERRIDES)) == [
+        "training.float8=true needs the 'torchao' package: pip install 'hyper_parallel[float8]', "
+        "or set training.float8=false"]
+    assert float8_keys.float8_problems(compose_config(OVERRIDES[:-1])) == []
+
+
+def _float8_steps(recipe):
+    torch.manual_seed(0)
+    cfg = compose_config(OVERRIDES + [f"training.float8_recipe={recipe}"])
+    dims = validate_config(cfg, dist.get_world_size())
+    cpu = torch.device("cpu")
+    model = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=cpu, seed=0, float8_recipe=recipe)
+    names = sorted({type(m).__name__ for m in (model.layers[0].attention.wq, model.layers[0].feed_forward.w1,
+                                              model.output)})
+    opt = build_optimizer(model, cfg.optim)
+    loader = DistributedBatchLoader(MarkovSource(256, 16, seed=1), 8, dp_rank=dist.get_rank(),
+                                    dp_size=dist.get_world_size())
+    losses, gathered = [], set()
+    for _ in range(3):
+        collectives.reset_collective_counts()
+        result = train_step(model, loader.next_batch(), opt, grad_accum_steps=1, max_grad_norm=1.0,
+                            float8_scales=recipe == "tensorwise")
+        gathered |= {str(dtype) for _, dtype in collectives.collective_bytes()}
+        losses.append(float(result["loss"]))
+    scales = [local_tensor(m.weight)._precomputed_scale is not None for m in model.modules()
+              if type(m).__name__ == "Float8Linear" and recipe == "tensorwise"]
+    return names, losses, sorted(gathered), scales
+
+
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_float8_recipe_trains(recipe):
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'hyper_parallel[float8]')")
+    for names, losses, gathered, scales in run_on_ranks(2, _float8_steps, recipe, timeout=180):
+        assert names == ["Float8Linear", "Linear"], names  # the output layer stays high precision
+        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
+        # tensorwise: weights gathered as float8 bytes; scales precomputed after each step.
+        assert ("torch.uint8" in gathered) == (recipe == "tensorwise"), gathered
+        assert all(scales) and (len(scales) > 0) == (recipe == "tensorwise"), scales
