@@ -39,12 +39,17 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 __all__ = ["apply_tensor_parallel", "block_plan", "cross_entropy", "loss_parallel", "root_plan"]
 
 
+# Activations between blocks stay DTensors sharded over the sequence (use_local_output=False on
+# the embedding, wo and w2): a torch.compile'd block whose input is the local tensor of a
+# redistribute gets a plain gradient where that redistribute's backward needs a DTensor.
+
+
 def root_plan(*, vocab_parallel_loss: bool = True) -> Dict[str, ParallelStyle]:
     """The plan of the model outside its blocks: the embedding's output sharded over the
     sequence, the final norm sequence-parallel, and the logits sharded over the vocabulary
     (a DTensor, for :func:`cross_entropy`) or, with ``vocab_parallel_loss=False``, gathered."""
     return {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),
         "norm": SequenceParallel(),
         "output": ColwiseParallel(input_layouts=Shard(1),
                                   output_layouts=Shard(-1) if vocab_parallel_loss else Replicate(),
@@ -62,11 +67,11 @@ def block_plan() -> Dict[str, ParallelStyle]:
         "attention.wq": ColwiseParallel(),
         "attention.wk": ColwiseParallel(),
         "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+        "attention.wo": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "ffn_norm": SequenceParallel(),
         "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
         "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+        "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False),
         "feed_forward.w3": ColwiseParallel(),
     }
 
