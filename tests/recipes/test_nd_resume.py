@@ -114,5 +114,5 @@ def test_resume_matrix_fsdp4_to_tp2xfsdp2_to_fsdp2_continues_the_uninterrupted_l
     assert val[fsdp] and abs(val[fsdp][-1] - val[ref][-1]) <= 1e-4 * val[ref][-1], val
 
     listing = run([sys.executable, "-m", "hyper_parallel.checkpoint", "inspect", f"{tp}/checkpoints/step-4"]).stdout
-    assert "mesh 2x2 (shard,tp)" in listing, listing
+    assert "mesh 2x2 (shard,tp) placements [_S(0, 2),S(0)]" in listing, listing
 

@@ -135,3 +135,14 @@ def test_tensor_parallel_with_compile_and_bf16():
     bf16, dtypes = run_on_ranks(2, _tp_losses, "bf16", timeout=120)[0]
     assert dtypes == {"torch.float32"}  # fp32 master weights
     assert all(abs(b - e) <= 2e-2 * e for b, e in zip(bf16, eager)) and bf16 != eager, (bf16, eager)
+
+
+def test_llama_70b_preset_is_tp8_by_fsdp_over_nodes_with_the_documented_state_size():
+    from hyper_parallel.trainer.preflight import estimate_memory
+
+    cfg = compose_config(["+experiment=llama_70b_gpu", "data.path=corpus.bin"])
+    dims = validate_config(cfg, 64)  # 8 nodes of 8 GPUs
+    assert (dims.replicate, dims.shard, dims.tp) == (1, 8, 8)
+    est = estimate_memory(typed_config(cfg), dims)
+    assert est.parameters == 70_553_706_496  # docs/recipes.md, "N-D parallelism"
+    assert round(est.model_state / 1e9, 1) == 17.6
