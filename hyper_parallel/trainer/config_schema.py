@@ -258,8 +258,11 @@ class ParallelConfig:
                  "model.ffn_hidden_dim": llama.ffn_hidden_dim, "model.vocab_size": llama.vocab_size,
                  "training.seq_len": seq_len}
         bad = [f"{name}={size}" for name, size in sizes.items() if size % self.tp]
-        return [f"parallel.tp={self.tp} does not divide {', '.join(bad)} (tensor parallelism splits "
-                f"{'each' if len(bad) > 1 else 'it'} over the tp ranks; pick a tp that divides {'them' if len(bad) > 1 else 'it'})"] if bad else []
+        if not bad:
+            return []
+        each, them = ("each", "them") if len(bad) > 1 else ("it", "it")
+        return [f"parallel.tp={self.tp} does not divide {', '.join(bad)} (tensor parallelism splits {each} "
+                f"over the tp ranks; pick a tp that divides {them})"]
 
 
 @dataclass
