@@ -102,6 +102,8 @@ def test_tensor_parallel_with_fsdp_or_hsdp_matches_single_process_training(layou
     (["parallel.tp=2", "parallel.dp_shard=2"],
      "parallel.dp_replicate=1 x parallel.dp_shard=2 x parallel.tp=2 does not factor the world size 2"),
     (["parallel.tp=2", "model.n_kv_heads=1"], "parallel.tp=2 does not divide model.n_kv_heads=1"),
+    (["parallel.tp=2", "model.n_heads=3", "model.n_kv_heads=3", "model.dim=48"],
+     "parallel.tp=2 does not divide model.n_heads=3, model.n_kv_heads=3"),
     (["parallel.tp=2", "model.ffn_hidden_dim=33"], "parallel.tp=2 does not divide model.ffn_hidden_dim=33"),
     (["parallel.tp=2", "training.seq_len=7"], "parallel.tp=2 does not divide training.seq_len=7"),
     (["parallel.tp=2", "model.vocab_size=255"], "parallel.tp=2 does not divide model.vocab_size=255"),
