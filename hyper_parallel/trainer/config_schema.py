@@ -341,11 +341,6 @@ class TrainConfig:
         problems += m.problems(within("model"))
         if dims is not None and ok("training.seq_len") and all(ok(f"model.{f.name}") for f in fields(m)):
             problems += self.parallel.split_problems(m, t.seq_len)
-        if dims is not None and dims.tp > 1 and t.compile is True and m.activation_checkpointing is True:
-            # torch's AOT autograd saves a DeviceMesh among a checkpointed TP block's tensors and fails.
-            problems.append(f"parallel.tp={dims.tp} with training.compile=true and model.activation_checkpointing="
-                            "true is not supported yet (torch cannot compile a checkpointed tensor-parallel "
-                            "block); turn one of compile or activation checkpointing off")
         if ok("training.seq_len") and ok("model.max_seq_len") and t.seq_len > m.max_seq_len:
             problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         d = self.data

@@ -73,6 +73,15 @@ def compile_blocks(model: Transformer, backend: str) -> None:
         block.compile(backend=backend, fullgraph=True)
 
 
+def compile_block_forwards(model: Transformer, backend: str) -> None:
+    """``torch.compile`` each block's ``forward`` function rather than its module call, so that
+    activation checkpointing applied afterwards runs around the compiled code (used with tensor
+    parallelism: torch's AOT autograd cannot compile a checkpointed tensor-parallel block, it
+    saves a ``DeviceMesh`` among the region's tensors)."""
+    for block in model.layers:
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+
+
 def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device, seed: int,
                 mixed_precision: str = "fp32", reshard_after_forward: bool = True,
                 compile_backend: Optional[str] = None) -> nn.Module:
@@ -80,7 +89,9 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
 
     Order (torchtitan's): tensor parallelism over ``mesh["tp"]`` when the mesh has that dim,
     activation checkpointing, per-block ``torch.compile`` with ``compile_backend`` (None:
-    eager), then ``fully_shard`` over the data-parallel dims (:func:`dp_mesh`).
+    eager), then ``fully_shard`` over the data-parallel dims (:func:`dp_mesh`). With tensor
+    parallelism, compile and checkpointing, the checkpoint wraps the compiled block forward
+    instead (:func:`compile_block_forwards`).
 
     With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
     reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
@@ -94,12 +105,17 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
     """
     with torch.device("meta"):
         model = Transformer(llama_config(model_cfg))
-    if mesh is not None and "tp" in mesh.mesh_dim_names:
+    tensor_parallel = mesh is not None and "tp" in mesh.mesh_dim_names
+    if tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"])
-    if model_cfg.activation_checkpointing:
+    if tensor_parallel and compile_backend is not None and model_cfg.activation_checkpointing:
+        compile_block_forwards(model, compile_backend)  # checkpointing around the compiled code
         apply_activation_checkpointing(model)
-    if compile_backend is not None:
-        compile_blocks(model, compile_backend)
+    else:
+        if model_cfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if compile_backend is not None:
+            compile_blocks(model, compile_backend)
     if mesh is not None:
         shard_model(model, dp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)

@@ -107,22 +107,21 @@ def test_tensor_parallel_with_fsdp_or_hsdp_matches_single_process_training(layou
     (["parallel.tp=2", "model.ffn_hidden_dim=33"], "parallel.tp=2 does not divide model.ffn_hidden_dim=33"),
     (["parallel.tp=2", "training.seq_len=7"], "parallel.tp=2 does not divide training.seq_len=7"),
     (["parallel.tp=2", "model.vocab_size=255"], "parallel.tp=2 does not divide model.vocab_size=255"),
-    (["parallel.tp=2", "training.compile=true", "model.activation_checkpointing=true"],
-     "parallel.tp=2 with training.compile=true and model.activation_checkpointing=true is not supported yet"),
 ])
 def test_impossible_tensor_parallel_layouts_are_refused_in_one_line(check, overrides, expected):
     one_line_error(*check(*overrides)[::2], expected)
 
 
 def _tp_losses(variant: str):
-    """Two steps of TP2 x FSDP1 in float32: eager, compiled blocks (aot_eager), or bf16 mixed
-    precision; the losses and the parameters' dtype."""
+    """Two steps of TP2 x FSDP1 in float32: eager, compiled blocks (aot_eager; ``compiled_ac``:
+    with activation checkpointing), or bf16 mixed precision; the losses and the parameters' dtype."""
     cfg = typed_config(compose_config([*SMALL, "parallel.tp=2"]))
+    cfg.model.activation_checkpointing = variant == "compiled_ac"
     cpu = torch.device("cpu")
     dims = validate_config(compose_config([*SMALL, "parallel.tp=2"]), dist.get_world_size())
     model = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=cpu, seed=0,
                         mixed_precision="bf16" if variant == "bf16" else "fp32",
-                        compile_backend="aot_eager" if variant == "compiled" else None)
+                        compile_backend="aot_eager" if variant.startswith("compiled") else None)
     optimizer = build_optimizer(model, cfg.optim)
     loader = DistributedBatchLoader(MarkovSource(cfg.model.vocab_size, cfg.training.seq_len, seed=1), 4)
     losses = [float(train_step(model, loader.next_batch(), optimizer, grad_accum_steps=1, max_grad_norm=1.0)["loss"])
@@ -130,10 +129,11 @@ def _tp_losses(variant: str):
     return losses, {str(p.dtype) for p in model.parameters()}
 
 
-def test_tensor_parallel_with_compile_and_bf16():
+def test_tensor_parallel_with_compile_activation_checkpointing_and_bf16():
     eager = run_on_ranks(2, _tp_losses, "eager", timeout=120)[0][0]
-    compiled = run_on_ranks(2, _tp_losses, "compiled", timeout=300)[0][0]
-    assert all(abs(c - e) <= 1e-5 * e for c, e in zip(compiled, eager)), (compiled, eager)
+    for variant in ("compiled", "compiled_ac"):
+        compiled = run_on_ranks(2, _tp_losses, variant, timeout=300)[0][0]
+        assert all(abs(c - e) <= 1e-5 * e for c, e in zip(compiled, eager)), (variant, compiled, eager)
     bf16, dtypes = run_on_ranks(2, _tp_losses, "bf16", timeout=120)[0]
     assert dtypes == {"torch.float32"}  # fp32 master weights
     assert all(abs(b - e) <= 2e-2 * e for b, e in zip(bf16, eager)) and bf16 != eager, (bf16, eager)
