@@ -1,7 +1,7 @@
 """Checkpoints across N-D meshes: a checkpoint saved on one (dp_replicate, dp_shard, tp) layout
 loads every model and optimizer tensor bit-exactly on another, and a job resumed on another
-layout continues the uninterrupted run's losses (data order and LR included). In-process on
-the shared gloo rank pools."""
+layout continues the uninterrupted run's losses (data order and LR included); a transformers
+export initialises a tensor-parallel model. In-process on the shared gloo rank pools."""
 
 from __future__ import annotations
 
@@ -116,3 +116,38 @@ def test_resume_matrix_fsdp4_to_tp2xfsdp2_to_fsdp2_continues_the_uninterrupted_l
     listing = run([sys.executable, "-m", "hyper_parallel.checkpoint", "inspect", f"{tp}/checkpoints/step-4"]).stdout
     assert "mesh 2x2 (shard,tp) placements [_S(0, 2),S(0)]" in listing, listing
 
+
+
+def _init_from(overrides: List[str]) -> float:
+    """The largest difference between the plain model and the TP model initialised from its
+    transformers export (``model.init_from`` in ``overrides``)."""
+    from hyper_parallel.trainer.parallelize import build_mesh, build_model
+
+    composed = compose_config([*TINY, *overrides])
+    dims = validate_config(composed, dist.get_world_size())
+    cfg = typed_config(composed)
+    plain = build_model(cfg.model, mesh=None, device=torch.device("cpu"), seed=3)
+    sharded = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=torch.device("cpu"), seed=0)
+    plain_params = dict(plain.named_parameters())
+    return max((_full(p) - plain_params[n]).abs().max().item() for n, p in sharded.named_parameters())
+
+
+def test_init_from_a_transformers_export_loads_into_tensor_parallel(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from hyper_parallel.models import hf_llama
+    from hyper_parallel.models.llama import Transformer
+    from hyper_parallel.trainer.config import llama_config
+
+    cfg = llama_config(compose_config(TINY).model)
+    model = Transformer(cfg)
+    model.init_weights(seed=3)
+    (tmp_path / "hf").mkdir()
+    save_file(dict(item for item in (hf_llama.to_hf(k, v, cfg) for k, v in model.state_dict().items()) if item),
+              tmp_path / "hf" / "model.safetensors")
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(hf_llama.hf_config(cfg, torch.float32)))
+    diffs = run_on_ranks(2, _init_from, [*TP2_FSDP2, "parallel.dp_shard=1", f"model.init_from={tmp_path / 'hf'}"],
+                         timeout=120)
+    assert diffs == [0.0, 0.0], diffs
