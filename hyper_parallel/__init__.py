@@ -25,8 +25,9 @@ _LAZY = {
     "clip_grad_norm_": "hyper_parallel.core.grad_norm",
     "checkpoint": "hyper_parallel.checkpoint",
     "models": "hyper_parallel.models",
+    "parallel": "hyper_parallel.parallel",
 }
-_SUBMODULES = {"checkpoint", "models"}  # attributes that are the module itself
+_SUBMODULES = {"checkpoint", "models", "parallel"}  # attributes that are the module itself
 
 __all__ = [
     "DeviceMesh", "DTensor", "Partial", "Replicate", "Shard", "init_device_mesh",

@@ -216,6 +216,8 @@ CONFIGS = {
                      ffn_hidden_dim=8192, rope_theta=500000.0, max_seq_len=4096, tie_embeddings=True),
     "llama_8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                      ffn_hidden_dim=14336, rope_theta=500000.0, max_seq_len=8192),
+    "llama_70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                      ffn_hidden_dim=28672, rope_theta=500000.0, max_seq_len=8192),
 }
 
 

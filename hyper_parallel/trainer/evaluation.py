@@ -14,10 +14,10 @@ import math
 from typing import Dict, NamedTuple, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindows, build_source, split_windows
+from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.trainer.config_schema import TrainConfig
 from hyper_parallel.trainer.state import all_reduce_sum
 
@@ -88,7 +88,8 @@ class Evaluator:
     """Mean next-token loss over the first ``steps`` global batches of the validation source.
 
     Checks this rank's part (``dp_rank`` of ``dp_size``) of the validation data, token by
-    token, on construction.
+    token, on construction. With tensor parallelism (``tp_size`` ranks per data-parallel
+    rank, all of them reading the same slice) the logits stay sharded over the vocabulary.
 
     Raises:
         ValueError: the validation source holds fewer than ``steps`` global batches, a token id
@@ -96,13 +97,14 @@ class Evaluator:
     """
 
     def __init__(self, source: TokenSource, *, global_batch_size: int, dp_rank: int, dp_size: int,
-                 every: int, steps: int, device: torch.device):
+                 every: int, steps: int, device: torch.device, tp_size: int = 1):
         if every < 1 or steps < 1:
             raise ValueError(f"eval.every={every} and eval.steps={steps} must be >= 1")
         check_eval_steps(source, global_batch_size, steps)
         source.validate(dp_rank, dp_size)
         self.source, self.global_batch_size = source, global_batch_size
         self.dp_rank, self.dp_size, self.every, self.steps, self.device = dp_rank, dp_size, every, steps, device
+        self.tp_size = tp_size
 
     def due(self, step: int, last_step: int) -> bool:
         """Evaluate after ``step`` (every ``every`` steps and after the last one)."""
@@ -114,15 +116,16 @@ class Evaluator:
         ``val_ppl``. Collective: every rank calls.
 
         Every rank scores the same number of tokens, so the group's mean is the mean of the
-        ranks' means (accumulated in float64 on the host, reduced as one float32 per rank).
+        ranks' means (accumulated in float64 on the host, reduced as one float32 per rank; the
+        ``tp_size`` ranks of a data-parallel rank hold the same mean).
         """
         loader = DistributedBatchLoader(self.source, self.global_batch_size, dp_rank=self.dp_rank,
                                         dp_size=self.dp_size, shuffle=False)
         local = 0.0
         for _ in range(self.steps):
             batch = loader.next_batch().to(self.device)
-            logits = model(batch[:, :-1])
-            local += F.cross_entropy(logits.float().flatten(0, 1), batch[:, 1:].flatten()).item()
+            with loss_parallel():
+                local += cross_entropy(model(batch[:, :-1]), batch[:, 1:]).item()
         mean = torch.tensor([local / self.steps], device=self.device)
-        val_loss = all_reduce_sum(mean).item() / self.dp_size
+        val_loss = all_reduce_sum(mean).item() / (self.dp_size * self.tp_size)
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}

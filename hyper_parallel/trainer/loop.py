@@ -9,7 +9,6 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.nn.functional as F
 from omegaconf import DictConfig, OmegaConf
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -18,6 +17,7 @@ from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
 from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.data import DistributedBatchLoader, TokenSource
+from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
@@ -52,7 +52,8 @@ def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
                *, grad_accum_steps: int, max_grad_norm: float, float8_scales: bool = False
                ) -> Dict[str, torch.Tensor]:
-    """One optimizer step on this rank's slice of the global batch.
+    """One optimizer step on this data-parallel rank's slice of the global batch (the same on
+    every tensor-parallel rank of it).
 
     ``batch`` is ``(local_batch, seq_len + 1)``; it is split into ``grad_accum_steps``
     micro-batches whose gradients accumulate locally, synchronised only on the last one.
@@ -66,11 +67,10 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     loss_sum = torch.zeros((), device=batch.device)
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
-        logits = model(micro[:, :-1])
-        # The loss in at least fp32 (bf16 logits are upcast; a float64 model stays float64).
-        logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
-        loss = F.cross_entropy(logits.flatten(0, 1), micro[:, 1:].flatten())
-        (loss / grad_accum_steps).backward()
+        # The loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered.
+        with loss_parallel():
+            loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:])
+            (loss / grad_accum_steps).backward()
         loss_sum = loss_sum + loss.detach()
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = hp.clip_grad_norm_(model.parameters(), clip)
@@ -120,16 +120,17 @@ class RunSummary:
 
 def _load_data(cfg: TrainConfig, dims: ParallelDims, rank: int,
                device: torch.device) -> Tuple[DistributedBatchLoader, Optional[Evaluator]]:
-    """This rank's loader (its part of the data validated: each rank checks 1/world) and the
+    """This rank's loader (its part of the data validated: each data-parallel rank checks
+    1/dp_size) and the
     evaluator of the held-out split, if evaluation is on."""
-    t = cfg.training
+    t, dp_rank = cfg.training, dims.dp_rank(rank)
     try:
         sources = build_sources(cfg, cfg.model.vocab_size, with_val=cfg.eval.every > 0)
-        loader = build_loader(cfg, cfg.model.vocab_size, rank, dims.dp_size, source=sources.train)
-        loader.source.validate(rank, dims.dp_size)
+        loader = build_loader(cfg, cfg.model.vocab_size, dp_rank, dims.dp_size, source=sources.train)
+        loader.source.validate(dp_rank, dims.dp_size)
         evaluator = None if sources.val is None else Evaluator(
-            sources.val, global_batch_size=t.global_batch_size, dp_rank=rank, dp_size=dims.dp_size,
-            every=cfg.eval.every, steps=cfg.eval.steps, device=device)
+            sources.val, global_batch_size=t.global_batch_size, dp_rank=dp_rank, dp_size=dims.dp_size,
+            every=cfg.eval.every, steps=cfg.eval.steps, device=device, tp_size=dims.tp)
     except (ValueError, TypeError, FileNotFoundError) as err:
         raise ConfigError(f"data={cfg.data.kind}: {err}") from None
     return loader, evaluator
@@ -140,7 +141,7 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
     """Data, mesh, sharded model, optimizer, schedule, checkpoint manager and logger (and the
     W&B run of ``wandb``, when given).
 
-    Requires an initialised default process group of ``dims.dp_size`` ranks.
+    Requires an initialised default process group of ``dims.world_size`` ranks.
 
     Raises:
         JobFailed: on every rank, when the data or ``model.init_from`` cannot be read or do
@@ -181,7 +182,7 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
         state=training_state(model, optimizer, schedule, loader, RNGState(platform.device_module)),
         log=log, loss_floor=loader.source.loss_floor(),
         throughput=Throughput(llama_config(cfg.model), seq_len=t.seq_len,
-                              tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.dp_size,
+                              tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.world_size,
                               peak=peak_tflops(platform, t.peak_tflops)),
         started_at=started_at, evaluator=evaluator, profiler=profiler,
     )
@@ -348,14 +349,15 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
                              device=job.device)
         loss_sum, stop_votes, time_votes, bad_batches = all_reduce_sum(
             torch.cat([result["loss"].reshape(1), flags])).tolist()
-        loss, grad_norm = loss_sum / job.dims.dp_size, float(result["grad_norm"])
+        # Each tensor-parallel rank holds its data-parallel rank's loss: the mean over the world.
+        loss, grad_norm = loss_sum / job.dims.world_size, float(result["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             saver.wait()
             raise JobFailed(ConfigError(
                 f"step {step}: the loss is {loss} (gradient norm {grad_norm}): training diverged, and this "
                 f"step was not saved. Lower optim.lr, check the model settings, and resume from the last "
                 f"checkpoint in {job.cfg.checkpoint.folder} (or start over in a new output_dir)"),
-                job.dims.dp_size)
+                job.dims.world_size)
         step_time = time.perf_counter() - step_start
         record: Dict[str, Any] = {
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,

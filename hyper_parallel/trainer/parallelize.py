@@ -12,16 +12,26 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel.models.llama import Transformer
+from hyper_parallel.parallel import apply_tensor_parallel
 from hyper_parallel.trainer.config import ConfigError
 from hyper_parallel.trainer.config_schema import ModelConfig, ParallelDims, llama_config
 from hyper_parallel.trainer.float8 import convert_to_float8
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """1-D ``("shard",)`` mesh for FSDP, 2-D ``("replicate", "shard")`` for HSDP."""
-    if dims.replicate == 1:
-        return init_device_mesh(device_type, (dims.shard,), mesh_dim_names=("shard",))
-    return init_device_mesh(device_type, (dims.replicate, dims.shard), mesh_dim_names=("replicate", "shard"))
+    """The world's mesh, dims ``("replicate", "shard", "tp")`` in that order, each present when
+    its degree is above 1 (``"shard"`` always): ``("shard",)`` for FSDP, ``("replicate",
+    "shard")`` for HSDP, ``("shard", "tp")`` for FSDP x TP."""
+    named = [(name, size) for name, size in (("replicate", dims.replicate), ("shard", dims.shard), ("tp", dims.tp))
+             if size > 1 or name == "shard"]
+    return init_device_mesh(device_type, tuple(size for _, size in named),
+                            mesh_dim_names=tuple(name for name, _ in named))
+
+
+def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The data-parallel sub-mesh of :func:`build_mesh`'s mesh (what ``fully_shard`` shards over)."""
+    names = tuple(name for name in mesh.mesh_dim_names if name != "tp")
+    return mesh if names == mesh.mesh_dim_names else mesh[names]
 
 
 def apply_activation_checkpointing(model: Transformer) -> None:
@@ -44,7 +54,8 @@ def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.T
 
 def shard_model(model: Transformer, mesh: DeviceMesh, *, mixed_precision: str,
                 reshard_after_forward: bool) -> Transformer:
-    """``fully_shard`` every block, then the root (which keeps its parameters for backward)."""
+    """``fully_shard`` every block, then the root (which keeps its parameters for backward), over
+    ``mesh`` (a data-parallel mesh: see :func:`dp_mesh`)."""
     import hyper_parallel as hp
 
     mp_policy = (hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -63,14 +74,25 @@ def compile_blocks(model: Transformer, backend: str) -> None:
         block.compile(backend=backend, fullgraph=True)
 
 
+def compile_block_forwards(model: Transformer, backend: str) -> None:
+    """``torch.compile`` each block's ``forward`` function rather than its module call, so that
+    activation checkpointing applied afterwards runs around the compiled code (used with tensor
+    parallelism: torch's AOT autograd cannot compile a checkpointed tensor-parallel block, it
+    saves a ``DeviceMesh`` among the region's tensors)."""
+    for block in model.layers:
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+
+
 def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device, seed: int,
                 mixed_precision: str = "fp32", reshard_after_forward: bool = True,
                 compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None) -> nn.Module:
     """Build the configured model without allocating full weights, shard it, initialise it.
 
-    Order (torchtitan's): float8 conversion with ``float8_recipe`` (None: none), activation
-    checkpointing, then per-block ``torch.compile`` with ``compile_backend`` (None: eager),
-    then ``fully_shard``.
+    Order (torchtitan's): tensor parallelism over ``mesh["tp"]`` when the mesh has that dim,
+    float8 conversion with ``float8_recipe`` (None: none), activation checkpointing, per-block
+    ``torch.compile`` with ``compile_backend`` (None: eager), then ``fully_shard`` over the
+    data-parallel dims (:func:`dp_mesh`). With tensor parallelism, compile and checkpointing,
+    the checkpoint wraps the compiled block forward instead (:func:`compile_block_forwards`).
 
     With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
     reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
@@ -84,14 +106,21 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
     """
     with torch.device("meta"):
         model = Transformer(llama_config(model_cfg))
+    tensor_parallel = mesh is not None and "tp" in mesh.mesh_dim_names
+    if tensor_parallel:
+        apply_tensor_parallel(model, mesh["tp"])
     if float8_recipe is not None:
         convert_to_float8(model, float8_recipe)
-    if model_cfg.activation_checkpointing:
+    if tensor_parallel and compile_backend is not None and model_cfg.activation_checkpointing:
+        compile_block_forwards(model, compile_backend)  # checkpointing around the compiled code
         apply_activation_checkpointing(model)
-    if compile_backend is not None:
-        compile_blocks(model, compile_backend)
+    else:
+        if model_cfg.activation_checkpointing:
+            apply_activation_checkpointing(model)
+        if compile_backend is not None:
+            compile_blocks(model, compile_backend)
     if mesh is not None:
-        shard_model(model, mesh, mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
+        shard_model(model, dp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)
     model.init_weights(seed)  # the same values on every mesh and world size
     if model_cfg.init_from:

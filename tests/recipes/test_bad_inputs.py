@@ -139,5 +139,5 @@ def test_every_schema_key_is_in_the_config_files_and_every_data_kind_composes():
         cfg = compose_config(overrides)
         validate_config(cfg, 1)
         assert set(cfg.data) == {"kind", *keys}
-    for model in ("llama_debug", "llama_50m", "llama_1b", "llama_8b"):
+    for model in ("llama_debug", "llama_50m", "llama_1b", "llama_8b", "llama_70b"):
         validate_config(compose_config([f"model={model}", "training.seq_len=64"]), 8)
