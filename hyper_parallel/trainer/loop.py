@@ -15,16 +15,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
-from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.data import DistributedBatchLoader, TokenSource
-from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
 from hyper_parallel.trainer.config import ConfigError, model_overrides, typed_config
 from hyper_parallel.trainer.config_schema import ParallelDims, TrainConfig, llama_config, shape
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
-from hyper_parallel.trainer.float8 import precompute_scales
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.optimizer import build_optimizer
@@ -33,6 +30,7 @@ from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 from hyper_parallel.trainer.sinks import WandbSettings, wandb_settings
 from hyper_parallel.trainer.state import RNGState, StopRequest, all_reduce_sum, training_state
+from hyper_parallel.trainer.step import train_step
 
 
 def build_loader(cfg: TrainConfig, vocab_size: int, dp_rank: int, dp_size: int,
@@ -42,43 +40,6 @@ def build_loader(cfg: TrainConfig, vocab_size: int, dp_rank: int, dp_size: int,
         source = build_sources(cfg, vocab_size, with_val=False).train
     return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                                   seed=cfg.training.seed, shuffle=cfg.data.shuffles())
-
-
-def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
-    if isinstance(model, FSDPModule):  # a plain model (the tests' reference) has no sync to skip
-        model.set_requires_gradient_sync(enabled)
-
-
-def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
-               *, grad_accum_steps: int, max_grad_norm: float, float8_scales: bool = False
-               ) -> Dict[str, torch.Tensor]:
-    """One optimizer step on this data-parallel rank's slice of the global batch (the same on
-    every tensor-parallel rank of it).
-
-    ``batch`` is ``(local_batch, seq_len + 1)``; it is split into ``grad_accum_steps``
-    micro-batches whose gradients accumulate locally, synchronised only on the last one.
-    Returns 0-dim tensors (no host sync): this rank's mean ``loss`` and the global
-    ``grad_norm`` before clipping. ``float8_scales``: after the step, compute the next
-    all-gathers' float8 scales of all tensorwise float8 weights with one all-reduce.
-    """
-    import hyper_parallel as hp
-
-    micro_batches = batch.chunk(grad_accum_steps)
-    loss_sum = torch.zeros((), device=batch.device)
-    for i, micro in enumerate(micro_batches):
-        _set_gradient_sync(model, i == len(micro_batches) - 1)
-        # The loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered.
-        with loss_parallel():
-            loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:])
-            (loss / grad_accum_steps).backward()
-        loss_sum = loss_sum + loss.detach()
-    clip = max_grad_norm if max_grad_norm > 0 else float("inf")
-    grad_norm = hp.clip_grad_norm_(model.parameters(), clip)
-    optimizer.step()
-    if float8_scales:
-        precompute_scales(model)
-    optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum / grad_accum_steps, "grad_norm": grad_norm}
 
 
 @dataclass

@@ -9,7 +9,7 @@ unsharded state machine and the reductions in flight.
 from __future__ import annotations
 
 import enum
-from typing import Any, Callable, Dict, List, NamedTuple, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -23,6 +23,7 @@ from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingRed
 from hyper_parallel.core.fully_shard.offload import GradOffload
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh
 from hyper_parallel.core.fully_shard.param import HSDPParam
+from hyper_parallel.core.fully_shard.slots import ParamSlot, UnshardedSlot
 from hyper_parallel.core.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.platform import get_platform
 
@@ -36,32 +37,6 @@ class ShardState(enum.Enum):
     SHARDED_POST_FORWARD = "sharded_post_forward"
     UNSHARDING = "unsharding"  # all-gather in flight (InFlightGather records); wait_for_unshard ends it
     UNSHARDED = "unsharded"  # the modules hold the unsharded parameters (views of the buffers)
-
-
-class ParamSlot(NamedTuple):
-    """A module attribute holding a managed parameter, and the parameter that a reshard (or
-    unshard) registers there."""
-
-    # The module's ``_parameters``, written directly (FSDP2's unsafe_setattr_param): no
-    # ``__setattr__`` of the module runs for every unshard and reshard.
-    registry: Dict[str, Optional[torch.nn.Parameter]]
-    name: str
-    param: torch.nn.Parameter
-
-    def register(self) -> None:
-        self.registry[self.name] = self.param
-
-
-class UnshardedSlot(NamedTuple):
-    """A module attribute that an unshard points at its parameter's unsharded tensor. It holds
-    the parameter, not that tensor: a tensor-subclass extension's is built by its first gather."""
-
-    registry: Dict[str, Optional[torch.nn.Parameter]]
-    name: str
-    param: HSDPParam
-
-    def register(self) -> None:
-        self.registry[self.name] = self.param.unsharded_param
 
 
 def _divide_factors(world: int) -> Tuple[float, float]:

@@ -1,0 +1,49 @@
+"""One optimizer step: gradient accumulation over micro-batches, clipping, the update."""
+
+from __future__ import annotations
+
+from typing import Dict
+
+import torch
+from torch import nn
+
+from hyper_parallel.core.fully_shard import FSDPModule
+from hyper_parallel.parallel import cross_entropy, loss_parallel
+from hyper_parallel.trainer.float8 import precompute_scales
+
+
+def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
+    if isinstance(model, FSDPModule):  # a plain model (the tests' reference) has no sync to skip
+        model.set_requires_gradient_sync(enabled)
+
+
+def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
+               *, grad_accum_steps: int, max_grad_norm: float, float8_scales: bool = False
+               ) -> Dict[str, torch.Tensor]:
+    """One optimizer step on this data-parallel rank's slice of the global batch (the same on
+    every tensor-parallel rank of it).
+
+    ``batch`` is ``(local_batch, seq_len + 1)``; it is split into ``grad_accum_steps``
+    micro-batches whose gradients accumulate locally, synchronised only on the last one.
+    Returns 0-dim tensors (no host sync): this rank's mean ``loss`` and the global
+    ``grad_norm`` before clipping. ``float8_scales``: after the step, compute the next
+    all-gathers' float8 scales of all tensorwise float8 weights with one all-reduce.
+    """
+    import hyper_parallel as hp
+
+    micro_batches = batch.chunk(grad_accum_steps)
+    loss_sum = torch.zeros((), device=batch.device)
+    for i, micro in enumerate(micro_batches):
+        _set_gradient_sync(model, i == len(micro_batches) - 1)
+        # The loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered.
+        with loss_parallel():
+            loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:])
+            (loss / grad_accum_steps).backward()
+        loss_sum = loss_sum + loss.detach()
+    clip = max_grad_norm if max_grad_norm > 0 else float("inf")
+    grad_norm = hp.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    if float8_scales:
+        precompute_scales(model)
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss_sum / grad_accum_steps, "grad_norm": grad_norm}
