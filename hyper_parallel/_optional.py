@@ -9,7 +9,7 @@ from types import ModuleType
 
 # The extra of pyproject.toml's optional-dependencies that installs each optional package.
 EXTRAS = {"tokenizers": "recipes", "pyarrow": "recipes", "tqdm": "recipes", "matplotlib": "recipes",
-          "tensorboard": "tensorboard", "wandb": "wandb"}
+          "tensorboard": "tensorboard", "wandb": "wandb", "fsspec": "s3"}
 
 
 class MissingDependency(ImportError):
