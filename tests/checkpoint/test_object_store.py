@@ -163,3 +163,49 @@ def test_file_url_two_ranks_async_save(tmp_path):
 def _async_save_layout(url):
     future = hdcp.async_save(distribute_state(full_state(), "fsdp"), checkpoint_id=url)
     return future.result(timeout=60).save_id is not None
+
+
+# ------------------------------------------------------------------- verify, CheckpointManager
+
+def test_verify_checkpoint_reads_objects(memory_url):
+    save_layout(memory_url, None, no_dist=True)
+    assert hdcp.is_checkpoint(memory_url) and not hdcp.is_checkpoint(memory_url + "-none")
+    assert hdcp.verify_checkpoint(memory_url).save_id
+    _corrupt_tensor_object(memory_url)
+    with pytest.raises(hdcp.CheckpointError, match=r"checkpoint file memory://.*fails its checksum"):
+        hdcp.verify_checkpoint(memory_url)
+
+
+def _folder(url):
+    return url.rsplit("/", 1)[0]
+
+
+def test_manager_on_memory_url(memory_url):
+    folder = _folder(memory_url)
+    fs, path = fsspec.core.url_to_fs(folder)
+    # A killed save's upload in step-9 (no metadata object) and a foreign object there.
+    fs.pipe_file(f"{path}/step-9/__0_0.{'ab' * 16}.safetensors", b"partial")
+    fs.pipe_file(f"{path}/step-9/notes.txt", b"not ours")
+    manager = hdcp.CheckpointManager(folder, keep_last_n=2)
+    assert _names(f"{folder}/step-9") == ["notes.txt"]  # the abandoned upload is gone, nothing else
+    for step in (1, 2, 3):
+        manager.save(step, full_state(seed=step))
+    assert manager.committed_steps() == [2, 3] and manager.latest_step() == 3
+    assert not fs.exists(f"{path}/step-1")
+    target = blank_state()
+    assert manager.load_latest(target) == 3
+    assert load_and_check(manager.checkpoint_path(3), [None], seed=3, no_dist=True)
+    manager.close()
+
+
+def test_manager_async_and_corrupt_latest(memory_url):
+    folder = _folder(memory_url)
+    manager = hdcp.CheckpointManager(folder, keep_last_n=2, async_save=True)
+    for step in (1, 2):
+        manager.save(step, full_state(seed=step))
+    manager.wait()
+    assert manager.committed_steps() == [1, 2]
+    _corrupt_tensor_object(manager.checkpoint_path(2))
+    target = blank_state()
+    assert manager.load_latest(target) == 1  # the corrupt newest one is skipped (verify_checkpoint)
+    manager.close()

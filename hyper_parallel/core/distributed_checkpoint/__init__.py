@@ -45,18 +45,16 @@ memory; through the ``host_memory/slabs``).
 
 from hyper_parallel.core.distributed_checkpoint.api import (
     async_save,
+    is_checkpoint,
     load,
     save,
     staging_buffers,
+    verify_checkpoint,
     wait_for_pending_save,
 )
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import (
-    is_checkpoint,
-    read_checkpoint_metadata,
-    verify_checkpoint,
-)
+from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.format.flatten import flatten_state_dict

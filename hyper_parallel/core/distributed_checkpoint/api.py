@@ -11,12 +11,14 @@ import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpReader, is_dcp_checkpoint
+from hyper_parallel.core.distributed_checkpoint.filesystem import commit
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture, AsyncSaver, optimizers_in
 from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import StagingBuffers
 from hyper_parallel.core.distributed_checkpoint.host_memory.snapshot import StagedSave
+from hyper_parallel.core.distributed_checkpoint.object_store import store
 from hyper_parallel.core.distributed_checkpoint.object_store.reader import FsspecReader
 from hyper_parallel.core.distributed_checkpoint.object_store.writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
@@ -33,7 +35,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
 )
 from hyper_parallel.utils.ranks import dist_ready, rank_and_world
 
-__all__ = ["save", "async_save", "load"]
+__all__ = ["save", "async_save", "load", "is_checkpoint", "verify_checkpoint"]
 
 _PLANS = SavePlanCache()
 _SAVER = AsyncSaver()
@@ -308,3 +310,31 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
         value.load_state_dict(state_dict[key])
     if stateful:  # plain values were replaced in the resolved copy
         caller_state_dict.update((k, v) for k, v in state_dict.items() if k not in stateful)
+
+
+# -------------------------------------------------------------------------------- checks
+
+def is_checkpoint(checkpoint_id: str) -> bool:
+    """True only for a committed checkpoint: a directory with committed metadata, or an fsspec
+    URL whose ``metadata.json`` object exists."""
+    checkpoint_id = os.fspath(checkpoint_id)
+    if url_scheme(checkpoint_id):
+        fs, path = store.open_store(checkpoint_id)
+        return store.is_committed(fs, path)
+    return commit.is_checkpoint(checkpoint_id)
+
+
+def verify_checkpoint(checkpoint_id: str, *, allow_pickle: bool = False) -> Metadata:
+    """Run every check ``load`` runs, without loading (``filesystem/commit.verify_checkpoint``):
+    the metadata, every file's size and every item's and file's checksum (each byte read
+    once), every value decodes. ``checkpoint_id``: a directory or an fsspec URL.
+
+    Returns the metadata. Raises:
+        CheckpointError: names what is uncommitted, inconsistent, missing, truncated or corrupt.
+    """
+    checkpoint_id = os.fspath(checkpoint_id)
+    if url_scheme(checkpoint_id):
+        fs, path = store.open_store(checkpoint_id)
+        return store.verify_objects(fs, path, checkpoint_id, allow_pickle)
+    return commit.verify_checkpoint(checkpoint_id, allow_pickle=allow_pickle)
+

@@ -75,20 +75,6 @@ class FsspecReader(VerifyingReader):
             raise CheckpointError(f"checksum mismatch in {self.url}/{info.relative_path} bytes {info.offset}.."
                                   f"{info.offset + info.length} ({what}): the object is corrupt")
 
-    def _check_sizes(self, names: List[str]) -> None:
-        """Each data object exists with its recorded size (one metadata request each)."""
-        for name in sorted(set(names)):
-            expected = self.metadata.files.get(name)
-            if expected is None:
-                raise CheckpointError(f"checkpoint object {self.url}/{name} is not listed in the metadata")
-            try:
-                actual = self.fs.size(f"{self.path}/{name}")
-            except FileNotFoundError:
-                raise CheckpointError(f"checkpoint object {self.url}/{name} is missing") from None
-            if actual != expected.size:
-                raise CheckpointError(f"checkpoint object {self.url}/{name} has {actual} bytes, metadata says "
-                                      f"{expected.size} (truncated or replaced)")
-
     def _plan_fetch(self, info: StorageInfo, item: ReadItem, duties) -> _Fetch:
         if item.type == LoadItemType.BYTE_IO:
             return _Fetch(info, item, info.offset, info.offset + info.length, None, True)
@@ -107,7 +93,8 @@ class FsspecReader(VerifyingReader):
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         duties = duties_of(plan)
         fetches = [self._plan_fetch(self._storage(item.storage_index), item, duties) for item in plan.items]
-        self._check_sizes([f.info.relative_path for f in fetches])
+        for name in sorted({f.info.relative_path for f in fetches}):  # one metadata request each
+            store.check_object(self.fs, self.path, self.url, name, self.metadata)
         fetches.sort(key=lambda f: (f.info.relative_path, f.start))
         batch: List[_Fetch] = []
         held = 0

@@ -21,18 +21,21 @@ with fsspec ``storage_options`` on top.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 from hyper_parallel._optional import require
 from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE, Metadata
-from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata
+from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE, Metadata, check_relative_path
+from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata, verify_files
 
 MAX_METADATA_BYTES = 4 << 30
 """As for local checkpoints (``filesystem/commit.py``): larger metadata is refused unread."""
+VERIFY_BLOCK_BYTES = 16 << 20
+"""Bytes per request while verifying (each object is read once, front to back)."""
 _TAGGED = re.compile(r"(?:__\d+(?:_\d+)?|\.done\.rank\d+|\.failed\.rank\d+)\.(?P<save_id>[0-9a-f]{32})(?:\..*)?")
 DONE_MARKER = ".done.rank{}.{}.json"
 FAILED_MARKER = ".failed.rank{}.{}"
@@ -112,6 +115,48 @@ def read_metadata(fs: Any, path: str, url: str) -> Metadata:
         raise CheckpointError(f"{url} is not a committed checkpoint: {METADATA_FILE} is missing") from None
     metadata = Metadata.from_json(text, f"{url}/{METADATA_FILE}")
     check_metadata(metadata, url)
+    return metadata
+
+
+def check_object(fs: Any, path: str, url: str, name: str, metadata: Metadata) -> None:
+    """The data object ``name`` is listed in ``metadata`` and exists with its recorded size.
+
+    Raises:
+        CheckpointError: not listed, missing, or of another size.
+    """
+    check_relative_path(name)
+    expected = metadata.files.get(name)
+    if expected is None:
+        raise CheckpointError(f"checkpoint object {url}/{name} is not listed in the metadata")
+    try:
+        actual = fs.size(f"{path}/{name}")
+    except FileNotFoundError:
+        raise CheckpointError(f"checkpoint object {url}/{name} is missing") from None
+    if actual != expected.size:
+        raise CheckpointError(f"checkpoint object {url}/{name} has {actual} bytes, metadata says "
+                              f"{expected.size} (truncated or replaced)")
+
+
+def verify_objects(fs: Any, path: str, url: str, allow_pickle: bool = False) -> Metadata:
+    """``verify_checkpoint`` for a checkpoint under ``url``: its metadata, then every data
+    object read once, sequentially, against its checksums (``format/validation.verify_files``).
+
+    Returns the metadata. Raises:
+        CheckpointError: names what is uncommitted, inconsistent, missing, truncated or corrupt.
+    """
+    metadata = read_metadata(fs, path, url)
+
+    @contextlib.contextmanager
+    def open_object(name: str) -> Iterator[Callable[[int, int], bytes]]:
+        check_object(fs, path, url, name, metadata)
+        with fs.open(f"{path}/{name}", "rb", block_size=VERIFY_BLOCK_BYTES) as f:
+            def read(offset: int, n: int) -> bytes:
+                f.seek(offset)
+                return f.read(n)
+
+            yield read
+
+    verify_files(url, metadata, allow_pickle, open_object)
     return metadata
 
 
