@@ -8,7 +8,7 @@ import pytest
 
 from hyper_parallel import checkpoint as hdcp
 from tests.checkpoint.helpers import blank_state, distribute_state, full_state, load_and_check, save_layout
-from tests.checkpoint.s3_server import s3_bucket, s3_endpoint, with_env  # noqa: F401 (fixtures)
+from tests.checkpoint.s3_server import with_env
 from tests.multirank import run_on_ranks
 
 T = 120
