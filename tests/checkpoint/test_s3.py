@@ -4,6 +4,8 @@ save, CheckpointManager retention."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hyper_parallel import checkpoint as hdcp
@@ -78,3 +80,45 @@ def test_large_object_is_a_multipart_upload(s3_bucket, monkeypatch):
 
 
 pytestmark = pytest.mark.timeout(300)
+
+
+_REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_KILLED_SAVE = """
+import sys, time, torch
+from hyper_parallel import checkpoint as hdcp
+from hyper_parallel.core.distributed_checkpoint.object_store import writer
+
+def stall(*args, **kwargs):  # the tensor object is uploaded; the values object comes next
+    print("uploaded", flush=True)
+    time.sleep(600)
+
+writer.encode_values = stall
+hdcp.save({"w": torch.ones(1000), "step": 2}, checkpoint_id=sys.argv[1], no_dist=True)
+"""
+
+
+def test_kill_9_during_a_save_leaves_no_checkpoint(s3_bucket):
+    import signal
+    import subprocess
+    import sys
+
+    folder = f"{s3_bucket['url']}/run"
+    manager = hdcp.CheckpointManager(folder)
+    manager.save(1, full_state(seed=1))
+    manager.close()
+    proc = subprocess.Popen([sys.executable, "-c", _KILLED_SAVE, f"{folder}/step-2"], stdout=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=_REPO))
+    try:
+        assert proc.stdout.readline().strip() == b"uploaded"
+    finally:
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+        proc.stdout.close()
+    assert any(n.endswith(".safetensors") for n in _objects(f"{folder}/step-2"))  # the upload it left
+    assert not hdcp.is_checkpoint(f"{folder}/step-2")
+    resumed = hdcp.CheckpointManager(folder)  # removes the killed save's objects
+    assert _objects(f"{folder}/step-2") == []
+    assert resumed.committed_steps() == [1]
+    target = blank_state()
+    assert resumed.load_latest(target) == 1
+    resumed.close()
