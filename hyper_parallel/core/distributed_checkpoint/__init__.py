@@ -24,6 +24,8 @@ Map of the package (each layer imports only the layers below it; see ``docs/chec
                       copy through the slabs), background (async saves' thread and Future)
     filesystem/       writer, reader, data_files (safetensors + values files), commit (pending
                       directory, markers, committed metadata), block_reads, bounce (load reads)
+    object_store/     FsspecWriter, FsspecReader (fsspec URLs: s3://, memory://, file://), store
+                      (the commit protocol there: data objects tagged by save id, metadata last)
     format/           metadata (+ chunk_table, storage_table), safetensors_format, values,
                       checksum, validation, geometry (boxes), flatten: no process group, no threads
 
@@ -43,21 +45,21 @@ memory; through the ``host_memory/slabs``).
 
 from hyper_parallel.core.distributed_checkpoint.api import (
     async_save,
+    is_checkpoint,
     load,
     save,
     staging_buffers,
+    verify_checkpoint,
     wait_for_pending_save,
 )
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import (
-    is_checkpoint,
-    read_checkpoint_metadata,
-    verify_checkpoint,
-)
+from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.format.flatten import flatten_state_dict
+from hyper_parallel.core.distributed_checkpoint.object_store.reader import FsspecReader
+from hyper_parallel.core.distributed_checkpoint.object_store.writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -90,7 +92,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
 
 __all__ = [
     "save", "async_save", "load", "wait_for_pending_save", "staging_buffers",
-    "FileSystemReader", "FileSystemWriter", "is_checkpoint", "read_checkpoint_metadata",
+    "FileSystemReader", "FileSystemWriter", "FsspecReader", "FsspecWriter", "is_checkpoint", "read_checkpoint_metadata",
     "verify_checkpoint", "flatten_state_dict",
     "BytesStorageMetadata", "CheckpointError", "ChunkStorageMetadata", "FileInfo", "Metadata",
     "MetadataIndex", "StorageInfo", "TensorStorageMetadata",

@@ -11,7 +11,7 @@ import functools
 import os
 import re
 import shutil
-from typing import Callable, TypeVar
+from typing import Callable, Optional, TypeVar
 
 import torch
 
@@ -45,18 +45,25 @@ write_file_atomically = _presented(fileio.write_file_atomically)
 _URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
 
 
+def url_scheme(path) -> Optional[str]:
+    """The scheme of a ``<scheme>://`` URL (``s3``, ``memory``, ``file``), or None for a path."""
+    match = _URL.match(path) if isinstance(path, str) else None
+    return match.group("scheme") if match else None
+
+
 def local_path(path) -> str:
-    """``path`` (str or PathLike) as a string, refusing a URL (``s3://...``): checkpoints live
-    on local or mounted file systems only, and ``s3:`` would otherwise become a local folder.
+    """``path`` (str or PathLike) as a string, refusing a URL (``s3://...``): the POSIX
+    writer and reader take file system paths only (URLs go through ``object_store/``), and
+    ``s3:`` would otherwise become a local folder.
 
     Raises:
         ValueError: ``path`` starts with ``<scheme>://``.
     """
     path = os.fspath(path)
-    match = _URL.match(path) if isinstance(path, str) else None
-    if match:
-        raise ValueError(f"checkpoint path {path!r} is a {match.group('scheme')}:// URL; only file system paths "
-                         "are supported (object storage is not implemented): use a local or mounted directory")
+    scheme = url_scheme(path)
+    if scheme:
+        raise ValueError(f"checkpoint path {path!r} is a {scheme}:// URL; this needs a file system path: use a "
+                         "local or mounted directory (URLs are read and written by FsspecWriter/FsspecReader)")
     return path
 
 

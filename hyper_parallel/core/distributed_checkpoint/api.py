@@ -9,13 +9,18 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpReader, is_dcp_checkpoint
+from hyper_parallel.core.distributed_checkpoint.filesystem import commit
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture, AsyncSaver, optimizers_in
 from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import StagingBuffers
 from hyper_parallel.core.distributed_checkpoint.host_memory.snapshot import StagedSave
+from hyper_parallel.core.distributed_checkpoint.object_store import store
+from hyper_parallel.core.distributed_checkpoint.object_store.reader import FsspecReader
+from hyper_parallel.core.distributed_checkpoint.object_store.writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.planning.collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.planning.load_planner import StandardLoadPlanner
@@ -30,7 +35,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
 )
 from hyper_parallel.utils.ranks import dist_ready, rank_and_world
 
-__all__ = ["save", "async_save", "load"]
+__all__ = ["save", "async_save", "load", "is_checkpoint", "verify_checkpoint"]
 
 _PLANS = SavePlanCache()
 _SAVER = AsyncSaver()
@@ -38,6 +43,18 @@ _SAVER = AsyncSaver()
 
 def _dist_ready(no_dist: bool) -> bool:
     return not no_dist and dist_ready()
+
+
+def _default_writer(checkpoint_id: Optional[str]) -> AsyncCommitWriter:
+    """FsspecWriter for a URL checkpoint_id (``s3://``, ``memory://``, ``file://``), else the POSIX writer."""
+    return FsspecWriter() if url_scheme(checkpoint_id) else FileSystemWriter()
+
+
+def _default_reader(checkpoint_id: Optional[str]) -> StorageReader:
+    if url_scheme(checkpoint_id):
+        return FsspecReader()
+    # a torch DCP directory (``.metadata``, none of ours) is read as it is
+    return DcpReader() if is_dcp_checkpoint(checkpoint_id) else FileSystemReader()
 
 
 class _SaveJob:
@@ -49,7 +66,7 @@ class _SaveJob:
                  use_collectives: bool, remove_redundancy: bool, save_to_minimum_rank: bool) -> None:
         self.state_dict, self.stateful = resolve_stateful(state_dict)
         self.checkpoint_id = None if checkpoint_id is None else os.fspath(checkpoint_id)
-        self.writer = writer if writer is not None else FileSystemWriter()
+        self.writer = writer if writer is not None else _default_writer(self.checkpoint_id)
         self.planner = planner if planner is not None else StandardSavePlanner()
         with_dist = _dist_ready(no_dist)
         self.rank, self.world = rank_and_world(with_dist)
@@ -109,8 +126,8 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     atomically (also when ``checkpoint_id`` already exists). Waits for a pending async save.
 
     Args:
-        checkpoint_id: the checkpoint directory (or configure ``storage_writer`` with it);
-            a URL (``s3://...``) is refused with ValueError.
+        checkpoint_id: the checkpoint directory, or an fsspec URL (``s3://bucket/run/step-100``,
+            ``memory://...``; written by :class:`FsspecWriter`); or configure ``storage_writer``.
         no_dist: save from this process alone, even if a process group exists.
         use_collectives: False: no communication; each rank commits its own rank-local
             metadata into ``checkpoint_id`` (which must not hold a checkpoint yet).
@@ -200,7 +217,8 @@ def async_save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = Non
     background; write errors are raised by the Future.
     """
     _SAVER.wait()
-    writer = storage_writer if storage_writer is not None else FileSystemWriter()
+    checkpoint_id = None if checkpoint_id is None else os.fspath(checkpoint_id)
+    writer = storage_writer if storage_writer is not None else _default_writer(checkpoint_id)
     if use_collectives and not isinstance(writer, AsyncCommitWriter):
         raise TypeError(f"{type(writer).__name__} cannot commit asynchronously: it is not an AsyncCommitWriter")
     job = _SaveJob(state_dict, checkpoint_id, writer, planner, no_dist, use_collectives,
@@ -248,8 +266,8 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     broadcast (``use_collectives``).
 
     Args:
-        checkpoint_id: the checkpoint directory (or configure ``storage_reader`` with it);
-            a URL (``s3://...``) is refused with ValueError.
+        checkpoint_id: the checkpoint directory, or an fsspec URL (read by
+            :class:`FsspecReader`); or configure ``storage_reader`` with it.
         no_dist: load in this process alone.
         use_collectives: False: no communication; each rank reads what it needs itself.
         verify: check every chunk read against its checksum (the default; False skips it,
@@ -266,11 +284,9 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
     _SAVER.wait()
     caller_state_dict = state_dict
     state_dict, stateful = resolve_stateful(state_dict)
-    if storage_reader is not None:
-        reader = storage_reader
-    else:  # a torch DCP directory (``.metadata``, none of ours) is read as it is
-        reader = DcpReader() if is_dcp_checkpoint(checkpoint_id) else FileSystemReader()
-    reader.initialize_reader(None if checkpoint_id is None else os.fspath(checkpoint_id))
+    checkpoint_id = None if checkpoint_id is None else os.fspath(checkpoint_id)
+    reader = storage_reader if storage_reader is not None else _default_reader(checkpoint_id)
+    reader.initialize_reader(checkpoint_id)
     planner = planner if planner is not None else StandardLoadPlanner()
     with_dist = _dist_ready(no_dist)
     rank, _ = rank_and_world(with_dist)
@@ -294,3 +310,31 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
         value.load_state_dict(state_dict[key])
     if stateful:  # plain values were replaced in the resolved copy
         caller_state_dict.update((k, v) for k, v in state_dict.items() if k not in stateful)
+
+
+# -------------------------------------------------------------------------------- checks
+
+def is_checkpoint(checkpoint_id: str) -> bool:
+    """True only for a committed checkpoint: a directory with committed metadata, or an fsspec
+    URL whose ``metadata.json`` object exists."""
+    checkpoint_id = os.fspath(checkpoint_id)
+    if url_scheme(checkpoint_id):
+        fs, path = store.open_store(checkpoint_id)
+        return store.is_committed(fs, path)
+    return commit.is_checkpoint(checkpoint_id)
+
+
+def verify_checkpoint(checkpoint_id: str, *, allow_pickle: bool = False) -> Metadata:
+    """Run every check ``load`` runs, without loading (``filesystem/commit.verify_checkpoint``):
+    the metadata, every file's size and every item's and file's checksum (each byte read
+    once), every value decodes. ``checkpoint_id``: a directory or an fsspec URL.
+
+    Returns the metadata. Raises:
+        CheckpointError: names what is uncommitted, inconsistent, missing, truncated or corrupt.
+    """
+    checkpoint_id = os.fspath(checkpoint_id)
+    if url_scheme(checkpoint_id):
+        fs, path = store.open_store(checkpoint_id)
+        return store.verify_objects(fs, path, checkpoint_id, allow_pickle)
+    return commit.verify_checkpoint(checkpoint_id, allow_pickle=allow_pickle)
+

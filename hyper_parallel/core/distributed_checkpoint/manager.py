@@ -15,15 +15,12 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint._fileio import local_path, open_regular
+from hyper_parallel.core.distributed_checkpoint._fileio import local_path, open_regular, url_scheme
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import (
-    is_checkpoint,
-    pending_target,
-    verify_checkpoint,
-)
+from hyper_parallel.core.distributed_checkpoint.filesystem.commit import is_checkpoint, pending_target
 from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
+from hyper_parallel.core.distributed_checkpoint.object_store.folder import ObjectFolder
 from hyper_parallel.platform import get_platform
 
 __all__ = ["CheckpointManager", "checkpoint_step", "committed_steps", "resolve_checkpoint"]
@@ -126,8 +123,13 @@ class CheckpointManager:
     manager is refused instead of deleting the first's staging directories or replacing its
     ``step-N``. Managers within one process share the lock.
 
+    ``folder`` may be an fsspec URL (``s3://bucket/run``): checkpoints are then committed by
+    their metadata object, rank 0 deletes the uploads that killed saves left in uncommitted
+    ``step-N`` prefixes when the manager starts, and there is no lock (object stores have
+    none): one job per folder is then the caller's duty (docs/checkpoint.md, "Object storage").
+
     Args:
-        folder: directory holding the ``step-{N}`` checkpoints (created if missing).
+        folder: directory holding the ``step-{N}`` checkpoints (created if missing), or an fsspec URL.
         interval: ``save(step, ...)`` writes when ``step % interval == 0``.
         keep_last_n: committed checkpoints to keep (None: keep all). Deletion happens only
             after a new checkpoint committed; the newest one is never deleted.
@@ -140,7 +142,7 @@ class CheckpointManager:
 
     Raises:
         ValueError: ``interval < 1``, ``keep_last_n < 1``, ``stage_in_background``
-            without ``async_save``, or ``folder`` is a URL.
+            without ``async_save``, or ``folder`` is a URL fsspec does not know.
         CheckpointError: another job's manager holds ``folder``, or its lock file is not a
             regular file of its own (a symbolic link, a hard link: never written through).
     """
@@ -152,7 +154,10 @@ class CheckpointManager:
             raise ValueError(f"interval must be an integer >= 1, got {interval!r}")
         if keep_last_n is not None and (not isinstance(keep_last_n, int) or keep_last_n < 1):
             raise ValueError(f"keep_last_n must be None or an integer >= 1, got {keep_last_n!r}")
-        self.folder = local_path(folder)
+        folder = os.fspath(folder)
+        # An fsspec URL: step-N prefixes on an object store (no lock: see docs, "Object storage").
+        self._objects = ObjectFolder(folder, checkpoint_step) if url_scheme(folder) else None
+        self.folder = self._objects.url if self._objects is not None else local_path(folder)
         self.interval = interval
         self.keep_last_n = keep_last_n
         if stage_in_background and not async_save:
@@ -163,7 +168,10 @@ class CheckpointManager:
         self._pending_step: Optional[int] = None
         self._unlock: Optional[weakref.finalize] = None
         refusal = None
-        if get_platform().rank == 0:
+        if self._objects is not None:
+            if get_platform().rank == 0:  # nothing of this job is in flight yet
+                self._objects.remove_abandoned_uploads()
+        elif get_platform().rank == 0:
             try:
                 os.makedirs(self.folder, exist_ok=True)
                 refusal = _lock_folder(self.folder)
@@ -190,10 +198,14 @@ class CheckpointManager:
     # ------------------------------------------------------------------ queries
 
     def checkpoint_path(self, step: int) -> str:
+        if self._objects is not None:
+            return self._objects.step_url(step)
         return os.path.join(self.folder, f"step-{step}")
 
     def committed_steps(self) -> List[int]:
         """Steps of committed checkpoints in ``folder``, ascending (pending/partial dirs ignored)."""
+        if self._objects is not None:
+            return self._objects.committed_steps()
         return committed_steps(self.folder)
 
     def latest_step(self) -> Optional[int]:
@@ -259,7 +271,11 @@ class CheckpointManager:
             steps = self.committed_steps()
             keep = set(steps[-self.keep_last_n:]) | {saved_step, steps[-1] if steps else saved_step}
             for old in steps:
-                if old not in keep:
+                if old in keep:
+                    continue
+                if self._objects is not None:
+                    self._objects.remove(old)
+                else:
                     shutil.rmtree(self.checkpoint_path(old), ignore_errors=True)
         self._barrier()
 
@@ -307,7 +323,7 @@ class CheckpointManager:
             return False, None
         try:
             # Damage only: pickled values are no corruption (load refused them, not verify).
-            verify_checkpoint(self.checkpoint_path(step), allow_pickle=True)
+            api.verify_checkpoint(self.checkpoint_path(step), allow_pickle=True)
         except CheckpointError:
             earlier = [s for s in self.committed_steps() if s < step]
             return True, earlier[-1] if earlier else None

@@ -92,7 +92,8 @@ def commit_rank_metadata(path: str, metadata: Metadata, sync: bool) -> None:
 
 # ------------------------------------------------------------------- write results <-> JSON
 
-def _results_to_json(result: RankWriteResult) -> str:
+def results_to_json(result: RankWriteResult) -> str:
+    """A rank's write results as the JSON text of its async "done" marker."""
     return json.dumps({
         "items": [[r.index.fqn, r.index.offset, r.index.index, r.storage.relative_path, r.storage.offset,
                    r.storage.length, r.storage.checksum, r.storage.encoding] for r in result.items],
@@ -100,7 +101,8 @@ def _results_to_json(result: RankWriteResult) -> str:
     })
 
 
-def _results_from_json(text: str) -> RankWriteResult:
+def results_from_json(text: str) -> RankWriteResult:
+    """The write results of a "done" marker's JSON text."""
     doc = json.loads(text)
     items = [WriteResult(MetadataIndex(fqn, None if off is None else tuple(off), idx),
                          StorageInfo(path, start, length, crc, enc))
@@ -123,7 +125,7 @@ def publish_result(pending: str, rank: int, result: RankWriteResult) -> None:
     # Not fsynced: the coordinator deletes markers before committing, and a crash before
     # the commit leaves an uncommitted pending directory either way.
     write_file_atomically(os.path.join(pending, _DONE_MARKER.format(rank)),
-                          _results_to_json(result).encode(), sync=False)
+                          results_to_json(result).encode(), sync=False)
 
 
 def publish_failure(pending: str, rank: int, error: BaseException) -> None:
@@ -222,7 +224,7 @@ def collect_results(pending: str, path: str, world_size: int, timeout_s: float) 
     results = []
     for marker in markers:
         with open(os.path.join(pending, marker)) as f:
-            results.append(_results_from_json(f.read()))
+            results.append(results_from_json(f.read()))
         os.remove(os.path.join(pending, marker))
     return results
 

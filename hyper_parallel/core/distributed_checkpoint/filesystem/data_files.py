@@ -7,14 +7,14 @@ import json
 import math
 import os
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Tuple
+from typing import BinaryIO, Callable, Dict, List, NamedTuple, Optional, Tuple
 
 from hyper_parallel.core.distributed_checkpoint._fileio import create_file, write_file
 from hyper_parallel.utils.fileio import start_writeback
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32, crc32_combine
 from hyper_parallel.core.distributed_checkpoint.format.metadata import FileInfo, StorageInfo
-from hyper_parallel.core.distributed_checkpoint.planner import SavePlanner, WriteItem
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
 from hyper_parallel.core.distributed_checkpoint.format.safetensors_format import encode_header, tensor_name
 from hyper_parallel.core.distributed_checkpoint.storage import ChunkSource
@@ -31,6 +31,26 @@ def write_safetensors(path: str, items: List[WriteItem], source: ChunkSource, na
                       sync: bool) -> Tuple[List[WriteResult], FileInfo]:
     """Write ``items`` (TENSOR) as one safetensors file named ``name`` at ``path``, taking
     their bytes piece by piece from ``source`` (each checksummed once, as it is written)."""
+    with create_file(path) as f:
+        def written(offset: int, length: int) -> None:
+            if sync:
+                # Disk writes overlap the staging of the next pieces instead of all
+                # waiting for the final fsync.
+                f.flush()
+                start_writeback(f.fileno(), offset, length)
+
+        out = stream_safetensors(f, items, source, name, written)
+        f.flush()
+        if sync:
+            os.fsync(f.fileno())
+    return out
+
+
+def stream_safetensors(f: BinaryIO, items: List[WriteItem], source: ChunkSource, name: str,
+                       written: Optional[Callable[[int, int], None]] = None) -> Tuple[List[WriteResult], FileInfo]:
+    """Write ``items`` (TENSOR) as a safetensors file named ``name`` into the open binary
+    stream ``f`` (a local file or an object store upload), calling ``written(offset, length)``
+    after each piece. On failure ``source`` is aborted (stopping the producer) and the error raised."""
     # The header comes from the plan, so the data can stream in after it.
     entries = [(tensor_name(it.index), it.tensor_data.dtype, it.tensor_data.chunk.sizes, chunk_nbytes(it))
                for it in items]
@@ -39,34 +59,28 @@ def write_safetensors(path: str, items: List[WriteItem], source: ChunkSource, na
     file_crc = crc32(header)
     # crc32 and file writes both release the GIL: checksum each piece on a helper
     # thread while this one writes it, so the checksum costs no extra wall time.
-    with create_file(path) as f, ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-crc") as crc_pool:
+    with ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-crc") as crc_pool:
         try:
             f.write(header)
             for item, (_, _, _, nbytes) in zip(items, entries):
                 known = source.known_checksum(item)
-                crc, written = 0, 0
+                crc, done = 0, 0
                 for piece in source.chunks(item):
                     data = piece.numpy()
                     pending = crc_pool.submit(crc32, data, crc) if known is None else None
                     f.write(data)
-                    if sync:
-                        # Disk writes overlap the staging of the next pieces instead of all
-                        # waiting for the final fsync.
-                        f.flush()
-                        start_writeback(f.fileno(), offset + written, len(data))
-                    written += len(data)
+                    if written is not None:
+                        written(offset + done, len(data))
+                    done += len(data)
                     if pending is not None:
                         crc = pending.result()
                 piece = data = None  # not held while a streaming source reads the next item
-                if written != nbytes:
-                    raise CheckpointError(f"{item.index.fqn!r}: {written} bytes staged, the plan says {nbytes}")
+                if done != nbytes:
+                    raise CheckpointError(f"{item.index.fqn!r}: {done} bytes staged, the plan says {nbytes}")
                 crc = known if known is not None else crc
                 file_crc = crc32_combine(file_crc, crc, nbytes)
                 results.append(WriteResult(item.index, StorageInfo(name, offset, nbytes, crc)))
                 offset += nbytes
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
         except BaseException as exc:
             source.abort(exc)  # stop the producer and the other files' writers
             raise
@@ -75,8 +89,16 @@ def write_safetensors(path: str, items: List[WriteItem], source: ChunkSource, na
 
 def write_values(path: str, items: List[WriteItem], planner: SavePlanner, name: str, encoding: str,
                  sync: bool) -> Tuple[List[WriteResult], FileInfo]:
-    """Write serialised values (BYTE_IO): JSON ones form one JSON object {fqn: value};
-    pickles are concatenated."""
+    """Write serialised values (BYTE_IO) as the file :func:`encode_values` forms."""
+    results, blob, info = encode_values(items, planner, name, encoding)
+    write_file(path, blob, sync)
+    return results, info
+
+
+def encode_values(items: List[WriteItem], planner: SavePlanner, name: str,
+                  encoding: str) -> Tuple[List[WriteResult], bytes, FileInfo]:
+    """The bytes of a values file named ``name``: JSON values form one JSON object
+    {fqn: value}; pickles are concatenated."""
     json_file = encoding == "json"
     parts: List[bytes] = [b"{"] if json_file else []
     results, offset = [], len(parts[0]) if parts else 0
@@ -92,8 +114,7 @@ def write_values(path: str, items: List[WriteItem], planner: SavePlanner, name: 
     if json_file:
         parts.append(b"}")
     blob = b"".join(parts)
-    write_file(path, blob, sync)
-    return results, FileInfo(len(blob), crc32(blob))
+    return results, blob, FileInfo(len(blob), crc32(blob))
 
 
 def split_by_bytes(items: List[WriteItem], parts: int) -> List[List[WriteItem]]:
@@ -106,3 +127,35 @@ def split_by_bytes(items: List[WriteItem], parts: int) -> List[List[WriteItem]]:
         buckets[i].append(position)
         loads[i] += chunk_nbytes(items[position])
     return [[items[p] for p in sorted(b)] for b in buckets if b]
+
+
+class DataFile(NamedTuple):
+    """One data file of a rank's save: its name, its items, and for values their encoding
+    (None: a safetensors file of TENSOR items)."""
+
+    name: str
+    items: List[WriteItem]
+    encoding: Optional[str]
+
+
+def rank_data_files(plan: SavePlan, rank: int, thread_count: int, allow_pickle: bool,
+                    tag: str = "") -> List[DataFile]:
+    """The data files a rank writes for ``plan``: ``__{rank}_{i}{tag}.safetensors`` (at most
+    ``thread_count``, balanced by bytes) and ``__{rank}{tag}.values.{json,pkl}``.
+
+    Raises:
+        ValueError: a value needs pickling and ``allow_pickle`` is off (names the key).
+    """
+    tensors = [it for it in plan.items if it.type == WriteItemType.TENSOR]
+    values: Dict[str, List[WriteItem]] = {}
+    for it in plan.items:
+        if it.type == WriteItemType.BYTE_IO:
+            values.setdefault(it.bytes_io_data.encoding, []).append(it)
+    if "pickle" in values and not allow_pickle:
+        raise ValueError(f"{values['pickle'][0].index.fqn!r} needs pickling; pass allow_pickle=True")
+    files = [DataFile(f"__{rank}_{i}{tag}.safetensors", bucket, None)
+             for i, bucket in enumerate(split_by_bytes(tensors, thread_count))]
+    files += [DataFile(f"__{rank}{tag}.values.{'json' if encoding == 'json' else 'pkl'}", items, encoding)
+              for encoding, items in values.items()]
+    return files
+

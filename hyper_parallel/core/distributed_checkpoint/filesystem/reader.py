@@ -28,13 +28,7 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
 from hyper_parallel.core.distributed_checkpoint.format.validation import decode_stored_value, open_data_file
 from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import process_staging_buffers
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
-from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import (
-    assign_duties,
-    duties_of,
-    mark_local_plan,
-    reads_whole,
-)
-from hyper_parallel.core.distributed_checkpoint.storage import StorageReader
+from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import VerifyingReader, duties_of, reads_whole
 from hyper_parallel.platform import get_platform
 
 
@@ -45,7 +39,7 @@ copied out in memory: a syscall per piece (~3 us) costs more than copying the ga
 windows either way."""
 
 
-class FileSystemReader(StorageReader):
+class FileSystemReader(VerifyingReader):
     """Reads a checkpoint directory, fetching only the byte ranges each rank needs.
 
     Args:
@@ -80,31 +74,8 @@ class FileSystemReader(StorageReader):
     def load_metadata(self, **kwargs: Any) -> Metadata:
         return self.read_metadata()
 
-    def configure_reader(self, metadata: Metadata, is_coordinator: bool, **kwargs: Any) -> None:
-        self.metadata = metadata
-        self._verifying = self.verify and bool(kwargs.get("verify", True))
-
-    def optimize_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return mark_local_plan(plan, self._verifying)
-
-    def optimize_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
-        """Coordinator: assign the checks of chunks that ranks read only parts of."""
-        chunk_bytes = {}
-        for plan in plans:
-            for item in plan.items:
-                if item.type == LoadItemType.TENSOR and item.storage_index not in chunk_bytes:
-                    md = self.metadata.state_dict_metadata[item.storage_index.fqn]
-                    chunk_bytes[item.storage_index] = (self._storage(item.storage_index).length, md.dtype.itemsize)
-        return assign_duties(plans, chunk_bytes)
-
     def _open(self, name: str) -> int:
         return open_data_file(self.path, name, self.metadata)
-
-    def _storage(self, index: MetadataIndex) -> StorageInfo:
-        info = self.metadata.storage_data.get(index)
-        if info is None:
-            raise CheckpointError(f"checkpoint metadata has no storage location for {index}")
-        return info
 
     def _check(self, crc: int, info: StorageInfo, what: str) -> None:
         if crc != info.checksum:

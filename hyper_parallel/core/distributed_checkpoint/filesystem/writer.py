@@ -17,19 +17,19 @@ from __future__ import annotations
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Dict, List, Optional
+from typing import Any, List, Optional
 
 from hyper_parallel.core.distributed_checkpoint._fileio import local_path
 from hyper_parallel.utils.fileio import fsync_dir
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem import commit
 from hyper_parallel.core.distributed_checkpoint.filesystem.data_files import (
-    split_by_bytes,
+    rank_data_files,
     write_safetensors,
     write_values,
 )
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
-from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
+from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import (
     AsyncCommitWriter,
     ChunkSource,
@@ -88,21 +88,14 @@ class FileSystemWriter(AsyncCommitWriter):
         os.makedirs(directory, exist_ok=True)
         if self.use_collectives:  # lets async saves' waiting ranks notice if this process dies
             commit.start_heartbeat(directory, self.rank, self.commit_timeout_s)
-        tensors = [it for it in plan.items if it.type == WriteItemType.TENSOR]
-        values: Dict[str, List[WriteItem]] = {}
-        for it in plan.items:
-            if it.type == WriteItemType.BYTE_IO:
-                values.setdefault(it.bytes_io_data.encoding, []).append(it)
-        if "pickle" in values and not self.allow_pickle:
-            raise ValueError(f"{values['pickle'][0].index.fqn!r} needs pickling; pass allow_pickle=True")
         # Snapshotted saves stream tensor bytes from the snapshot pipeline (host_memory/snapshot.py).
         source = planner if isinstance(planner, ChunkSource) else DirectChunks(planner)
         jobs = []
-        for i, bucket in enumerate(split_by_bytes(tensors, self.thread_count)):
-            jobs.append((write_safetensors, f"__{self.rank}_{i}.safetensors", bucket, source, ()))
-        for encoding, items in values.items():
-            name = f"__{self.rank}.values.{'json' if encoding == 'json' else 'pkl'}"
-            jobs.append((write_values, name, items, planner, (encoding,)))
+        for file in rank_data_files(plan, self.rank, self.thread_count, self.allow_pickle):
+            if file.encoding is None:
+                jobs.append((write_safetensors, file.name, file.items, source, ()))
+            else:
+                jobs.append((write_values, file.name, file.items, planner, (file.encoding,)))
         result = RankWriteResult([], {})
 
         def run(job):

@@ -16,9 +16,10 @@ The metadata document's field types, ranges and nesting are checked while parsin
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from typing import Any, Dict, List, Tuple
+from typing import Any, Callable, ContextManager, Dict, Iterator, List, Optional, Tuple
 
 from hyper_parallel.core.distributed_checkpoint._fileio import open_regular
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
@@ -167,11 +168,15 @@ def decode_stored_value(data: bytes, encoding: str, key: str, *, allow_pickle: b
         raise CheckpointError(str(exc)) from None
 
 
-def _crc_range(fd: int, start: int, length: int, path: str, keep: bool) -> Tuple[int, bytes]:
+ReadAt = Callable[[int, int], bytes]
+"""``read(offset, n)``: up to ``n`` bytes of a data file from ``offset`` (fewer only at its end)."""
+
+
+def _crc_range(read: ReadAt, start: int, length: int, path: str, keep: bool) -> Tuple[int, bytes]:
     crc, parts = 0, []
     end = start + length
     while start < end:
-        block = os.pread(fd, min(_BLOCK, end - start), start)
+        block = read(start, min(_BLOCK, end - start))
         if not block:
             raise CheckpointError(f"{path} is truncated at byte {start}")
         crc = crc32(block, crc)
@@ -181,10 +186,13 @@ def _crc_range(fd: int, start: int, length: int, path: str, keep: bool) -> Tuple
     return crc, b"".join(parts)
 
 
-def verify_files(directory: str, metadata: Metadata, allow_pickle: bool = False) -> None:
+def verify_files(directory: str, metadata: Metadata, allow_pickle: bool = False,
+                 open_file: Optional[Callable[[str], ContextManager[ReadAt]]] = None) -> None:
     """Check every data file of the checkpoint in name order (:func:`_verify_file`), the stored
     items grouped by file in one pass over the storage table. Pickled values are refused
-    unless ``allow_pickle`` (as ``load`` does; they are never unpickled here).
+    unless ``allow_pickle`` (as ``load`` does; they are never unpickled here). ``open_file(name)``
+    opens a data file elsewhere (object stores: checked to exist with its recorded size);
+    default: the file ``name`` in the local ``directory``.
 
     Raises:
         CheckpointError: names the file and the item or byte range that does not match.
@@ -193,10 +201,22 @@ def verify_files(directory: str, metadata: Metadata, allow_pickle: bool = False)
     for entry in metadata.storage_data.entries():
         by_file.setdefault(entry.relative_path, []).append(entry)
     for name in sorted(metadata.files):
-        _verify_file(directory, name, metadata, by_file[name], allow_pickle)
+        opened = open_file(name) if open_file is not None else _local_file(directory, name, metadata)
+        with opened as read:
+            _verify_file(f"{directory}/{name}" if open_file else os.path.join(directory, name), read, name,
+                         metadata, by_file[name], allow_pickle)
 
 
-def _verify_file(directory: str, name: str, metadata: Metadata, entries: List[StorageEntry],
+@contextlib.contextmanager
+def _local_file(directory: str, name: str, metadata: Metadata) -> Iterator[ReadAt]:
+    fd = open_data_file(directory, name, metadata)
+    try:
+        yield lambda offset, n: os.pread(fd, n, offset)
+    finally:
+        os.close(fd)
+
+
+def _verify_file(path: str, read: ReadAt, name: str, metadata: Metadata, entries: List[StorageEntry],
                  allow_pickle: bool) -> None:
     """Check the items ``entries`` stored in data file ``name`` (all of them) and the whole
     file against their checksums in one sequential read, and its values as ``load`` would
@@ -205,26 +225,21 @@ def _verify_file(directory: str, name: str, metadata: Metadata, entries: List[St
     Raises:
         CheckpointError: names the file and the item or byte range that does not match.
     """
-    path = os.path.join(directory, name)
     end = StorageEntry("", None, None, name, metadata.files[name].size, 0, 0, "raw")
-    fd = open_data_file(directory, name, metadata)
-    try:
-        file_crc, position = 0, 0
-        for entry in sorted(entries, key=lambda e: e.byte_offset) + [end]:
-            if entry.byte_offset > position:  # bytes between items (headers, padding)
-                gap_crc, _ = _crc_range(fd, position, entry.byte_offset - position, path, keep=False)
-                file_crc = crc32_combine(file_crc, gap_crc, entry.byte_offset - position)
-            if entry is end:
-                break
-            crc, data = _crc_range(fd, entry.byte_offset, entry.length, path, keep=entry.encoding == "json")
-            if crc != entry.checksum:
-                raise CheckpointError(f"checkpoint file {path} fails its checksum at bytes {entry.byte_offset}.."
-                                      f"{entry.byte_offset + entry.length} ({entry.fqn}): the file is corrupt")
-            if entry.encoding != "raw":
-                decode_stored_value(data, entry.encoding, entry.fqn, allow_pickle=allow_pickle, unpickle=False)
-            file_crc = crc32_combine(file_crc, crc, entry.length)
-            position = entry.byte_offset + entry.length
-    finally:
-        os.close(fd)
+    file_crc, position = 0, 0
+    for entry in sorted(entries, key=lambda e: e.byte_offset) + [end]:
+        if entry.byte_offset > position:  # bytes between items (headers, padding)
+            gap_crc, _ = _crc_range(read, position, entry.byte_offset - position, path, keep=False)
+            file_crc = crc32_combine(file_crc, gap_crc, entry.byte_offset - position)
+        if entry is end:
+            break
+        crc, data = _crc_range(read, entry.byte_offset, entry.length, path, keep=entry.encoding == "json")
+        if crc != entry.checksum:
+            raise CheckpointError(f"checkpoint file {path} fails its checksum at bytes {entry.byte_offset}.."
+                                  f"{entry.byte_offset + entry.length} ({entry.fqn}): the file is corrupt")
+        if entry.encoding != "raw":
+            decode_stored_value(data, entry.encoding, entry.fqn, allow_pickle=allow_pickle, unpickle=False)
+        file_crc = crc32_combine(file_crc, crc, entry.length)
+        position = entry.byte_offset + entry.length
     if file_crc != metadata.files[name].checksum:
         raise CheckpointError(f"checkpoint file {path} fails its checksum: the file is corrupt")

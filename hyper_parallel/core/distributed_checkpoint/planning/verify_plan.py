@@ -19,10 +19,12 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections import defaultdict
-from typing import Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
-from hyper_parallel.core.distributed_checkpoint.format.metadata import MetadataIndex
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, MetadataIndex, StorageInfo
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+from hyper_parallel.core.distributed_checkpoint.storage import StorageReader
 
 
 
@@ -91,3 +93,37 @@ def assign_duties(plans: List[LoadPlan], chunk_bytes: Dict[MetadataIndex, Tuple[
         duties[rank].add(index)
     return [dataclasses.replace(plan, storage_data=Verification(verifying[rank], True, frozenset(duties[rank])))
             for rank, plan in enumerate(plans)]
+
+
+class VerifyingReader(StorageReader):
+    """A reader of checkpoints of our format (whatever stores its files) that checks chunks
+    cooperatively: each rank marks its plan, the coordinator assigns the duties above.
+    Subclasses set ``verify`` and read ``metadata`` / ``_verifying`` in ``execute_read``."""
+
+    verify: bool = True
+    metadata: Optional[Metadata] = None
+    _verifying: bool = True
+
+    def configure_reader(self, metadata: Metadata, is_coordinator: bool, **kwargs: Any) -> None:
+        self.metadata = metadata
+        self._verifying = self.verify and bool(kwargs.get("verify", True))
+
+    def optimize_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return mark_local_plan(plan, self._verifying)
+
+    def optimize_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        """Coordinator: assign the checks of chunks that ranks read only parts of."""
+        chunk_bytes = {}
+        for plan in plans:
+            for item in plan.items:
+                if item.type == LoadItemType.TENSOR and item.storage_index not in chunk_bytes:
+                    md = self.metadata.state_dict_metadata[item.storage_index.fqn]
+                    chunk_bytes[item.storage_index] = (self._storage(item.storage_index).length, md.dtype.itemsize)
+        return assign_duties(plans, chunk_bytes)
+
+    def _storage(self, index: MetadataIndex) -> StorageInfo:
+        info = self.metadata.storage_data.get(index)
+        if info is None:
+            raise CheckpointError(f"checkpoint metadata has no storage location for {index}")
+        return info
+

@@ -1,0 +1,3 @@
+"""Checkpoints on object stores through fsspec (``s3://`` with s3fs, ``gs://``, ``az://``,
+``memory://``, ``file://``): same files and metadata as a local checkpoint; the commit point is
+the ``metadata.json`` object, written last (``store.py`` describes the protocol)."""
