@@ -235,10 +235,10 @@ def _build_impl(name: str, reference: torch.nn.Module, mesh, tokens, result: Imp
     return model, optimizer
 
 
-def _timed_step(model, optimizer, tokens, result: ImplResult) -> None:
+def _timed_step(model, optimizer, tokens, result: ImplResult, step: Callable[..., float] = _step) -> None:
     dist.barrier()
     start, cpu_start = time.perf_counter(), time.process_time()
-    _step(model, optimizer, tokens)
+    step(model, optimizer, tokens)
     get_platform().synchronize()
     cpu, wall = time.process_time() - cpu_start, time.perf_counter() - start
     result.step_times_s.append(_over_ranks(wall))

@@ -1,0 +1,225 @@
+"""One training step on a (data-parallel x tensor-parallel) mesh: torch's composition vs ours.
+
+Both apply the same tensor-parallel plan (``hyper_parallel.parallel.apply_tensor_parallel``,
+i.e. torch's ``parallelize_module`` with the Megatron-style plan and sequence parallelism) to
+their own deep copy of one Llama model built from seed 0, then shard every block and the root
+over the data-parallel sub-mesh: torch's ``fully_shard`` (FSDP2) for "torch", ``hp.fully_shard``
+for "ours". The TP half is identical by construction; the figures compare the FSDP halves on a
+2-D mesh. The loss is the vocabulary-parallel ``cross_entropy`` under ``loss_parallel``.
+
+    python benchmarks/nd_step.py --model llama_debug     # spawns 4 gloo ranks: (shard 2, tp 2)
+    torchrun --standalone --nproc_per_node=4 benchmarks/nd_step.py [--tp 2]
+    torchrun --standalone --nproc_per_node=$NGPU benchmarks/nd_step.py --device cuda
+
+Timing and memory are measured as in ``fsdp_step.py`` (whose helpers this imports; see
+``benchmarks/README.md``): implementations alternate in chunks, median of the slowest rank's
+step, peak RSS during step 2 over the RSS before the model copy. ``--device cuda`` runs the same
+code on nccl with the allocator's peak instead of RSS; it was not run (no GPU on the machine
+that wrote it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import json
+import os
+from dataclasses import asdict
+from typing import Dict
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.fsdp import fully_shard as torch_fully_shard
+
+import hyper_parallel as hp
+from hyper_parallel.models import build_llama
+from hyper_parallel.models.llama import CONFIGS
+from hyper_parallel.parallel import apply_tensor_parallel, cross_entropy, loss_parallel
+from hyper_parallel.platform import free_port, get_platform
+from hyper_parallel.trainer.parallelize import dp_mesh
+
+from fsdp_step import (IMPLS, ImplResult, _over_ranks, _reset_peak_rss, _rss_bytes, _timed_step,
+                       _use_mmap_for_large_blocks)
+
+_SHARD_FNS = {"torch": lambda: torch_fully_shard, "ours": lambda: hp.fully_shard}
+
+
+def _parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel degree (the rest is data-parallel)")
+    parser.add_argument("--world", type=int, default=4, help="ranks to spawn on CPU (without torchrun)")
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per implementation")
+    parser.add_argument("--chunk", type=int, default=2, help="consecutive steps per turn when alternating")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--model", help="default llama_debug on cpu, llama_1b on cuda (heads, kv-heads, "
+                                        "vocab and seq must divide by --tp)")
+    parser.add_argument("--layers", type=int, help="override the model's number of blocks")
+    parser.add_argument("--dim", type=int, help="override the model's width (must divide by its heads)")
+    parser.add_argument("--batch", type=int, help="sequences per data-parallel rank (default 2 on cpu, 4 on cuda)")
+    parser.add_argument("--seq", type=int, help="sequence length (default 128 on cpu, 2048 on cuda)")
+    parser.add_argument("--json", help="also write the results to this file (rank 0)")
+    args = parser.parse_args(argv)
+    cuda = args.device == "cuda"
+    for key, value in dict(model="llama_1b" if cuda else "llama_debug", batch=4 if cuda else 2,
+                           seq=2048 if cuda else 128).items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    return args
+
+
+def _overrides(args: argparse.Namespace) -> dict:
+    return {key: value for key, value in (("n_layers", args.layers), ("dim", args.dim)) if value is not None}
+
+
+def _mesh(args: argparse.Namespace):
+    world = dist.get_world_size()
+    if args.tp < 2 or world % args.tp:
+        raise SystemExit(f"--tp {args.tp} must be >= 2 and divide the world size {world}")
+    return hp.init_device_mesh(args.device, (world // args.tp, args.tp), mesh_dim_names=("shard", "tp"))
+
+
+def _wrap(model: torch.nn.Module, name: str, mesh) -> torch.nn.Module:
+    """The shared TP plan over ``mesh["tp"]``, then ``name``'s fully_shard over the dp sub-mesh."""
+    apply_tensor_parallel(model, mesh["tp"])
+    shard_fn = _SHARD_FNS[name]()
+    for block in model.layers:
+        shard_fn(block, mesh=dp_mesh(mesh))
+    shard_fn(model, mesh=dp_mesh(mesh))
+    return model
+
+
+def _step(model, optimizer, tokens: torch.Tensor) -> float:
+    with loss_parallel():
+        loss = cross_entropy(model(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def _peak_reset() -> None:
+    platform = get_platform()
+    platform.reset_peak_memory() if platform.is_accelerator else _reset_peak_rss()
+
+
+def _memory(before: int, peak: bool) -> int:
+    """Since ``before``: the peak (allocator's or RSS's) or the current use, max over ranks."""
+    platform = get_platform()
+    if platform.is_accelerator:
+        now = platform.peak_memory_bytes() if peak else platform.device_module.memory_allocated()
+    else:
+        now = _rss_bytes("VmHWM" if peak else "VmRSS")
+    return int(_over_ranks(now - before))
+
+
+def _build_impl(name: str, reference: torch.nn.Module, mesh, tokens, result: ImplResult):
+    """Copy + TP + fully_shard + steps 1 and 2, measuring memory growth as fsdp_step does."""
+    platform = get_platform()
+    gc.collect()
+    before = platform.device_module.memory_allocated() if platform.is_accelerator else _rss_bytes("VmRSS")
+    model = _wrap(copy.deepcopy(reference), name, mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    result.losses.append(_over_ranks(_step(model, optimizer, tokens), dist.ReduceOp.AVG))
+    gc.collect()
+    _peak_reset()
+    result.losses.append(_over_ranks(_step(model, optimizer, tokens), dist.ReduceOp.AVG))
+    result.peak_step_bytes = _memory(before, peak=True)
+    gc.collect()
+    result.resident_bytes = _memory(before, peak=False)
+    return model, optimizer
+
+
+def run(args: argparse.Namespace) -> Dict[str, ImplResult]:
+    """Build, measure and time both compositions on this rank."""
+    platform = get_platform()
+    if not platform.is_accelerator:
+        torch.set_num_threads(1)
+        _use_mmap_for_large_blocks()
+    mesh = _mesh(args)
+    device = platform.current_device()
+    vocab = CONFIGS[args.model]["vocab_size"]
+    # The ranks of one TP group take the same batch (the plan replicates the input tokens).
+    dp_rank = mesh["shard"].get_local_rank()
+    tokens = torch.randint(0, vocab, (args.batch, args.seq + 1),
+                           generator=torch.Generator().manual_seed(1000 + dp_rank)).to(device)
+    torch.manual_seed(0)
+    reference = build_llama(args.model, max_seq_len=args.seq, **_overrides(args)).to(device)
+    for name in IMPLS:  # warm-up on one block: first-use costs are paid by neither measurement
+        one_block = build_llama(args.model, max_seq_len=args.seq, **{**_overrides(args), "n_layers": 1})
+        model = _wrap(one_block.to(device), name, mesh)
+        _step(model, torch.optim.AdamW(model.parameters(), lr=1e-3), tokens)
+    del model
+    results = {name: ImplResult() for name in IMPLS}
+    wrapped = {name: _build_impl(name, reference, mesh, tokens, results[name]) for name in IMPLS}
+    del reference
+    for r in range(-(-args.steps // args.chunk)):
+        for name in (IMPLS if r % 2 == 0 else IMPLS[::-1]):  # alternate who goes first
+            for _ in range(min(args.chunk, args.steps - len(results[name].step_times_s))):
+                _timed_step(*wrapped[name], tokens, results[name], step=_step)
+    return results
+
+
+def _report(args: argparse.Namespace, results: Dict[str, ImplResult]) -> None:
+    torch_r, ours_r = results["torch"], results["ours"]
+    mb, world = 2**20, dist.get_world_size()
+    blocks = "".join(f", {k} {v}" for k, v in _overrides(args).items())
+    print(f"\n{args.model}{blocks}, (shard {world // args.tp} x tp {args.tp}) {get_platform().backend} ranks, "
+          f"batch {args.batch}/dp rank x seq {args.seq}, fp32, {len(torch_r.step_times_s)} timed steps each "
+          f"(alternating, chunks of {args.chunk})")
+    print(f"{'':16}{'median step s':>14}{'min..max s':>16}{'median CPU s':>14}{'peak step MB':>14}"
+          f"{'resident MB':>13}{'loss@1':>12}{'loss@2':>12}")
+    for name, r in results.items():
+        spread = f"{min(r.step_times_s):.3f}..{max(r.step_times_s):.3f}"
+        print(f"{name:16}{r.median_step_s:>14.3f}{spread:>16}{r.median_cpu_s:>14.3f}"
+              f"{r.peak_step_bytes / mb:>14.1f}{r.resident_bytes / mb:>13.1f}"
+              f"{r.losses[0]:>12.6f}{r.losses[1]:>12.6f}")
+    ratios = {"step_time": ours_r.median_step_s / torch_r.median_step_s,
+              "cpu_time": ours_r.median_cpu_s / torch_r.median_cpu_s,
+              "peak_step_memory": ours_r.peak_step_bytes / torch_r.peak_step_bytes,
+              "resident_memory": ours_r.resident_bytes / torch_r.resident_bytes}
+    print(f"{'ours/torch':16}{ratios['step_time']:>14.3f}{'':16}{ratios['cpu_time']:>14.3f}"
+          f"{ratios['peak_step_memory']:>14.3f}{ratios['resident_memory']:>13.3f}")
+    diffs = [abs(a - b) for a, b in zip(ours_r.losses, torch_r.losses)]
+    same = all(d <= 1e-4 * abs(t) for d, t in zip(diffs, torch_r.losses))
+    print(f"loss sanity (steps 1-2, |ours - torch|): {', '.join(f'{d:.2e}' for d in diffs)}"
+          f" -> {'OK' if same else 'MISMATCH'}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "world_size": world, "ratios": ratios, "loss_match": same,
+                       "results": {n: {**asdict(r), "median_step_s": r.median_step_s, "median_cpu_s": r.median_cpu_s}
+                                   for n, r in results.items()}}, f, indent=2)
+
+
+def _main_in_group(args: argparse.Namespace) -> None:
+    os.environ.setdefault("HYPER_PARALLEL_DEVICE", args.device)
+    platform = hp.init_distributed()
+    if platform.device_type != args.device:
+        raise SystemExit(f"--device {args.device} but the platform is {platform.device_type}")
+    try:
+        results = run(args)
+        if dist.get_rank() == 0:
+            _report(args, results)
+    finally:
+        dist.destroy_process_group()
+
+
+def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), HYPER_PARALLEL_DEVICE="cpu")
+    _main_in_group(args)
+
+
+def main(argv=None) -> None:
+    args = _parse_args(argv)
+    if "WORLD_SIZE" in os.environ:  # torchrun
+        _main_in_group(args)
+        return
+    if args.device != "cpu":
+        raise SystemExit("--device cuda: launch with torchrun --nproc_per_node=<GPUs>")
+    mp.spawn(_spawned, args=(args.world, free_port(), args), nprocs=args.world, join=True)
+
+
+if __name__ == "__main__":
+    main()
