@@ -37,7 +37,6 @@ from typing import Callable, Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -46,8 +45,10 @@ from torch.profiler import ProfilerActivity, profile
 import hyper_parallel as hp
 from hyper_parallel.models import build_llama
 from hyper_parallel.models.llama import CONFIGS
-from hyper_parallel.platform import free_port, get_platform
+from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.float8 import convert_to_float8, precompute_scales
+
+from launch import launch
 
 IMPLS = ("torch", "ours")
 _SHARD_FNS = {"torch": lambda: torch_fully_shard, "ours": lambda: hp.fully_shard}
@@ -350,13 +351,7 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
     compiled += ", float8 tensorwise" if args.float8 else ""
     print(f"\n{args.model}{blocks}, {layout} {get_platform().backend} ranks, batch {args.batch}/rank x "
           f"seq {args.seq}, {args.mixed_precision}{compiled}, {len(torch_r.step_times_s)} timed steps each ({how})")
-    print(f"{'':16}{'median step s':>14}{'min..max s':>16}{'median CPU s':>14}{'peak step MB':>14}"
-          f"{'resident MB':>13}{'loss@1':>12}{'loss@2':>12}")
-    for name, r in results.items():
-        spread = f"{min(r.step_times_s):.3f}..{max(r.step_times_s):.3f}"
-        print(f"{name:16}{r.median_step_s:>14.3f}{spread:>16}{r.median_cpu_s:>14.3f}"
-              f"{r.peak_step_bytes / mb:>14.1f}{r.resident_bytes / mb:>13.1f}"
-              f"{r.losses[0]:>12.6f}{r.losses[1]:>12.6f}")
+    print_table(results)
     tokens_per_step = args.batch * args.seq * world
     flops = _flops_per_token(args)
     for name, r in results.items():
@@ -364,12 +359,7 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
         reserved = f", peak reserved {r.peak_reserved_bytes / 2**30:.2f} GiB" if r.peak_reserved_bytes else ""
         print(f"{name:16}{tokens_s:,.0f} tokens/s, {flops * tokens_s / world / 1e12:.2f} TFLOP/s per rank, "
               f"peak {r.peak_step_bytes / 2**30:.2f} GiB{reserved}")
-    ratios = {
-        "step_time": ours_r.median_step_s / torch_r.median_step_s,
-        "cpu_time": ours_r.median_cpu_s / torch_r.median_cpu_s,
-        "peak_step_memory": ours_r.peak_step_bytes / torch_r.peak_step_bytes,
-        "resident_memory": ours_r.resident_bytes / torch_r.resident_bytes,
-    }
+    ratios = step_ratios(results)
     for name, r in results.items():
         by_dtype = ", ".join(f"{dtype} {n / mb:.2f}" for dtype, n in sorted(r.all_gather_bytes.items()))
         print(f"{name:16}all-gather MB into one step (rank 0): {sum(r.all_gather_bytes.values()) / mb:.2f} ({by_dtype})")
@@ -384,6 +374,36 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
               f"({args.mixed_precision}): {ratios['float8_layer_all_gather_bytes']:.3f}x")
     if torch_r.peak_reserved_bytes:
         ratios["peak_reserved_memory"] = ours_r.peak_reserved_bytes / torch_r.peak_reserved_bytes
+    same = print_ratios(ratios, results)
+    write_json(args, ratios, same, results)
+
+
+def print_table(results: Dict[str, ImplResult]) -> None:
+    """One row per implementation: step time, CPU time, memory, the first two losses."""
+    mb = 2**20
+    print(f"{'':16}{'median step s':>14}{'min..max s':>16}{'median CPU s':>14}{'peak step MB':>14}"
+          f"{'resident MB':>13}{'loss@1':>12}{'loss@2':>12}")
+    for name, r in results.items():
+        spread = f"{min(r.step_times_s):.3f}..{max(r.step_times_s):.3f}"
+        print(f"{name:16}{r.median_step_s:>14.3f}{spread:>16}{r.median_cpu_s:>14.3f}"
+              f"{r.peak_step_bytes / mb:>14.1f}{r.resident_bytes / mb:>13.1f}"
+              f"{r.losses[0]:>12.6f}{r.losses[1]:>12.6f}")
+
+
+def step_ratios(results: Dict[str, ImplResult]) -> Dict[str, float]:
+    """ours / torch for step time, CPU time, peak step memory and resident memory."""
+    torch_r, ours_r = results["torch"], results["ours"]
+    return {
+        "step_time": ours_r.median_step_s / torch_r.median_step_s,
+        "cpu_time": ours_r.median_cpu_s / torch_r.median_cpu_s,
+        "peak_step_memory": ours_r.peak_step_bytes / torch_r.peak_step_bytes,
+        "resident_memory": ours_r.resident_bytes / torch_r.resident_bytes,
+    }
+
+
+def print_ratios(ratios: Dict[str, float], results: Dict[str, ImplResult]) -> bool:
+    """Print the ratio row and the loss sanity check; whether the losses agree (1e-4 relative)."""
+    torch_r, ours_r = results["torch"], results["ours"]
     print(f"{'ours/torch':16}{ratios['step_time']:>14.3f}{'':16}{ratios['cpu_time']:>14.3f}"
           f"{ratios['peak_step_memory']:>14.3f}{ratios['resident_memory']:>13.3f}")
     if "peak_reserved_memory" in ratios:
@@ -392,6 +412,12 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
     same = all(d <= 1e-4 * abs(t) for d, t in zip(loss_diffs, torch_r.losses))
     print(f"loss sanity (steps 1-2, |ours - torch|): {', '.join(f'{d:.2e}' for d in loss_diffs)}"
           f" -> {'OK' if same else 'MISMATCH'}")
+    return same
+
+
+def write_json(args: argparse.Namespace, ratios: Dict[str, float], same: bool,
+               results: Dict[str, ImplResult]) -> None:
+    """The run's arguments, ratios and per-implementation results to ``args.json`` (if set)."""
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "world_size": dist.get_world_size(), "ratios": ratios,
@@ -401,34 +427,29 @@ def _report(args, results: Dict[str, ImplResult]) -> None:
                                    for n, r in results.items()}}, f, indent=2)
 
 
-def _main_in_group(args: argparse.Namespace) -> None:
+def run_and_report(args: argparse.Namespace, run_fn: Callable[[argparse.Namespace], Dict[str, ImplResult]],
+                   report_fn: Callable[[argparse.Namespace, Dict[str, ImplResult]], None]) -> None:
+    """On this rank: join the process group on ``args.device``, ``run_fn(args)``, and on rank 0
+    ``report_fn(args, results)``."""
     os.environ.setdefault("HYPER_PARALLEL_DEVICE", args.device)
     platform = hp.init_distributed()
     if platform.device_type != args.device:
         raise SystemExit(f"--device {args.device} but the platform is {platform.device_type}")
     try:
-        results = run(args)
+        results = run_fn(args)
         if dist.get_rank() == 0:
-            _report(args, results)
+            report_fn(args, results)
     finally:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), HYPER_PARALLEL_DEVICE="cpu")
-    _main_in_group(args)
+def _main_in_group(args: argparse.Namespace) -> None:
+    run_and_report(args, run, _report)
 
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    if "WORLD_SIZE" in os.environ:  # torchrun
-        _main_in_group(args)
-        return
-    if args.device != "cpu":
-        raise SystemExit("--device cuda: launch with torchrun --nproc_per_node=<GPUs>")
-    world = 4 if args.hsdp else 2
-    mp.spawn(_spawned, args=(world, free_port(), args), nprocs=world, join=True)
+    launch(_main_in_group, args, 4 if args.hsdp else 2)
 
 
 if __name__ == "__main__":

@@ -23,25 +23,23 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
-import os
-from dataclasses import asdict
 from typing import Dict
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import hyper_parallel as hp
 from hyper_parallel.models import build_llama
 from hyper_parallel.models.llama import CONFIGS
 from hyper_parallel.parallel import apply_tensor_parallel, cross_entropy, loss_parallel
-from hyper_parallel.platform import free_port, get_platform
+from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.parallelize import dp_mesh
 
 from fsdp_step import (IMPLS, ImplResult, _over_ranks, _reset_peak_rss, _rss_bytes, _timed_step,
-                       _use_mmap_for_large_blocks)
+                       _use_mmap_for_large_blocks, print_ratios, print_table, run_and_report, step_ratios,
+                       write_json)
+from launch import launch
 
 _SHARD_FNS = {"torch": lambda: torch_fully_shard, "ours": lambda: hp.fully_shard}
 
@@ -162,63 +160,23 @@ def run(args: argparse.Namespace) -> Dict[str, ImplResult]:
 
 
 def _report(args: argparse.Namespace, results: Dict[str, ImplResult]) -> None:
-    torch_r, ours_r = results["torch"], results["ours"]
-    mb, world = 2**20, dist.get_world_size()
+    torch_r, world = results["torch"], dist.get_world_size()
     blocks = "".join(f", {k} {v}" for k, v in _overrides(args).items())
     print(f"\n{args.model}{blocks}, (shard {world // args.tp} x tp {args.tp}) {get_platform().backend} ranks, "
           f"batch {args.batch}/dp rank x seq {args.seq}, fp32, {len(torch_r.step_times_s)} timed steps each "
           f"(alternating, chunks of {args.chunk})")
-    print(f"{'':16}{'median step s':>14}{'min..max s':>16}{'median CPU s':>14}{'peak step MB':>14}"
-          f"{'resident MB':>13}{'loss@1':>12}{'loss@2':>12}")
-    for name, r in results.items():
-        spread = f"{min(r.step_times_s):.3f}..{max(r.step_times_s):.3f}"
-        print(f"{name:16}{r.median_step_s:>14.3f}{spread:>16}{r.median_cpu_s:>14.3f}"
-              f"{r.peak_step_bytes / mb:>14.1f}{r.resident_bytes / mb:>13.1f}"
-              f"{r.losses[0]:>12.6f}{r.losses[1]:>12.6f}")
-    ratios = {"step_time": ours_r.median_step_s / torch_r.median_step_s,
-              "cpu_time": ours_r.median_cpu_s / torch_r.median_cpu_s,
-              "peak_step_memory": ours_r.peak_step_bytes / torch_r.peak_step_bytes,
-              "resident_memory": ours_r.resident_bytes / torch_r.resident_bytes}
-    print(f"{'ours/torch':16}{ratios['step_time']:>14.3f}{'':16}{ratios['cpu_time']:>14.3f}"
-          f"{ratios['peak_step_memory']:>14.3f}{ratios['resident_memory']:>13.3f}")
-    diffs = [abs(a - b) for a, b in zip(ours_r.losses, torch_r.losses)]
-    same = all(d <= 1e-4 * abs(t) for d, t in zip(diffs, torch_r.losses))
-    print(f"loss sanity (steps 1-2, |ours - torch|): {', '.join(f'{d:.2e}' for d in diffs)}"
-          f" -> {'OK' if same else 'MISMATCH'}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "world_size": world, "ratios": ratios, "loss_match": same,
-                       "results": {n: {**asdict(r), "median_step_s": r.median_step_s, "median_cpu_s": r.median_cpu_s}
-                                   for n, r in results.items()}}, f, indent=2)
+    print_table(results)
+    ratios = step_ratios(results)
+    write_json(args, ratios, print_ratios(ratios, results), results)
 
 
 def _main_in_group(args: argparse.Namespace) -> None:
-    os.environ.setdefault("HYPER_PARALLEL_DEVICE", args.device)
-    platform = hp.init_distributed()
-    if platform.device_type != args.device:
-        raise SystemExit(f"--device {args.device} but the platform is {platform.device_type}")
-    try:
-        results = run(args)
-        if dist.get_rank() == 0:
-            _report(args, results)
-    finally:
-        dist.destroy_process_group()
-
-
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), HYPER_PARALLEL_DEVICE="cpu")
-    _main_in_group(args)
+    run_and_report(args, run, _report)
 
 
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    if "WORLD_SIZE" in os.environ:  # torchrun
-        _main_in_group(args)
-        return
-    if args.device != "cpu":
-        raise SystemExit("--device cuda: launch with torchrun --nproc_per_node=<GPUs>")
-    mp.spawn(_spawned, args=(args.world, free_port(), args), nprocs=args.world, join=True)
+    launch(_main_in_group, args, args.world)
 
 
 if __name__ == "__main__":

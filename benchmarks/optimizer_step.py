@@ -13,14 +13,12 @@ interleaved so machine load hits them alike. Reports the median of the slowest r
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 from typing import Dict, List
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
@@ -28,8 +26,10 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 import hyper_parallel as hp
 from hyper_parallel.models import build_llama
 from hyper_parallel.models.llama import CONFIGS
-from hyper_parallel.platform import free_port, get_platform
+from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.optimizer import mesh_groups
+
+from launch import launch
 
 SETTINGS = {"for-loop": dict(foreach=False), "foreach": dict(foreach=True), "fused": dict(fused=True)}
 SHARD = {"torch FSDP2": torch_fully_shard, "hp.fully_shard": hp.fully_shard}
@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> Dict[str, Dict[str, float]]:
 
 def _main_in_group(args: argparse.Namespace) -> None:
     hp.init_distributed()
+    torch.set_num_threads(1)
     try:
         result = run(args)
         if dist.get_rank() == 0:
@@ -90,13 +91,6 @@ def _main_in_group(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
-def _spawned(rank: int, world: int, port: int, args: argparse.Namespace) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      LOCAL_RANK=str(rank), WORLD_SIZE=str(world), HYPER_PARALLEL_DEVICE="cpu")
-    torch.set_num_threads(1)
-    _main_in_group(args)
-
-
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="llama_50m")
@@ -104,12 +98,7 @@ def main(argv=None) -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks to spawn on CPU")
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
-    if "WORLD_SIZE" in os.environ:  # torchrun
-        _main_in_group(args)
-        return
-    if args.device != "cpu":
-        raise SystemExit("--device cuda: launch with torchrun --nproc_per_node=<GPUs>")
-    mp.spawn(_spawned, args=(args.world, free_port(), args), nprocs=args.world, join=True)
+    launch(_main_in_group, args, args.world)
 
 
 if __name__ == "__main__":
