@@ -22,6 +22,7 @@ with fsspec ``storage_options`` on top.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import time
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
@@ -31,6 +32,7 @@ from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE, Metadata, check_relative_path
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata, verify_files
+from hyper_parallel.utils.fileio import fsync_dir, write_file_atomically
 
 MAX_METADATA_BYTES = 4 << 30
 """As for local checkpoints (``filesystem/commit.py``): larger metadata is refused unread."""
@@ -72,9 +74,8 @@ def put_atomically(fs: Any, path: str, data: bytes) -> None:
     if not is_local(fs):
         fs.pipe_file(path, data)
         return
-    aside = f"{path}.tmp"
-    fs.pipe_file(aside, data)
-    fs.mv(aside, path)
+    write_file_atomically(path, data)  # a unique name aside, fsynced, renamed over
+    fsync_dir(os.path.dirname(path))
 
 
 def save_id_of(name: str) -> Optional[str]:
