@@ -3,6 +3,7 @@ as bytes so that float8 (or any dtype) travels on every backend."""
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any, List, Optional, Sequence
 
@@ -16,6 +17,10 @@ from hyper_parallel.core.fully_shard.extension_protocol import call_pre_all_gath
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
 from hyper_parallel.core.fully_shard.param import HSDPParam
 from hyper_parallel.core.fully_shard.policy import MixedPrecisionPolicy
+
+# Every input starts at a multiple of this many bytes in a rank's row, so that its bytes can be
+# viewed as its dtype in place (a view needs an offset divisible by the element size).
+_ALIGN = 16
 
 
 class _Input:
@@ -34,9 +39,15 @@ class _Input:
         padded[d] = param.chunk
         self.padded_shape = tuple(padded)
         self.nbytes = math.prod(padded) * tensor.element_size()
+        self.slot = -(-self.nbytes // _ALIGN) * _ALIGN  # its bytes in a rank's row
         full = list(tensor.shape)
         full[d] = param.unsharded_local_shape[d]
         self.full_shape = tuple(full)
+
+    def typed(self, raw: torch.Tensor) -> torch.Tensor:
+        """``raw`` bytes (``nbytes`` on the last dim: one rank's, or every rank's rows) as this
+        input's dtype and padded shape, without a copy."""
+        return raw.view(self.dtype).reshape(*raw.shape[:-1], *self.padded_shape)
 
 
 class ExtensionBucket(FlatBucket):
@@ -56,6 +67,7 @@ class ExtensionBucket(FlatBucket):
         self._metadata: List[Any] = []
         self._outputs: List[List[torch.Tensor]] = []  # per parameter: full gathered tensors
         self._inner: List[Sequence[torch.Tensor]] = []  # what post_all_gather said it allocated
+        self._offsets: List[int] = []  # of each input in a rank's row of the gathered bytes
 
     def bind_unsharded(self, device: torch.device) -> None:
         self.device = device
@@ -65,31 +77,37 @@ class ExtensionBucket(FlatBucket):
 
     def all_gather(self, group: dist.ProcessGroup, device: torch.device, async_op: bool):
         self.gathered_version = self._shard_version()
-        layouts, metadata, pieces = [], [], []
+        layouts, metadata, inputs = [], [], []
         for param in self.params:
             local = param.sharded_local()
             if local.device != device:  # CPU offload: the hook sees the device copy
                 local = local.to(device, non_blocking=True)
             module, name = param.slots[0]
-            inputs, meta = call_pre_all_gather(local, self.mesh, param.unsharded_local_shape, module, self.mp)
-            layout = [_Input(param, t, name) for t in inputs]
-            for t, lay in zip(inputs, layout):
-                piece = t.contiguous()
-                if tuple(t.shape) != lay.padded_shape:
-                    piece = t.new_zeros(lay.padded_shape)
-                    piece.narrow(param.shard_dim, 0, t.shape[param.shard_dim]).copy_(t)
-                pieces.append(piece.reshape(-1).view(torch.uint8))
-            layouts.append(layout)
+            tensors, meta = call_pre_all_gather(local, self.mesh, param.unsharded_local_shape, module, self.mp)
+            layouts.append([_Input(param, t, name) for t in tensors])
             metadata.append(meta)
+            inputs.append(tensors)
         if self._layouts and [[(x.dtype, x.nbytes) for x in lay] for lay in layouts] != \
                 [[(x.dtype, x.nbytes) for x in lay] for lay in self._layouts]:
             raise RuntimeError("fsdp_pre_all_gather changed the number, dtypes or sizes of its "
                                "all-gather inputs between iterations")
         self._layouts, self._metadata = layouts, metadata
-        shard = torch.cat(pieces)
+        self._offsets = list(itertools.accumulate((x.slot for lay in layouts for x in lay), initial=0))
+        row_bytes = self._offsets.pop()
+        # The input is this rank's row of the output (no separate input buffer, one copy in).
+        output = torch.empty(self.world * row_bytes, dtype=torch.uint8, device=device)
+        rank = dist.get_rank(group) if self.world > 1 else 0
+        shard = output.narrow(0, rank * row_bytes, row_bytes)
+        slots = iter(self._offsets)
+        for param, layout, tensors in zip(self.params, layouts, inputs):
+            for lay, tensor in zip(layout, tensors):
+                slot = lay.typed(shard.narrow(0, next(slots), lay.nbytes))
+                rows = tensor.shape[param.shard_dim]
+                if rows != param.chunk:  # zeros after this rank's rows, as in its shard slot
+                    slot.narrow(param.shard_dim, rows, param.chunk - rows).zero_()
+                slot.narrow(param.shard_dim, 0, rows).copy_(tensor)
         if self.world == 1:
-            return None, shard.view(1, -1)
-        output = torch.empty(self.world * shard.numel(), dtype=torch.uint8, device=device)
+            return None, output.view(1, -1)
         work = collectives.all_gather(output, shard, group, async_op)
         return work, output.view(self.world, -1)
 
@@ -101,14 +119,13 @@ class ExtensionBucket(FlatBucket):
         else:
             for tensor in [t for ts in self._outputs for t in ts] + [t for ts in self._inner for t in ts]:
                 _alloc_storage(tensor)
-        sizes = [x.nbytes for lay in self._layouts for x in lay]
-        rows = iter(torch.split_with_sizes_copy(gathered, sizes, dim=-1))
+        offsets = iter(self._offsets)
         with torch.no_grad():
             for param, layout, outputs in zip(self.params, self._layouts, self._outputs):
                 for lay, out in zip(layout, outputs):
                     # Autograd may have saved the unsharded parameter (refilled before backward).
                     with preserve_version_counter(out):
-                        _fill(param, next(rows), lay, out, self.world)
+                        _fill(param, lay.typed(gathered.narrow(-1, next(offsets), lay.nbytes)), out)
         for i, param in enumerate(self.params):
             dtype = self.compute_dtype
             if first:
@@ -130,9 +147,9 @@ class ExtensionBucket(FlatBucket):
                                   "extensions (FSDP2 does not support it either)")
 
 
-def _fill(param: HSDPParam, rows: torch.Tensor, layout: _Input, out: torch.Tensor, world: int) -> None:
-    """Rank-major byte rows (``world`` x padded input) into ``out`` (the full input)."""
-    typed = rows.reshape(world, -1).view(layout.dtype).reshape(world, *layout.padded_shape)
+def _fill(param: HSDPParam, typed: torch.Tensor, out: torch.Tensor) -> None:
+    """Rank-major rows (``world`` x padded input, a view of the gathered bytes) into ``out``
+    (the full input): each rank's valid rows, concatenated on the shard dim (the one copy out)."""
     pieces = [typed[r].narrow(param.shard_dim, 0, valid) for r, valid in enumerate(param.rank_valid())]
     torch.cat(pieces, dim=param.shard_dim, out=out)
 
