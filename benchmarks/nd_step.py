@@ -82,7 +82,7 @@ def _wrap(model: torch.nn.Module, name: str, mesh) -> torch.nn.Module:
     """The shared TP plan over ``mesh["tp"]``, then ``name``'s fully_shard over the dp sub-mesh."""
     apply_tensor_parallel(model, mesh["tp"])
     shard_fn = _SHARD_FNS[name]()
-    for block in model.layers:
+    for block in model.layers.values():
         shard_fn(block, mesh=dp_mesh(mesh))
     shard_fn(model, mesh=dp_mesh(mesh))
     return model
