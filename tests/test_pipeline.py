@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import hyper_parallel as hp
-from hyper_parallel.checkpoint import (CheckpointManager, ModelState, StateDictOptions,
+from hyper_parallel.checkpoint import (CheckpointManager, ModelState, OptimizerState, StateDictOptions,
                                        get_optimizer_state_dict)
 from hyper_parallel.core.fully_shard.param_group import ShardState
 from hyper_parallel.models import build_llama
@@ -172,8 +172,30 @@ def _pp_train(schedule: str, n_layers: int, tp: bool, folder: Optional[str] = No
     full_optim = get_optimizer_state_dict(parts, opt, options=StateDictOptions(full_state_dict=True))
     exp_avg = {name: state["exp_avg"] for name, state in full_optim["state"].items()}
     if folder is not None:
-        CheckpointManager(folder).save(steps, {"model": ModelState(parts)})
+        CheckpointManager(folder).save(steps, {"model": ModelState(parts),
+                                               "optim": OptimizerState(parts, opt, pp_group=pp_group)})
     return (step_losses if is_last else None), norms, dp_rank, reductions, {"params": full, "exp_avg": exp_avg}
+
+
+def _pp_resume(folder: str, n_layers: int):
+    """Load the checkpoint in ``folder`` into pp=2 x shard=2 stages of another split (1F1B: one
+    stage of n_layers / 2 blocks per rank); the full values of this rank's parameters and
+    ``exp_avg``, and its optimizer's learning rate."""
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "shard"))
+    pp_rank = mesh["pp"].get_local_rank()
+    with torch.device("meta"):
+        meta = build_llama("llama_debug", n_layers=n_layers, max_seq_len=SEQ)
+    ranges = stage_layers(n_layers, 2)
+    part = split_stage(meta, ranges[pp_rank], first=pp_rank == 0, last=pp_rank == 1)
+    hp.fully_shard(part, mesh=mesh["shard"])
+    part.to_empty(device="cpu")
+    part.double().init_weights(SEED + 1)
+    opt = torch.optim.AdamW(part.parameters(), lr=LR / 2)
+    state = {"model": ModelState([part]), "optim": OptimizerState([part], opt, pp_group=mesh["pp"].get_group())}
+    CheckpointManager(folder).load_latest(state)
+    full_optim = get_optimizer_state_dict(part, opt, options=StateDictOptions(full_state_dict=True))
+    return ({name: _full(p) for name, p in part.named_parameters()},
+            {name: s["exp_avg"] for name, s in full_optim["state"].items()}, opt.param_groups[0]["lr"])
 
 
 def _assert_matches_reference(results, n_layers):
@@ -197,18 +219,26 @@ def _assert_matches_reference(results, n_layers):
 @pytest.mark.parametrize("schedule,n_layers", [("1F1B", 2), ("GPipe", 2), ("Interleaved1F1B", 4)])
 def test_pp2_fsdp2_matches_single_process_training(schedule, n_layers, tmp_path):
     """... and (interleaved: two stages per rank) the checkpoint of the stages, each rank
-    saving only its own keys, loads bit-exactly into one plain model."""
+    saving only its own keys, loads bit-exactly into one plain model and optimizer."""
     folder = str(tmp_path) if schedule == "Interleaved1F1B" else None
     results = run_on_ranks(4, _pp_train, schedule, n_layers, False, folder, timeout=180)
     _assert_matches_reference(results, n_layers)
     if folder is None:
         return
     model = _model(n_layers)
-    assert CheckpointManager(folder).load_latest({"model": ModelState(model)}) == STEPS
+    optim = torch.optim.AdamW(model.parameters(), lr=LR / 2)
+    state = {"model": ModelState(model), "optim": OptimizerState(model, optim)}
+    assert CheckpointManager(folder).load_latest(state) == STEPS and optim.param_groups[0]["lr"] == LR
     saved = {kind: {k: v for result in results for k, v in result[-1][kind].items()} for kind in ("params", "exp_avg")}
     assert saved["params"].keys() == dict(model.named_parameters()).keys()
     for name, param in model.named_parameters():
         assert torch.equal(param, saved["params"][name]), name
+        assert torch.equal(optim.state[param]["exp_avg"], saved["exp_avg"][name]), name
+    # ... and into pipeline stages of another split (resuming with another schedule)
+    for params, exp_avg, lr in run_on_ranks(4, _pp_resume, folder, n_layers, timeout=120):
+        assert lr == LR and params.keys() == exp_avg.keys()
+        assert all(torch.equal(v, saved["params"][k]) and torch.equal(exp_avg[k], saved["exp_avg"][k])
+                   for k, v in params.items())
 
 
 @pytest.mark.parametrize("schedule,n_layers", [("1F1B", 2), ("GPipe", 2), ("Interleaved1F1B", 4)])

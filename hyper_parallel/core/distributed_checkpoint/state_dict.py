@@ -17,9 +17,10 @@ dicts are merged: a checkpoint saved by pipeline stages loads into the whole mod
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, NamedTuple, Sequence, Union
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -392,14 +393,31 @@ class ModelState:
 
 class OptimizerState:
     """Stateful view of an optimizer, keyed by the FQNs of ``model``'s parameters (``model``:
-    one module or a sequence of parts, as for :class:`ModelState`)."""
+    one module or a sequence of parts, as for :class:`ModelState`).
+
+    With pipeline parallelism pass ``pp_group`` (the ranks holding the other stages): each
+    rank's ``param_groups`` list only its stages' parameters, so ``state_dict`` gathers the
+    stages' lists over the group (a checkpoint holds one value for the whole job: the groups of
+    every stage, in stage order), and ``load_state_dict`` keeps the saved groups' entries for
+    this rank's parameters. A collective: every rank of ``pp_group`` calls both together.
+    """
 
     def __init__(self, model: Model, optim: torch.optim.Optimizer,
-                 options: StateDictOptions | None = None):
-        self.model, self.optim, self.options = model, optim, options
+                 options: StateDictOptions | None = None, *, pp_group: Optional[dist.ProcessGroup] = None):
+        self.model, self.optim, self.options, self.pp_group = model, optim, options, pp_group
 
     def state_dict(self) -> Dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optim, options=self.options)
+        state_dict = get_optimizer_state_dict(self.model, self.optim, options=self.options)
+        if self.pp_group is not None and _GROUPS in state_dict:
+            gathered: List[Any] = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(gathered, state_dict[_GROUPS], group=self.pp_group)
+            state_dict[_GROUPS] = [group for stage_groups in gathered for group in stage_groups]
+        return state_dict
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if self.pp_group is not None and _GROUPS in state_dict:
+            own = set(_param_fqns(self.model).values())
+            groups = [{**group, _PARAMS: [fqn for fqn in group[_PARAMS] if fqn in own]}
+                      for group in state_dict[_GROUPS]]
+            state_dict = {**state_dict, _GROUPS: [group for group in groups if group[_PARAMS]]}
         set_optimizer_state_dict(self.model, self.optim, state_dict, options=self.options)
