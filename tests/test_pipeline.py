@@ -109,11 +109,13 @@ def test_split_refuses_tied_embeddings_and_bad_ranges():
 
 # -- parity on 4 ranks -------------------------------------------------------------------------
 
-def _pp_train(schedule: str, n_layers: int, tp: bool, folder: Optional[str] = None, steps: int = STEPS):
+def _pp_train(schedule: str, n_layers: int, tp: bool, folder: Optional[str] = None, accum: int = 1,
+              steps: int = STEPS):
     """pp=2 x (shard=2 | tp=2) on 4 ranks; per rank: the last stage's step losses (or None),
     the gradient norms, the data-parallel rank, the gradient reductions per step and group,
     and the full values of this rank's stage parameters (and AdamW's ``exp_avg``) after ``steps``
-    optimizer steps; with ``folder``, a checkpoint of the stages saved there."""
+    optimizer steps; with ``folder``, a checkpoint of the stages saved there. ``accum``: schedule
+    steps per optimizer step (each on a slice of the batch, MICROBATCHES / accum microbatches)."""
     mesh = hp.init_device_mesh("cpu", (2, 1, 2) if tp else (2, 2, 1), mesh_dim_names=("pp", "shard", "tp"))
     pp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
     with torch.device("meta"):
@@ -132,7 +134,7 @@ def _pp_train(schedule: str, n_layers: int, tp: bool, folder: Optional[str] = No
         parts.append(part)
         stages.append(ShardedPipelineStage(part, index, len(ranges), torch.device("cpu"), group=pp_group,
                                            mesh=mesh))
-    sched = build_schedule(stages, schedule, MICROBATCHES, cross_entropy)
+    sched = build_schedule(stages, schedule, MICROBATCHES // accum, cross_entropy, grad_accum=accum)
     reductions = []
     groups = [m for part in parts for m in part.modules() if isinstance(m, hp.FSDPModule)
               and m._hsdp_state.group.params]  # (an interleaved middle stage's root holds none)
@@ -145,20 +147,22 @@ def _pp_train(schedule: str, n_layers: int, tp: bool, folder: Optional[str] = No
     is_last = any(s.is_last for s in stages)
     step_losses, norms = [], []
     for tokens in _batches(steps):
-        tokens = tokens[dp_rank * local:(dp_rank + 1) * local]
-        losses = []
-        with loss_parallel():
-            if stages[0].is_first:
-                sched.step(tokens[:, :-1], target=tokens[:, 1:] if is_last else None, losses=losses)
-            else:
-                sched.step(target=tokens[:, 1:] if is_last else None, losses=losses)
+        step_loss = 0.0
+        for chunk in tokens[dp_rank * local:(dp_rank + 1) * local].chunk(accum):
+            losses = []  # (step() refills it)
+            with loss_parallel():
+                if stages[0].is_first:
+                    sched.step(chunk[:, :-1], target=chunk[:, 1:] if is_last else None, losses=losses)
+                else:
+                    sched.step(target=chunk[:, 1:] if is_last else None, losses=losses)
+            step_loss += sum(loss.item() for loss in losses)
         norms.append(hp.clip_grad_norm_(params, MAX_NORM, pp_group=pp_group).item())
         assert all(m._hsdp_state.group.state is ShardState.SHARDED for m in groups), "a stage stayed unsharded"
         opt.step()
         opt.zero_grad()
         if is_last:
-            step_losses.append(sum(l.item() for l in losses))
-    reductions = len(reductions) / (steps * len(groups))
+            step_losses.append(step_loss)
+    reductions = len(reductions) / (steps * accum * len(groups))
     # Evaluation (forward only) on the next batch, after training: the loss of the final model.
     tokens = _batches(steps + 1)[-1][dp_rank * local:(dp_rank + 1) * local]
     losses = []
@@ -218,10 +222,12 @@ def _assert_matches_reference(results, n_layers):
 
 @pytest.mark.parametrize("schedule,n_layers", [("1F1B", 2), ("GPipe", 2), ("Interleaved1F1B", 4)])
 def test_pp2_fsdp2_matches_single_process_training(schedule, n_layers, tmp_path):
-    """... and (interleaved: two stages per rank) the checkpoint of the stages, each rank
+    """... also with gradient accumulation over two schedule steps (GPipe), and (interleaved:
+    two stages per rank) the checkpoint of the stages, each rank
     saving only its own keys, loads bit-exactly into one plain model and optimizer."""
     folder = str(tmp_path) if schedule == "Interleaved1F1B" else None
-    results = run_on_ranks(4, _pp_train, schedule, n_layers, False, folder, timeout=180)
+    accum = 2 if schedule == "GPipe" else 1  # two schedule steps per optimizer step (gradient accumulation)
+    results = run_on_ranks(4, _pp_train, schedule, n_layers, False, folder, accum, timeout=180)
     _assert_matches_reference(results, n_layers)
     if folder is None:
         return
