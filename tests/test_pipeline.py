@@ -109,14 +109,20 @@ def test_split_refuses_tied_embeddings_and_bad_ranges():
 
 # -- parity on 4 ranks -------------------------------------------------------------------------
 
-def _pp_train(schedule: str, n_layers: int, tp: bool, folder: Optional[str] = None, accum: int = 1,
+# 4 ranks: pp=2 x the rest, as (pp, replicate, shard, tp)
+_LAYOUTS = {"fsdp": (2, 1, 2, 1), "hsdp": (2, 2, 1, 1), "tp": (2, 1, 1, 2)}
+
+
+def _pp_train(schedule: str, n_layers: int, layout: str, folder: Optional[str] = None, accum: int = 1,
               steps: int = STEPS):
-    """pp=2 x (shard=2 | tp=2) on 4 ranks; per rank: the last stage's step losses (or None),
-    the gradient norms, the data-parallel rank, the gradient reductions per step and group,
-    and the full values of this rank's stage parameters (and AdamW's ``exp_avg``) after ``steps``
-    optimizer steps; with ``folder``, a checkpoint of the stages saved there. ``accum``: schedule
-    steps per optimizer step (each on a slice of the batch, MICROBATCHES / accum microbatches)."""
-    mesh = hp.init_device_mesh("cpu", (2, 1, 2) if tp else (2, 2, 1), mesh_dim_names=("pp", "shard", "tp"))
+    """pp=2 x (shard=2 | replicate=2 (HSDP) | tp=2) on 4 ranks; per rank: the last stage's step
+    losses (or None) and evaluation loss, the gradient norms, the data-parallel rank, the
+    gradient reductions per step and group, and the full values of this rank's stage parameters
+    (and AdamW's ``exp_avg``) after ``steps`` optimizer steps; with ``folder``, a checkpoint of
+    the stages saved there. ``accum``: schedule steps per optimizer step (each on a slice of the
+    batch, MICROBATCHES / accum microbatches)."""
+    mesh = hp.init_device_mesh("cpu", _LAYOUTS[layout], mesh_dim_names=("pp", "replicate", "shard", "tp"))
+    dp = mesh["replicate", "shard"] if layout == "hsdp" else mesh["shard"]
     pp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
     with torch.device("meta"):
         meta = build_llama("llama_debug", n_layers=n_layers, max_seq_len=SEQ)
@@ -124,11 +130,11 @@ def _pp_train(schedule: str, n_layers: int, tp: bool, folder: Optional[str] = No
     parts, stages = [], []
     for index in stage_indices(pp_rank, 2, schedule):
         part = split_stage(meta, ranges[index], first=index == 0, last=index == len(ranges) - 1)
-        if tp:
+        if layout == "tp":
             apply_tensor_parallel(part, mesh["tp"])
         for block in part.layers.values():
-            hp.fully_shard(block, mesh=mesh["shard"])
-        hp.fully_shard(part, mesh=mesh["shard"])
+            hp.fully_shard(block, mesh=dp)
+        hp.fully_shard(part, mesh=dp)
         part.to_empty(device="cpu")
         part.double().init_weights(SEED)
         parts.append(part)
@@ -142,8 +148,9 @@ def _pp_train(schedule: str, n_layers: int, tp: bool, folder: Optional[str] = No
         module.set_all_reduce_hook(lambda grad: reductions.append(1))
     params = [p for part in parts for p in part.parameters()]
     opt = torch.optim.AdamW(params, lr=LR)
-    dp_rank = mesh["shard"].get_local_rank()
-    local = GLOBAL_BATCH // (1 if tp else 2)
+    dp_size = mesh["replicate"].size() * mesh["shard"].size()
+    dp_rank = mesh["replicate"].get_local_rank() * mesh["shard"].size() + mesh["shard"].get_local_rank()
+    local = GLOBAL_BATCH // dp_size
     is_last = any(s.is_last for s in stages)
     step_losses, norms = [], []
     for tokens in _batches(steps):
@@ -220,14 +227,16 @@ def _assert_matches_reference(results, n_layers):
         torch.testing.assert_close(seen[name], value, rtol=1e-9, atol=1e-11, msg=name)
 
 
-@pytest.mark.parametrize("schedule,n_layers", [("1F1B", 2), ("GPipe", 2), ("Interleaved1F1B", 4)])
-def test_pp2_fsdp2_matches_single_process_training(schedule, n_layers, tmp_path):
-    """... also with gradient accumulation over two schedule steps (GPipe), and (interleaved:
-    two stages per rank) the checkpoint of the stages, each rank
-    saving only its own keys, loads bit-exactly into one plain model and optimizer."""
+@pytest.mark.parametrize("schedule,n_layers,layout", [("1F1B", 2, "fsdp"), ("GPipe", 2, "fsdp"),
+                                                     ("Interleaved1F1B", 4, "fsdp"), ("1F1B", 2, "hsdp")])
+def test_pp2_fsdp2_matches_single_process_training(schedule, n_layers, layout, tmp_path):
+    """PP2 x FSDP2 (and x HSDP 2x1) matches single-process training on the global batch, also
+    with gradient accumulation over two schedule steps (GPipe); interleaved (two stages per
+    rank): the checkpoint of the stages, each rank saving only its own keys, loads bit-exactly
+    into one plain model and optimizer."""
     folder = str(tmp_path) if schedule == "Interleaved1F1B" else None
     accum = 2 if schedule == "GPipe" else 1  # two schedule steps per optimizer step (gradient accumulation)
-    results = run_on_ranks(4, _pp_train, schedule, n_layers, False, folder, accum, timeout=180)
+    results = run_on_ranks(4, _pp_train, schedule, n_layers, layout, folder, accum, timeout=180)
     _assert_matches_reference(results, n_layers)
     if folder is None:
         return
@@ -249,5 +258,5 @@ def test_pp2_fsdp2_matches_single_process_training(schedule, n_layers, tmp_path)
 
 @pytest.mark.parametrize("schedule,n_layers", [("1F1B", 2), ("GPipe", 2), ("Interleaved1F1B", 4)])
 def test_pp2_tp2_matches_single_process_training(schedule, n_layers):
-    results = run_on_ranks(4, _pp_train, schedule, n_layers, True, timeout=180)
+    results = run_on_ranks(4, _pp_train, schedule, n_layers, "tp", timeout=180)
     _assert_matches_reference(results, n_layers)
