@@ -121,9 +121,9 @@ def split_stage(model: Transformer, layers: range, *, first: bool, last: bool) -
     """A deep copy of ``model`` (``model`` itself is left whole) holding only the blocks in
     ``layers``, under the same names (``layers.3.attention.wq.weight``), with the embedding
     only if ``first`` and the final norm and output projection only if ``last`` (see
-    :class:`~hyper_parallel.models.llama.Transformer`). Call it on the meta device, before
-    tensor parallelism and ``fully_shard``; ``init_weights`` then gives every parameter the
-    value it has in the full model.
+    :class:`~hyper_parallel.models.llama.Transformer`). Call it before tensor parallelism and
+    ``fully_shard`` (on the meta device, the copy allocates nothing); ``init_weights`` then
+    gives every parameter the value it has in the full model.
 
     Raises:
         ValueError: ``model`` ties its embeddings and the stage is not the whole model (the
@@ -136,7 +136,7 @@ def split_stage(model: Transformer, layers: range, *, first: bool, last: bool) -
     if model.cfg.tie_embeddings and not (first and last):
         raise ValueError("tie_embeddings cannot be pipelined: the embedding and the output projection "
                          "would be on different stages; untie them or use pipeline size 1")
-    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("split_stage needs the model before fully_shard; shard each stage module instead")
     stage = copy.deepcopy(model)
     for name in list(stage.layers.keys()):
