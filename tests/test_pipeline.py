@@ -9,6 +9,7 @@ import torch
 import hyper_parallel as hp
 from hyper_parallel.checkpoint import (CheckpointManager, ModelState, OptimizerState, StateDictOptions,
                                        get_optimizer_state_dict)
+from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.param_group import ShardState
 from hyper_parallel.models import build_llama
 from hyper_parallel.parallel import apply_tensor_parallel, cross_entropy, loss_parallel
@@ -207,6 +208,35 @@ def _pp_resume(folder: str, n_layers: int):
     full_optim = get_optimizer_state_dict(part, opt, options=StateDictOptions(full_state_dict=True))
     return ({name: _full(p) for name, p in part.named_parameters()},
             {name: s["exp_avg"] for name, s in full_optim["state"].items()}, opt.param_groups[0]["lr"])
+
+
+def _pp_collectives_per_step(schedule: str):
+    """pp=2 x shard=2, blocks with reshard_after_forward=False: the all-gathers and
+    reduce-scatters of this rank's second step, and its number of parameter groups."""
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "shard"))
+    pp_rank = mesh["pp"].get_local_rank()
+    with torch.device("meta"):
+        meta = build_llama("llama_debug", n_layers=2, max_seq_len=SEQ)
+    part = split_stage(meta, range(pp_rank, pp_rank + 1), first=pp_rank == 0, last=pp_rank == 1)
+    hp.fully_shard(part.layers[str(pp_rank)], mesh=mesh["shard"], reshard_after_forward=False)
+    hp.fully_shard(part, mesh=mesh["shard"])
+    part.to_empty(device="cpu")
+    part.init_weights(SEED)
+    stage = ShardedPipelineStage(part, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    sched = build_schedule([stage], schedule, MICROBATCHES, cross_entropy)
+    tokens = _batches(1)[0][:GLOBAL_BATCH // 2]
+    for _ in range(2):
+        collectives.reset_collective_counts()
+        sched.step(*((tokens[:, :-1],) if pp_rank == 0 else ()), target=tokens[:, 1:] if pp_rank == 1 else None)
+    return collectives.collective_counts(), 2
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_stage_gathers_and_reduces_each_group_once_per_step(schedule):
+    """Parameters stay unsharded from the first microbatch's forward to the last backward, and
+    gradients are reduce-scattered once (the stage of torch's FSDP2 integration)."""
+    for counts, groups in run_on_ranks(4, _pp_collectives_per_step, schedule, timeout=120):
+        assert counts.get("all_gather") == groups and counts.get("reduce_scatter") == groups, counts
 
 
 def _assert_matches_reference(results, n_layers):
