@@ -13,6 +13,7 @@ from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.param_group import ShardState
 from hyper_parallel.models import build_llama
 from hyper_parallel.parallel import apply_tensor_parallel, cross_entropy, loss_parallel
+from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
 from hyper_parallel.pipeline import (ShardedPipelineStage, build_schedule, split_stage, stage_indices, stage_layers,
                                      stages_per_rank)
 from tests.multirank import run_on_ranks
@@ -133,6 +134,8 @@ def _pp_train(schedule: str, n_layers: int, layout: str, folder: Optional[str] =
         part = split_stage(meta, ranges[index], first=index == 0, last=index == len(ranges) - 1)
         if layout == "tp":
             apply_tensor_parallel(part, mesh["tp"])
+        if schedule == "1F1B":  # recomputation inside the schedule's backward
+            apply_activation_checkpointing(part)
         for block in part.layers.values():
             hp.fully_shard(block, mesh=dp)
         hp.fully_shard(part, mesh=dp)
