@@ -187,6 +187,11 @@ class ShardedPipelineStage(PipelineStage):
             module.set_reshard_after_backward(sync, recurse=False)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full":
+            # fully_shard reduces a group once its inputs' gradients are computed: a weight
+            # gradient computed later (split backward) would miss the reduction.
+            raise ValueError(f"ShardedPipelineStage runs full backwards only (schedules {sorted(SCHEDULES)}), "
+                             f"not a split {backward_type!r} backward (zero-bubble schedules)")
         self._set_gradient_sync(last_backward)
         try:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
