@@ -110,7 +110,8 @@ def stage_layers(n_layers: int, num_stages: int, layers_per_stage: Optional[Sequ
         counts = [base + (index < extra) for index in range(num_stages)]
     else:
         counts = list(layers_per_stage)
-        if len(counts) != num_stages or any(not isinstance(c, int) or c < 1 for c in counts) or sum(counts) != n_layers:
+        if (len(counts) != num_stages or sum(counts) != n_layers
+                or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts)):
             raise ValueError(f"layers per stage {counts} must be {num_stages} integers >= 1 summing to the "
                              f"model's {n_layers} layers")
     starts = [sum(counts[:index]) for index in range(num_stages)]
