@@ -128,7 +128,7 @@ def _wrap(model: torch.nn.Module, name: str, mesh, args: argparse.Namespace) -> 
     shard_fn = _SHARD_FNS[name]()
     policy = _mp_policy(name, args)
     kw = {} if policy is None else {"mp_policy": policy}
-    for block in model.layers:
+    for block in model.layers.values():
         if args.compile:
             block.compile(backend=args.compile_backend)
         shard_fn(block, mesh=mesh, **kw)

@@ -39,7 +39,7 @@ def _model(name: str, device: str, shard) -> torch.nn.Module:
     torch.manual_seed(0)
     model = build_llama(name).to(device)
     mesh = init_device_mesh(device, (dist.get_world_size(),))
-    for block in model.layers:
+    for block in model.layers.values():
         shard(block, mesh=mesh)
     shard(model, mesh=mesh)
     tokens = torch.randint(0, CONFIGS[name]["vocab_size"], (2, 65),

@@ -85,7 +85,7 @@ def _wrap_fn(fn: Callable, name: str, tracer: Tracer, index: Callable) -> Callab
 def _install(impl: str, model: torch.nn.Module, tracer: Tracer) -> Callable[[], None]:
     """Probe ``model``'s blocks and ``impl``'s functions; returns the undo."""
     groups = {}
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.layers.values()):
         for group in _groups_of(block):
             groups[id(group)] = f"b{i}"
     for group in _groups_of(model):
@@ -100,7 +100,7 @@ def _install(impl: str, model: torch.nn.Module, tracer: Tracer) -> Callable[[], 
         setattr(owner, name, _wrap_fn(original, name, tracer, index))
         undo.append(functools.partial(setattr, owner, name, original))
     handles = []
-    for i, block in enumerate(model.layers):
+    for i, block in enumerate(model.layers.values()):
         handles.append(block.register_forward_pre_hook(lambda *_, i=i: tracer.probe(f"fwd b{i}")))
 
         def post(_m, _a, out, i=i):

@@ -10,7 +10,7 @@ parameters over the data-parallel mesh::
 
     mesh = hp.init_device_mesh(device_type, (dp, tp), mesh_dim_names=("shard", "tp"))
     apply_tensor_parallel(model, mesh["tp"])
-    for block in model.layers:
+    for block in model.layers.values():
         hp.fully_shard(block, mesh=mesh["shard"])
     hp.fully_shard(model, mesh=mesh["shard"])
     with loss_parallel():  # the loss's backward too
@@ -79,18 +79,24 @@ def block_plan() -> Dict[str, ParallelStyle]:
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parallel_loss: bool = True) -> nn.Module:
     """Shard ``model`` over the 1-D ``tp_mesh`` with :func:`root_plan` and :func:`block_plan`
     (on the meta device too: initialise afterwards). Tied embeddings stay tied (both are
-    sharded over the vocabulary). Returns ``model``.
+    sharded over the vocabulary). A pipeline stage (``hyper_parallel.pipeline.split_stage``)
+    gets the plan of the modules it holds; between stages the hidden state stays a DTensor
+    sharded over the sequence. Returns ``model``.
 
     Raises:
         ValueError: ``tp_mesh`` is not 1-D.
     """
     if tp_mesh.ndim != 1:
         raise ValueError(f"tensor parallelism needs a 1-D mesh, got mesh dims {tp_mesh.mesh_dim_names}")
-    tied = model.output.weight is model.tok_embeddings.weight
-    parallelize_module(model, tp_mesh, root_plan(vocab_parallel_loss=vocab_parallel_loss))
+    tied = model.output is not None and model.tok_embeddings is not None and \
+        model.output.weight is model.tok_embeddings.weight
+    # A pipeline stage (hyper_parallel.pipeline.split_stage) lacks some of the root's modules.
+    plan = {name: style for name, style in root_plan(vocab_parallel_loss=vocab_parallel_loss).items()
+            if getattr(model, name) is not None}
+    parallelize_module(model, tp_mesh, plan)
     if tied:  # each style replaced its module's weight: share the embedding's again
         model.output.weight = model.tok_embeddings.weight
-    for block in model.layers:
+    for block in model.layers.values():
         parallelize_module(block, tp_mesh, block_plan())
     return model
 

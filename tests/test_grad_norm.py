@@ -224,3 +224,32 @@ def _fully_shard_clip_all_norm_types(hsdp: bool):
 def test_fully_shard_grads_clip_like_single_process_on_global_batch(world, hsdp):
     per_rank = run_on_ranks(world, _fully_shard_clip_all_norm_types, hsdp, timeout=120)
     assert all(totals == per_rank[0] for totals in per_rank), per_rank
+
+
+def _pipeline_stages_clip(norm_type: float):
+    """4 ranks as pp=2 x dp=2: stage 0 holds a float32 and a float64 gradient sharded over its
+    dp pair, stage 1 a float32 one, or none at all (a stage without gradients)."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
+    pp_rank = mesh["pp"].get_local_rank()
+    gen = torch.Generator().manual_seed(3)
+    full = [torch.randn(7, 5, generator=gen), torch.randn(6, generator=gen, dtype=torch.float64),
+            torch.randn(3, 4, generator=gen)]
+    mine = full[:2] if pp_rank == 0 else full[2:] if norm_type != 1.0 else []
+    everyone = full if norm_type != 1.0 else full[:2]
+    params = []
+    for value in mine:
+        param = nn.Parameter(distribute_tensor(torch.zeros_like(value), mesh["dp"], [S0]))
+        param.grad = distribute_tensor(value.clone(), mesh["dp"], [S0])
+        params.append(param)
+    norm = hp.clip_grad_norm_(params, 0.1, norm_type, pp_group=mesh["pp"].get_group())
+    expected = torch.nn.utils.get_total_norm([t.double() for t in everyone], norm_type)
+    torch.testing.assert_close(norm, expected, rtol=1e-6, atol=0)
+    assert norm.dtype == torch.float64  # one stage's float64 gradient makes it float64 everywhere
+    coef = 0.1 / (expected + 1e-6)
+    for param, value in zip(params, mine):
+        torch.testing.assert_close(param.grad.full_tensor(), value * coef.to(value.dtype), rtol=1e-6, atol=1e-7)
+
+
+def test_pipeline_stages_norm_sums_over_the_pp_group():
+    for norm_type in NORM_TYPES:
+        run_on_ranks(4, _pipeline_stages_clip, norm_type, timeout=120)

@@ -6,13 +6,15 @@ is replicated on, so every distinct slice is counted exactly once and replicas a
 Owned contributions are then reduced once per reduction scope: all meshes spanning the whole
 world share one all-reduce over the default group; a mesh covering only part of the world
 (e.g. one pipeline stage) is reduced over its own dims. Plain tensors are taken as replicated
-and contribute locally without communication.
+and contribute locally without communication. With pipeline parallelism each rank holds only
+its stages' parameters: ``pp_group`` (the pipeline group, one rank per stage position) adds
+up the stages' totals.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Dict, Iterable, List, Tuple, Union
+from typing import Dict, Iterable, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -39,6 +41,7 @@ def clip_grad_norm_(
     *,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    pp_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """Clip the gradients of ``parameters`` in place to a total norm of at most ``max_norm``.
 
@@ -54,6 +57,9 @@ def clip_grad_norm_(
         norm_type: p of the p-norm (> 0), or ``float("inf")`` for the max-abs norm.
         error_if_nonfinite: raise if the total norm is nan or inf.
         foreach: use torch's foreach kernels (None: where supported), as in torch.
+        pp_group: with pipeline parallelism, the process group of the ranks holding the other
+            stages (each rank passes only its own stages' parameters); the total norm is
+            then over every stage's gradients. Every rank of the group must call this.
 
     Returns:
         The total norm as a plain tensor, equal on every rank: float64 when any gradient is
@@ -68,7 +74,7 @@ def clip_grad_norm_(
         parameters = [parameters]
     grads = [p.grad for p in parameters if p.grad is not None]
     total_norm = get_total_norm(
-        grads, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach
+        grads, norm_type, error_if_nonfinite=error_if_nonfinite, foreach=foreach, pp_group=pp_group
     )
     coef = torch.clamp(float(max_norm) / (total_norm + 1e-6), max=1.0)
     _scale_(grads, coef, foreach)
@@ -82,6 +88,7 @@ def get_total_norm(
     *,
     error_if_nonfinite: bool = False,
     foreach: bool | None = None,
+    pp_group: Optional[dist.ProcessGroup] = None,
 ) -> torch.Tensor:
     """The norm of ``tensors`` viewed as one vector, over their global (unsharded) values.
 
@@ -92,16 +99,17 @@ def get_total_norm(
     p = float(norm_type)
     if not p > 0:
         raise ValueError(f"norm_type must be > 0 or inf, got {norm_type!r}")
-    if not tensors:
+    if not tensors and pp_group is None:
         return torch.tensor(0.0)
-    out_device = _local(tensors[0]).device
+    out_device = _local(tensors[0]).device if tensors else _collective_device(get_platform().device_type)
     # Accumulate in float32 at least; every rank sees the same dtypes, so collectives match.
     dtype = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
-    total = None
+    total = _local_contribution([], p, foreach, dtype).to(out_device)
     for scope, local_tensors in _owned_local_tensors(tensors).items():
         contribution = _local_contribution(local_tensors, p, foreach, dtype)
-        part = _reduce(scope, contribution, p).to(out_device)
-        total = part if total is None else _combine(total, part, p)
+        total = _combine(total, _reduce(scope, contribution, p).to(out_device), p)
+    if pp_group is not None and dist.get_world_size(pp_group) > 1:
+        total = _reduce_over_stages(total, dtype, p, pp_group).to(out_device)
     if math.isinf(p):
         # [max, any-nan] -> max, or nan if any slice anywhere held a nan.
         norm = torch.where(total[1] > 0, torch.full_like(total[0], math.nan), total[0])
@@ -180,6 +188,18 @@ def _reduce(scope: _Scope, contribution: torch.Tensor, p: float) -> torch.Tensor
         if scope.size(dim) > 1:
             dist.all_reduce(buffer, op=op, group=scope.get_group(dim))
     return buffer
+
+
+def _reduce_over_stages(total: torch.Tensor, dtype: torch.dtype, p: float,
+                        pp_group: dist.ProcessGroup) -> torch.Tensor:
+    """Sum (max) the stages' totals over ``pp_group``. Stages may hold gradients of different
+    dtypes (one without gradients has none): reduce in float64 with a flag, and give every
+    stage float64 when any stage has a float64 gradient, as one process would."""
+    device = _collective_device(get_platform().device_type)
+    flag = torch.tensor([float(dtype == torch.float64)], dtype=torch.float64)
+    combined = torch.cat((total.to(torch.float64).cpu(), flag)).to(device)
+    dist.all_reduce(combined, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=pp_group)
+    return combined[:-1].to(torch.float64 if combined[-1] > 0 else torch.float32)
 
 
 def _combine(a: torch.Tensor, b: torch.Tensor, p: float) -> torch.Tensor:

@@ -1,12 +1,15 @@
 """A Llama-style decoder: RMSNorm, rotary attention through SDPA (with GQA), SwiGLU MLP.
 
 Built so it can be created on the meta device, wrapped with ``fully_shard`` and then
-materialised with ``to_empty`` + ``init_weights``.
+materialised with ``to_empty`` + ``init_weights``. ``layers`` is an ``nn.ModuleDict`` keyed
+``"0"``..``"n-1"``, so that a pipeline stage (``hyper_parallel.pipeline.split_stage``) keeps
+only its blocks under the full model's parameter names.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -144,14 +147,31 @@ class TransformerBlock(nn.Module):
         return x + self.feed_forward(self.ffn_norm(x))
 
 
+def param_generator(seed: int, fqn: str) -> torch.Generator:
+    """The generator that initialises the parameter named ``fqn``: seeded from ``seed`` and a
+    stable hash of the name, so a parameter gets the same value whichever other parameters
+    the model holds (a pipeline stage has only some blocks)."""
+    return torch.Generator().manual_seed((seed % 2**32) << 32 | zlib.crc32(fqn.encode()))
+
+
 class Transformer(nn.Module):
-    """Token ids (batch, seq) -> logits (batch, seq, vocab)."""
+    """Token ids (batch, seq) -> logits (batch, seq, vocab).
+
+    A pipeline stage of it (see ``hyper_parallel.pipeline.split_stage``) holds only some of
+    ``layers``; ``tok_embeddings`` is None except on the first stage (the input is then the
+    hidden state, (batch, seq, dim)), ``norm`` and ``output`` are None except on the last
+    (the output is then the hidden state).
+    """
+
+    tok_embeddings: Optional[nn.Embedding]
+    norm: Optional[RMSNorm]
+    output: Optional[nn.Linear]
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.n_layers))
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.n_layers)})
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         if cfg.tie_embeddings:
@@ -168,41 +188,50 @@ class Transformer(nn.Module):
     def init_weights(self, seed: Optional[int] = None) -> None:
         """(Re)initialise every parameter and the RoPE tables, e.g. after ``to_empty``.
 
-        Works on plain and on sharded (DTensor) parameters; the values depend only on ``seed``
-        (default 0), not on the mesh or world size. Re-ties the output projection to
-        the embedding when ``tie_embeddings`` is set (``to_empty`` unties shared parameters).
+        Works on plain and on sharded (DTensor) parameters; each parameter's values depend only
+        on ``seed`` (default 0) and its name (:func:`param_generator`), not on the mesh, the
+        world size or which other parameters this (stage) model holds. Re-ties the output
+        projection to the embedding when ``tie_embeddings`` is set (``to_empty`` unties shared
+        parameters).
         """
-        if self.cfg.tie_embeddings and self.output.weight is not self.tok_embeddings.weight:
+        seed = 0 if seed is None else seed
+        tied = self.cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None
+        if tied and self.output.weight is not self.tok_embeddings.weight:
             self.output.weight = self.tok_embeddings.weight
-        gen = torch.Generator().manual_seed(0 if seed is None else seed)
 
-        def normal(std: float, truncated: bool = True):
-            if truncated:
-                return lambda t, g: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
-            return lambda t, g: nn.init.normal_(t, std=std, generator=g)
+        def init(fqn: str, param: torch.Tensor, std: float, truncated: bool = True) -> None:
+            def fill(t: torch.Tensor, g: torch.Generator) -> None:
+                if truncated:
+                    nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
+                else:
+                    nn.init.normal_(t, std=std, generator=g)
+            init_tensor_(param, fill, param_generator(seed, fqn))
 
         std = 0.02
         out_std = std / math.sqrt(2 * self.cfg.n_layers)
-        emb_std = std if self.cfg.tie_embeddings else 1.0
-        init_tensor_(self.tok_embeddings.weight, normal(emb_std, truncated=False), gen)
-        for layer in self.layers:
+        if self.tok_embeddings is not None:
+            emb_std = std if self.cfg.tie_embeddings else 1.0
+            init("tok_embeddings.weight", self.tok_embeddings.weight, emb_std, truncated=False)
+        for name, layer in self.layers.items():
             attn, ffn = layer.attention, layer.feed_forward
-            for lin in (attn.wq, attn.wk, attn.wv, ffn.w1, ffn.w3):
-                init_tensor_(lin.weight, normal(std), gen)
-            for lin in (attn.wo, ffn.w2):
-                init_tensor_(lin.weight, normal(out_std), gen)
+            for path, lin in (("attention.wq", attn.wq), ("attention.wk", attn.wk), ("attention.wv", attn.wv),
+                              ("feed_forward.w1", ffn.w1), ("feed_forward.w3", ffn.w3)):
+                init(f"layers.{name}.{path}.weight", lin.weight, std)
+            for path, lin in (("attention.wo", attn.wo), ("feed_forward.w2", ffn.w2)):
+                init(f"layers.{name}.{path}.weight", lin.weight, out_std)
             layer.attention_norm.reset_parameters()
             layer.ffn_norm.reset_parameters()
-        self.norm.reset_parameters()
-        if not self.cfg.tie_embeddings:
-            init_tensor_(self.output.weight, normal(self.cfg.dim ** -0.5), gen)
+        if self.norm is not None:
+            self.norm.reset_parameters()
+        if self.output is not None and not self.cfg.tie_embeddings:
+            init("output.weight", self.output.weight, self.cfg.dim ** -0.5)
         self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
+        for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
-        return self.output(self.norm(h))
+        return h if self.output is None else self.output(self.norm(h))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

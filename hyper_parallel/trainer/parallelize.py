@@ -42,7 +42,7 @@ def apply_activation_checkpointing(model: Transformer) -> None:
     ``functools.partial`` of ``checkpoint``): a compiled block then has a frame for dynamo to
     trace, which captures the checkpointed region in the block's graph.
     """
-    for block in model.layers:
+    for block in model.layers.values():
         block.forward = _checkpointed(block.forward)
 
 
@@ -60,7 +60,7 @@ def shard_model(model: Transformer, mesh: DeviceMesh, *, mixed_precision: str,
 
     mp_policy = (hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
                  if mixed_precision == "bf16" else hp.MixedPrecisionPolicy())
-    for block in model.layers:
+    for block in model.layers.values():
         hp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
@@ -70,7 +70,7 @@ def compile_blocks(model: Transformer, backend: str) -> None:
     """``torch.compile`` each block (``fullgraph=True``: a block body compiles without graph
     breaks; fully_shard's hooks run eagerly around it). Call after activation checkpointing
     and before ``fully_shard`` (the torchtitan order)."""
-    for block in model.layers:
+    for block in model.layers.values():
         block.compile(backend=backend, fullgraph=True)
 
 
@@ -79,7 +79,7 @@ def compile_block_forwards(model: Transformer, backend: str) -> None:
     activation checkpointing applied afterwards runs around the compiled code (used with tensor
     parallelism: torch's AOT autograd cannot compile a checkpointed tensor-parallel block, it
     saves a ``DeviceMesh`` among the region's tensors)."""
-    for block in model.layers:
+    for block in model.layers.values():
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
 
 

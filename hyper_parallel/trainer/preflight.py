@@ -152,7 +152,7 @@ def estimate_memory(cfg: TrainConfig, dims: ParallelDims) -> MemoryEstimate:
     llama = llama_config(cfg.model)
     with torch.device("meta"):
         one_block = Transformer(dataclasses.replace(llama, n_layers=1))
-    block = sum(p.numel() for p in one_block.layers[0].parameters())
+    block = sum(p.numel() for p in one_block.layers["0"].parameters())
     root = sum(p.numel() for p in one_block.parameters()) - block
     parameters = root + block * llama.n_layers
     param_bytes = 2 if cfg.parallel.mixed_precision == "bf16" else 4

@@ -50,7 +50,7 @@ def _batches(steps: int) -> List[torch.Tensor]:
 
 
 def _shard_blocks_and_root(model: nn.Module, shard) -> nn.Module:
-    for block in model.layers:
+    for block in model.layers.values():
         shard(block)
     shard(model)
     return model
@@ -90,7 +90,7 @@ def _bf16_vs_torch():
         if impl == "hp":
             policy = hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
             _shard_blocks_and_root(model, lambda m: hp.fully_shard(m, mesh=_mesh(), mp_policy=policy))
-            block = model.layers[0]
+            block = model.layers["0"]
             block.register_forward_pre_hook(lambda mod, args: seen.append(next(mod.parameters()).dtype))
         else:
             policy = TorchMixedPrecision(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
@@ -115,7 +115,7 @@ def _compiled_meta_init(fullgraph: bool):
     for compiled in (False, True):
         with torch.device("meta"):
             model = tiny_llama()
-        for block in model.layers:
+        for block in model.layers.values():
             if compiled:
                 block.compile(backend=backend, fullgraph=fullgraph)
             hp.fully_shard(block, mesh=_mesh())

@@ -314,7 +314,7 @@ def full_model_state_dict(model: nn.Module) -> dict:
 def save_fully_sharded_llama(path: str, seed: int) -> bool:
     """Save a fully_shard-ed Llama of ``seed`` with a fresh AdamW and a step (run on every rank)."""
     model = make_llama(seed=seed)
-    for layer in model.layers:
+    for layer in model.layers.values():
         hp.fully_shard(layer)
     hp.fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)

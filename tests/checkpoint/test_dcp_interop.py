@@ -41,7 +41,7 @@ def _full(value):
 def _save_with_torch_dcp(path):
     """torch's fully_shard on every rank, one AdamW step, then torch's dcp.save."""
     model = make_llama(seed=SEED)
-    for layer in model.layers:
+    for layer in model.layers.values():
         torch_fully_shard(layer)
     torch_fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -72,7 +72,7 @@ def _ours(key):
 def _load_imported_into_hp_fully_shard(path):
     """One rank (the DCP checkpoint was saved by two): our fully_shard, then load."""
     model = make_llama(seed=SEED + 1)
-    for layer in model.layers:
+    for layer in model.layers.values():
         hp.fully_shard(layer)
     hp.fully_shard(model)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)

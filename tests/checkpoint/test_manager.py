@@ -162,7 +162,7 @@ def _train_two_steps_fsdp_and_save(folder):
     import hyper_parallel as hp
 
     model = make_llama(seed=21)
-    for layer in model.layers:
+    for layer in model.layers.values():
         hp.fully_shard(layer)
     hp.fully_shard(model)
     optim = _adamw(model)
@@ -178,7 +178,7 @@ def _load_into_fsdp(folder):
     import hyper_parallel as hp
 
     model = make_llama(seed=98)
-    for layer in model.layers:
+    for layer in model.layers.values():
         hp.fully_shard(layer, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     hp.fully_shard(model, shard_placement_fn=lambda p: Shard(p.dim() - 1))
     optim = _adamw(model)

@@ -166,7 +166,7 @@ def _fully_shard_state_dict(impl):
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     model = make_llama(seed=7, vocab_size=255)  # 255: uneven shards
     reference = make_llama(seed=6, vocab_size=255)
-    for layer in model.layers:
+    for layer in model.layers.values():
         fully_shard(layer, mesh=mesh, **kwargs)
     fully_shard(model, mesh=mesh, **kwargs)
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -209,3 +209,20 @@ def test_fresh_optimizer_state_dict_does_not_change_training():
 @pytest.mark.parametrize("impl", ["torch", "hyper_parallel"])
 def test_fully_shard_models(impl):
     assert all(run_on_ranks(2, _fully_shard_state_dict, impl, timeout=120))
+
+
+def test_model_parts_merge_disjoint_names_and_refuse_shared_ones():
+    """A sequence of model parts (a rank's pipeline stages) is one state dict; the optimizer
+    state of the parts is keyed by the same names."""
+    from hyper_parallel.pipeline import split_stage
+
+    model = make_llama(seed=3, n_layers=3)
+    parts = [split_stage(model, range(0, 1), first=True, last=False),
+             split_stage(model, range(2, 3), first=False, last=True)]
+    merged = get_model_state_dict(parts)
+    assert list(merged) == [k for k in model.state_dict() if not k.startswith("layers.1.")]
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in merged.items())
+    optim = torch.optim.AdamW([p for part in parts for p in part.parameters()])
+    assert list(get_optimizer_state_dict(parts, optim)["state"]) == list(merged)
+    with pytest.raises(ValueError, match="model parts must have disjoint names, 'layers.0.attention.wk.weight'"):
+        get_model_state_dict([parts[0], split_stage(model, range(0, 2), first=False, last=False)])

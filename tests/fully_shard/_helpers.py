@@ -75,7 +75,7 @@ def sgd(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
 
 def shard_layers_and_root(model: nn.Module, **kw) -> nn.Module:
     """``fully_shard(layer, **kw)`` for each of ``model.layers``, then for ``model``."""
-    for layer in model.layers:
+    for layer in model.layers.values():
         hp.fully_shard(layer, **kw)
     return hp.fully_shard(model, **kw)
 

@@ -92,7 +92,7 @@ def _unshard_reshard_and_prefetch():
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(0)
     model = shard_layers_and_root(tiny_llama())
-    layer0, layer1 = model.layers
+    layer0, layer1 = model.layers.values()
     reference_wq = layer0.attention.wq.weight.full_tensor()
     handle = layer0.unshard(async_op=True)
     handle.wait()

@@ -25,10 +25,10 @@ def _unsharded_at_backward_prefetch():
     model = tiny_llama(n_layers=N_LAYERS)
     model.load_state_dict(reference.state_dict())
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers:
+    for block in model.layers.values():
         hp.fully_shard(block, mesh=mesh)
     hp.fully_shard(model, mesh=mesh)
-    blocks = {block._hsdp_state.group: i for i, block in enumerate(model.layers)}
+    blocks = {block._hsdp_state.group: i for i, block in enumerate(model.layers.values())}
     tokens = global_batch(0).chunk(dist.get_world_size())[dist.get_rank()]
     lm_loss(model, tokens)  # a first forward records the order the backward prefetches follow
 
@@ -95,7 +95,7 @@ def _two_forwards_then_backward():
     model = tiny_llama(n_layers=3, dtype=torch.float64)
     model.load_state_dict(reference.state_dict())
     mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),))
-    for block in model.layers:
+    for block in model.layers.values():
         hp.fully_shard(block.attention, mesh=mesh)
         hp.fully_shard(block, mesh=mesh)
     hp.fully_shard(model, mesh=mesh)

@@ -43,22 +43,22 @@ def _backend() -> CountingBackend:
 def _compile_blocks(model: nn.Module, order: str, shard: Callable, backend) -> nn.Module:
     """Compile and shard ``model`` in one of the supported orders; returns what to train."""
     if order == "eager":
-        for block in model.layers:
+        for block in model.layers.values():
             shard(block)
     elif order == "block.compile, then shard (torchtitan)":
-        for block in model.layers:
+        for block in model.layers.values():
             block.compile(backend=backend, fullgraph=True)
             shard(block)
     elif order == "torch.compile fullgraph, then shard":
-        for i, block in enumerate(model.layers):
-            model.layers[i] = torch.compile(block, backend=backend, fullgraph=True)
-            shard(model.layers[i])
+        for name, block in model.layers.items():
+            model.layers[name] = torch.compile(block, backend=backend, fullgraph=True)
+            shard(model.layers[name])
     elif order == "shard, then torch.compile fullgraph":
-        for i, block in enumerate(model.layers):
+        for name, block in model.layers.items():
             shard(block)
-            model.layers[i] = torch.compile(block, backend=backend, fullgraph=True)
+            model.layers[name] = torch.compile(block, backend=backend, fullgraph=True)
     elif order == "whole model":
-        for block in model.layers:
+        for block in model.layers.values():
             shard(block)
         shard(model)
         return torch.compile(model, backend=backend)

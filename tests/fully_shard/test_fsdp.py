@@ -54,9 +54,9 @@ def _fsdp_variant(variant: str):
     def checkpointed(model):
         # layer 0: checkpoint outside the fully_shard module (hooks run again in recompute);
         # layer 1: fully_shard outside the checkpointing wrapper.
-        hp.fully_shard(model.layers[0])
-        model.layers[0] = _Checkpointed(model.layers[0])
-        model.layers[1] = hp.fully_shard(_Checkpointed(model.layers[1]))
+        hp.fully_shard(model.layers["0"])
+        model.layers["0"] = _Checkpointed(model.layers["0"])
+        model.layers["1"] = hp.fully_shard(_Checkpointed(model.layers["1"]))
         return hp.fully_shard(model)
 
     def tied_one_group(model):

@@ -95,7 +95,7 @@ def _group_with_head_called_later():
 
         def forward(self, tokens):
             h = self.inner.tok_embeddings(tokens)
-            for layer in self.inner.layers:
+            for layer in self.inner.layers.values():
                 h = layer(h, self.inner.rope_cos, self.inner.rope_sin)
             return self.inner.norm(h)
 
@@ -110,7 +110,7 @@ def _group_with_head_called_later():
     reference = Trunk(tiny_llama())
     model = copy.deepcopy(reference)
     hp.fully_shard([model.inner.norm, model.inner.output])
-    for layer in model.inner.layers:
+    for layer in model.inner.layers.values():
         hp.fully_shard(layer)
     hp.fully_shard(model)
     batches = [global_batch(s) for s in range(2)]
@@ -127,7 +127,7 @@ def _list_groupings():
     """Groupings torch's FSDP2 tests use: two blocks in one group, a tied embedding + head
     in one group, and an embedding group that is not unsharded in backward."""
     def blocks_together(model):
-        hp.fully_shard(list(model.layers))
+        hp.fully_shard(list(model.layers.values()))
         return hp.fully_shard(model)
 
     def tied_embedding_and_head(model):
@@ -274,7 +274,7 @@ def _is_last_backward():
 
     def before_micro(m, i, n):
         if i == 1:  # after micro-batch 0's backward: the root group (reduced last) still in flight
-            in_flight_after_first.append(m.norm.weight.grad is None and m.layers[0].attention.wq.weight.grad is not None)
+            in_flight_after_first.append(m.norm.weight.grad is None and m.layers["0"].attention.wq.weight.grad is not None)
         m.set_is_last_backward(i == n - 1)
 
     results = {"parity": _train_both(reference, model, micro_batches=2, before_micro=before_micro)}
@@ -306,8 +306,8 @@ def _reset_iter_state():
     def hook_output(module, args, output):
         output.register_hook(fail_backward)
 
-    model.layers[1].register_forward_pre_hook(fail_forward)
-    model.layers[0].register_forward_hook(hook_output)
+    model.layers["1"].register_forward_pre_hook(fail_forward)
+    model.layers["0"].register_forward_hook(hook_output)
     step = 0
     for where in (None, "backward", None, "forward", None):
         fail["where"] = where
@@ -326,7 +326,7 @@ def _reset_iter_state():
         ref_opt.zero_grad()
         step += 1
     with pytest.raises(RuntimeError, match="root"):
-        model.layers[0].reset_iter_state()
+        model.layers["0"].reset_iter_state()
     return {"parity": max_diff(full_params(model), full_params(reference))}
 
 
@@ -340,7 +340,7 @@ def _to_dtype_while_unsharded():
     reference.double()  # float32 values: exact in float64 too
     shard_layers_and_root(model)
     model.unshard()  # the root group's unsharded parameters are the registered ones now
-    model.layers[0].unshard()
+    model.layers["0"].unshard()
     model.to(torch.float64)  # converts the sharded parameters (each group reshards first)
     for name, param in model.named_parameters():
         assert isinstance(param, DTensor) and param.to_local().dtype == torch.float64, name

@@ -93,7 +93,7 @@ def _reshard_to_smaller_group():
         return real_all_gather(output, shard, group, async_op)
 
     def wrap(model):
-        for layer in model.layers:
+        for layer in model.layers.values():
             hp.fully_shard(layer, reshard_after_forward=2)
         return hp.fully_shard(model)
 
@@ -129,11 +129,11 @@ def _fsdp_tp():
     dp_rank = mesh["dp"].get_local_rank()
 
     def wrap(model):
-        for layer in model.layers:
+        for layer in model.layers.values():
             parallelize_module(layer, mesh["tp"], _TP_PLAN)
             hp.fully_shard(layer, mesh=mesh["dp"])
         hp.fully_shard(model, mesh=mesh["dp"])
-        wq, wo = model.layers[0].attention.wq.weight, model.layers[0].attention.wo.weight
+        wq, wo = model.layers["0"].attention.wq.weight, model.layers["0"].attention.wo.weight
         assert wq.device_mesh.mesh_dim_names == ("dp", "tp")
         assert wq.placements == (_StridedShard(0, split_factor=2), Shard(0)), wq.placements
         assert wo.placements == (Shard(0), Shard(1)), wo.placements
@@ -153,11 +153,11 @@ def _fsdp_tp():
     hsdp_mesh = mesh3d["replicate", "shard"]
 
     def wrap_hsdp(model):
-        for layer in model.layers:
+        for layer in model.layers.values():
             parallelize_module(layer, mesh3d["tp"], _TP_PLAN)
             hp.fully_shard(layer, mesh=hsdp_mesh)
         hp.fully_shard(model, mesh=hsdp_mesh)
-        wo = model.layers[0].attention.wo.weight
+        wo = model.layers["0"].attention.wo.weight
         assert wo.placements == (Replicate(), Shard(0), Shard(1)), wo.placements
         return model
 

@@ -15,7 +15,7 @@ from tests.multirank import run_on_ranks
 def _labels():
     torch.manual_seed(0)
     model = tiny_llama()
-    for block in model.layers:
+    for block in model.layers.values():
         hp.fully_shard(block)
     hp.fully_shard([model.norm, model.output])
     hp.fully_shard(model)

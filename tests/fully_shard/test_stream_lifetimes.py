@@ -54,7 +54,7 @@ class _Harness:
             patch.start()
         torch.manual_seed(0)
         self.model = tiny_llama()
-        for block in self.model.layers:
+        for block in self.model.layers.values():
             hp.fully_shard(block, mesh=mesh, **shard_kwargs)
         hp.fully_shard(self.model, mesh=mesh, **shard_kwargs)
         self.batch = global_batch(0).chunk(dist.get_world_size())[dist.get_rank()]
@@ -71,7 +71,7 @@ def _post_forward_pieces_held_until_the_copy_out():
     ``wait_for_unshard`` has made the compute stream wait for it."""
     harness = _Harness(hp.init_device_mesh("cpu", (4,)), reshard_after_forward=2)
     try:
-        block = harness.model.layers[0]
+        block = harness.model.layers["0"]
         loss = lm_loss(harness.model, harness.batch)
         group = block._state.group
         pieces = [weakref.ref(p) for p in group._post_forward.pieces]

@@ -42,7 +42,7 @@ def _recorded(hsdp: bool, run, reshard_after_forward=None):
         assert get_platform().streams() is streams
         torch.manual_seed(0)
         model = tiny_llama()
-        for block in model.layers:
+        for block in model.layers.values():
             hp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
         hp.fully_shard(model, mesh=mesh)
         run(model, global_batch(0).chunk(dist.get_world_size())[dist.get_rank()])
@@ -150,8 +150,8 @@ def test_post_optim_event_orders_the_next_steps_all_gathers_once():
 
 def _explicit_unshard_and_post_forward_pieces():
     def unshard_then_step(model, batch):
-        model.layers[0].unshard()  # outside a step: nothing has ordered the all-gather stream
-        model.layers[0].reshard()
+        model.layers["0"].unshard()  # outside a step: nothing has ordered the all-gather stream
+        model.layers["0"].reshard()
         _train_step(model, batch)
     log = _recorded(False, unshard_then_step)
     first_ag = next(i for i, e in enumerate(log) if e[0] == "all_gather")

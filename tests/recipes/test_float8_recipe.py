@@ -31,13 +31,13 @@ def _float8_steps(recipe):
     dims = validate_config(cfg, dist.get_world_size())
     cpu = torch.device("cpu")
     model = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=cpu, seed=0, float8_recipe=recipe)
-    names = sorted({type(m).__name__ for m in (model.layers[0].attention.wq, model.layers[0].feed_forward.w1,
+    names = sorted({type(m).__name__ for m in (model.layers["0"].attention.wq, model.layers["0"].feed_forward.w1,
                                               model.output)})
     opt = build_optimizer(model, cfg.optim)
     loader = DistributedBatchLoader(MarkovSource(256, 16, seed=1), 8, dp_rank=dist.get_rank(),
                                     dp_size=dist.get_world_size())
     losses, gathered = [], set()
-    for _ in range(3):
+    for _ in range(4):
         collectives.reset_collective_counts()
         result = train_step(model, loader.next_batch(), opt, grad_accum_steps=1, max_grad_norm=1.0,
                             float8_scales=recipe == "tensorwise")
@@ -51,9 +51,12 @@ def _float8_steps(recipe):
 @pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
 def test_float8_recipe_trains(recipe):
     pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'hyper_parallel[float8]')")
-    for names, losses, gathered, scales in run_on_ranks(2, _float8_steps, recipe, timeout=180):
+    results = run_on_ranks(2, _float8_steps, recipe, timeout=180)
+    # Each rank's loss is that of its own batch (noisy from step to step): it learns on average.
+    losses = torch.tensor([result[1] for result in results])
+    assert torch.isfinite(losses).all() and losses[:, -1].mean() < losses[:, 0].mean(), losses
+    for names, _, gathered, scales in results:
         assert names == ["Float8Linear", "Linear"], names  # the output layer stays high precision
-        assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0], losses
         # tensorwise: weights gathered as float8 bytes; scales precomputed after each step.
         assert ("torch.uint8" in gathered) == (recipe == "tensorwise"), gathered
         assert all(scales) and (len(scales) > 0) == (recipe == "tensorwise"), scales

@@ -23,7 +23,7 @@ def _dtypes_in_one_step(precision: str):
             seen[name] = (str(module.weight.dtype), str(inputs[0].dtype), str(output.dtype))
         return hook
 
-    model.layers[1].attention.wq.register_forward_hook(record("wq"))
+    model.layers["1"].attention.wq.register_forward_hook(record("wq"))
     model.output.register_forward_hook(record("output"))
     loader = DistributedBatchLoader(MarkovSource(256, 16, seed=1), 8, dp_rank=dist.get_rank(),
                                     dp_size=dist.get_world_size())

@@ -23,7 +23,7 @@ def _two_meshes_vs_for_loop():
     model = tiny_llama()
     reference = copy.deepcopy(model)
     for net in (model, reference):
-        for block in net.layers:
+        for block in net.layers.values():
             hp.fully_shard(block, mesh=flat)
         hp.fully_shard(net, mesh=hsdp)
     optim = build_optimizer(model, CFG)

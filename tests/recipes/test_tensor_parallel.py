@@ -61,7 +61,7 @@ def _parallel_vs_plain(overrides):
                for m, r, n, t in ((plain, 0, 1, dims.world_size),  # every rank holds the plain model's mean
                                   (sharded, dims.dp_rank(dist.get_rank()), dims.dp_size, dims.tp))]
         diff = max((_full(p) - plain_params[n]).abs().max().item() for n, p in sharded.named_parameters())
-        wq = sharded.layers[0].attention.wq.weight
+        wq = sharded.layers["0"].attention.wq.weight
         return (init_diff, losses, val, diff, tuple(mesh.mesh_dim_names), str(wq.placements),
                 tuple(wq.to_local().shape))
     finally:

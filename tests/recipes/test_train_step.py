@@ -35,7 +35,7 @@ def test_gradient_accumulation_matches_one_big_batch():
 def _count_block_forwards(model):
     """Calls of each block's attention (inside the block's forward, so recomputation counts too)."""
     calls = []
-    for layer in model.layers:
+    for layer in model.layers.values():
         layer.attention.register_forward_hook(lambda *_: calls.append(layer))
     return calls
 

@@ -8,14 +8,19 @@ current layout, so a state saved on one mesh loads into a model sharded differen
 Optimizer state is keyed by the parameter's FQN (``{"state": {fqn: {...}}, "param_groups":
 [{..., "params": [fqn, ...]}]}``) instead of torch's integer ids, so it reshards like the
 parameters themselves.
+
+``model`` is one module or a sequence of model parts with disjoint FQNs (the pipeline stages a
+rank holds: ``hyper_parallel.pipeline.split_stage`` keeps the full model's names), whose state
+dicts are merged: a checkpoint saved by pipeline stages loads into the whole model and back.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, NamedTuple
+from typing import Any, Dict, Iterable, List, NamedTuple, Optional, Sequence, Union
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -37,6 +42,9 @@ __all__ = [
 # into FQNs; they are dropped so a checkpoint does not depend on how the model was wrapped.
 _WRAPPER_SEGMENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
 _STATE, _GROUPS, _PARAMS = "state", "param_groups", "params"
+
+#: One model, or its parts (e.g. the pipeline stages of one rank) with disjoint FQNs.
+Model = Union[nn.Module, Sequence[nn.Module]]
 
 
 @dataclass(frozen=True)
@@ -159,12 +167,32 @@ def copy_into(target: torch.Tensor, value: torch.Tensor, key: str) -> None:
 # ----------------------------------------------------------------------------- model
 
 
-def _model_tensors(model: nn.Module) -> Dict[str, torch.Tensor]:
+def model_parts(model: Model) -> List[nn.Module]:
+    """``model`` as a list of parts (one module: a list of one)."""
+    return [model] if isinstance(model, nn.Module) else list(model)
+
+
+def _merge_parts(named: Iterable[Iterable[tuple]]) -> Dict[str, Any]:
+    """Canonical FQN -> value over every part's ``(name, value)`` pairs; within a part the
+    first name wins (tied parameters), across parts a name may appear only once."""
+    merged: Dict[str, Any] = {}
+    for pairs in named:
+        own: Dict[str, Any] = {}
+        for name, value in pairs:
+            own.setdefault(canonical_fqn(name), value)
+        shared = own.keys() & merged.keys()
+        if shared:
+            raise ValueError(f"model parts must have disjoint names, {sorted(shared)[0]!r} is in two of them")
+        merged.update(own)
+    return merged
+
+
+def _model_tensors(model: Model) -> Dict[str, torch.Tensor]:
     """Canonical FQN -> the model's own parameter/buffer tensor (what ``state_dict`` covers)."""
-    return {canonical_fqn(k): v for k, v in model.state_dict(keep_vars=True).items()}
+    return _merge_parts(part.state_dict(keep_vars=True).items() for part in model_parts(model))
 
 
-def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None = None) -> Dict[str, Any]:
+def get_model_state_dict(model: Model, *, options: StateDictOptions | None = None) -> Dict[str, Any]:
     """The model's parameters and persistent buffers keyed by FQN (wrapper segments removed).
 
     Sharded by default: tensors share storage with the model (DTensors stay DTensors).
@@ -173,7 +201,7 @@ def get_model_state_dict(model: nn.Module, *, options: StateDictOptions | None =
     return _finish(_export(_model_tensors(model), options), options)
 
 
-def set_model_state_dict(model: nn.Module, state_dict: Dict[str, Any], *,
+def set_model_state_dict(model: Model, state_dict: Dict[str, Any], *,
                          options: StateDictOptions | None = None) -> IncompatibleKeys:
     """Copy ``state_dict`` (sharded DTensors or full tensors) into the model in place.
 
@@ -197,15 +225,16 @@ def set_model_state_dict(model: nn.Module, state_dict: Dict[str, Any], *,
 # ------------------------------------------------------------------------- optimizer
 
 
-def _param_fqns(model: nn.Module) -> Dict[nn.Parameter, str]:
+def _param_fqns(model: Model) -> Dict[nn.Parameter, str]:
     """Parameter -> its first canonical FQN (tied parameters get one name)."""
     fqns: Dict[nn.Parameter, str] = {}
-    for name, param in model.named_parameters():
-        fqns.setdefault(param, canonical_fqn(name))
+    named = _merge_parts(part.named_parameters(remove_duplicate=False) for part in model_parts(model))
+    for name, param in named.items():
+        fqns.setdefault(param, name)
     return fqns
 
 
-def _optimizer_fqns(model: nn.Module, optim: torch.optim.Optimizer) -> Dict[nn.Parameter, str]:
+def _optimizer_fqns(model: Model, optim: torch.optim.Optimizer) -> Dict[nn.Parameter, str]:
     fqns = _param_fqns(model)
     for group in optim.param_groups:
         for param in group[_PARAMS]:
@@ -254,7 +283,7 @@ def init_optimizer_state(optim: torch.optim.Optimizer) -> None:
             state["step"] = 0
 
 
-def get_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, *,
+def get_optimizer_state_dict(model: Model, optim: torch.optim.Optimizer, *,
                              options: StateDictOptions | None = None) -> Dict[str, Any]:
     """The optimizer's state keyed by parameter FQN (initialised first if no step was taken).
 
@@ -306,7 +335,7 @@ def _set_param_state(param: nn.Parameter, current: Dict[str, Any], saved: Dict[s
             current[name] = value
 
 
-def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, state_dict: Dict[str, Any],
+def set_optimizer_state_dict(model: Model, optim: torch.optim.Optimizer, state_dict: Dict[str, Any],
                              *, options: StateDictOptions | None = None) -> IncompatibleKeys:
     """Load an FQN-keyed optimizer state dict (sharded or full) into ``optim`` in place.
 
@@ -344,10 +373,16 @@ def set_optimizer_state_dict(model: nn.Module, optim: torch.optim.Optimizer, sta
 
 
 class ModelState:
-    """Stateful view of a model for checkpointing (``CheckpointManager``, ``save``/``load``)."""
+    """Stateful view of a model for checkpointing (``CheckpointManager``, ``save``/``load``).
+    ``model``: one module or a sequence of parts with disjoint FQNs (pipeline stages)."""
 
-    def __init__(self, model: nn.Module, options: StateDictOptions | None = None):
+    def __init__(self, model: Model, options: StateDictOptions | None = None):
         self.model, self.options = model, options
+
+    @property
+    def parts(self) -> List[nn.Module]:
+        """The model's parts (one module: a list of one)."""
+        return model_parts(self.model)
 
     def state_dict(self) -> Dict[str, Any]:
         return get_model_state_dict(self.model, options=self.options)
@@ -357,14 +392,32 @@ class ModelState:
 
 
 class OptimizerState:
-    """Stateful view of an optimizer, keyed by the FQNs of ``model``'s parameters."""
+    """Stateful view of an optimizer, keyed by the FQNs of ``model``'s parameters (``model``:
+    one module or a sequence of parts, as for :class:`ModelState`).
 
-    def __init__(self, model: nn.Module, optim: torch.optim.Optimizer,
-                 options: StateDictOptions | None = None):
-        self.model, self.optim, self.options = model, optim, options
+    With pipeline parallelism pass ``pp_group`` (the ranks holding the other stages): each
+    rank's ``param_groups`` list only its stages' parameters, so ``state_dict`` gathers the
+    stages' lists over the group (a checkpoint holds one value for the whole job: the groups of
+    every stage, in stage order), and ``load_state_dict`` keeps the saved groups' entries for
+    this rank's parameters. A collective: every rank of ``pp_group`` calls both together.
+    """
+
+    def __init__(self, model: Model, optim: torch.optim.Optimizer,
+                 options: StateDictOptions | None = None, *, pp_group: Optional[dist.ProcessGroup] = None):
+        self.model, self.optim, self.options, self.pp_group = model, optim, options, pp_group
 
     def state_dict(self) -> Dict[str, Any]:
-        return get_optimizer_state_dict(self.model, self.optim, options=self.options)
+        state_dict = get_optimizer_state_dict(self.model, self.optim, options=self.options)
+        if self.pp_group is not None and _GROUPS in state_dict:
+            gathered: List[Any] = [None] * dist.get_world_size(self.pp_group)
+            dist.all_gather_object(gathered, state_dict[_GROUPS], group=self.pp_group)
+            state_dict[_GROUPS] = [group for stage_groups in gathered for group in stage_groups]
+        return state_dict
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        if self.pp_group is not None and _GROUPS in state_dict:
+            own = set(_param_fqns(self.model).values())
+            groups = [{**group, _PARAMS: [fqn for fqn in group[_PARAMS] if fqn in own]}
+                      for group in state_dict[_GROUPS]]
+            state_dict = {**state_dict, _GROUPS: [group for group in groups if group[_PARAMS]]}
         set_optimizer_state_dict(self.model, self.optim, state_dict, options=self.options)
