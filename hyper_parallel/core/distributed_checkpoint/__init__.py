@@ -47,6 +47,7 @@ from hyper_parallel.core.distributed_checkpoint.api import (
     async_save,
     is_checkpoint,
     load,
+    read_checkpoint_metadata,
     save,
     staging_buffers,
     verify_checkpoint,
@@ -54,7 +55,6 @@ from hyper_parallel.core.distributed_checkpoint.api import (
 )
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.format.flatten import flatten_state_dict

@@ -20,6 +20,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem.commit import is_checkpoint, pending_target
 from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
+from hyper_parallel.core.distributed_checkpoint.object_store import store
 from hyper_parallel.core.distributed_checkpoint.object_store.folder import ObjectFolder
 from hyper_parallel.platform import get_platform
 
@@ -81,7 +82,10 @@ def checkpoint_step(path: Union[str, os.PathLike]) -> Optional[int]:
 
 
 def committed_steps(folder: Union[str, os.PathLike]) -> List[int]:
-    """Steps of the committed ``step-N`` checkpoints in ``folder``, ascending (pending/partial dirs ignored)."""
+    """Steps of the committed ``step-N`` checkpoints in ``folder`` (a directory or an fsspec
+    URL), ascending (pending/partial dirs and uncommitted prefixes ignored)."""
+    if url_scheme(folder):
+        return ObjectFolder(folder, checkpoint_step).committed_steps()
     if not os.path.isdir(folder):
         return []
     steps = (checkpoint_step(name) for name in os.listdir(folder))
@@ -90,14 +94,24 @@ def committed_steps(folder: Union[str, os.PathLike]) -> List[int]:
 
 def resolve_checkpoint(path: Union[str, os.PathLike]) -> str:
     """``path`` if it is a committed checkpoint, else the newest committed ``step-N`` in it
-    (a :class:`CheckpointManager` folder). A directory holding neither is returned as it is
-    when it has metadata files (reading it then names what is wrong with them).
+    (a :class:`CheckpointManager` folder); ``path`` may be an fsspec URL. A directory holding
+    neither is returned as it is when it has metadata files (reading it then names what is
+    wrong with them).
 
     Raises:
         CheckpointError: ``path`` is neither a checkpoint nor a folder of committed ones.
-        ValueError: ``path`` is a URL.
+        ValueError: ``path`` is a URL of a scheme fsspec does not know.
     """
-    path = local_path(path)
+    path = os.fspath(path)
+    if url_scheme(path):
+        folder = ObjectFolder(path, checkpoint_step)
+        if store.is_committed(folder.fs, folder.path):
+            return path
+        steps = folder.committed_steps()
+        if steps:
+            return folder.step_url(steps[-1])
+        raise CheckpointError(f"{path} is not a committed checkpoint ({METADATA_FILE} is missing) nor a folder "
+                              "holding committed step-N checkpoints")
     if is_checkpoint(path):
         return path
     steps = committed_steps(path)
