@@ -1,7 +1,11 @@
-"""The object store commit protocol's waits on memory://: what a rank reads while it polls."""
+"""On memory://: what a waiting rank reads while it polls for the commit, and the folder lease
+(``object_store/lease.py``) of CheckpointManager: shared within a process, refused to a live
+holder's rival, taken over from a dead one, and a holder that lost it saves no more."""
 
 from __future__ import annotations
 
+import json
+import os
 import threading
 import time
 
@@ -9,7 +13,8 @@ import pytest
 
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE
-from hyper_parallel.core.distributed_checkpoint.object_store import store
+from hyper_parallel.core.distributed_checkpoint.object_store import lease, store
+from hyper_parallel.core.distributed_checkpoint.object_store.conditional import ObjectOps
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan
 from tests.checkpoint.helpers import full_state
 
@@ -49,3 +54,51 @@ def test_waiting_rank_does_not_reread_the_replaced_metadata_while_others_write(m
     fs.pipe_file(f"{path}/{METADATA_FILE}", metadata.to_json().encode())
     waiter.join(timeout=30)
     assert result["md"].save_id == save_id and len(reads) == 1
+
+
+def _lock_object(folder):
+    fs, path = fsspec.core.url_to_fs(folder)
+    return fs, f"{path}/{lease.LOCK_OBJECT}"
+
+
+def test_lease_is_shared_in_a_process_refused_to_a_rival_and_released(memory_url, monkeypatch):
+    monkeypatch.setattr(lease, "LEASE_S", 0.8)
+    folder = memory_url.rsplit("/", 1)[0]
+    fs, lock = _lock_object(folder)
+    first = hdcp.CheckpointManager(folder)
+    second = hdcp.CheckpointManager(folder)  # same process: shares the lease
+    holder = json.loads(fs.cat_file(lock))
+    assert holder["holder"].startswith(f"pid {os.getpid()} on ")
+    # Another job (another lease of its own) watches the lock, sees it renewed, and is refused.
+    rival = lease.FolderLease(ObjectOps(fs), fs._strip_protocol(folder), folder)
+    refusal = rival.acquire()
+    assert refusal is not None and "is in use by another job (pid" in refusal, refusal
+    first.close()
+    assert fs.exists(lock)  # still used by the second manager
+    second.close()
+    assert not fs.exists(lock)
+    assert rival.acquire() is None  # free now
+    rival.release()
+
+
+def test_a_dead_holders_lease_is_taken_over_and_a_live_one_that_lost_it_saves_no_more(memory_url, monkeypatch):
+    monkeypatch.setattr(lease, "LEASE_S", 0.8)
+    folder = memory_url.rsplit("/", 1)[0]
+    fs, lock = _lock_object(folder)
+    # A job killed with kill -9 left its lock, renewed just now: watched for half a lease at least.
+    fs.pipe_file(lock, json.dumps({"holder": "pid 1 on elsewhere", "token": "x", "renewed": time.time(),
+                                   "lease_s": 0.8}).encode())
+    started = time.monotonic()
+    manager = hdcp.CheckpointManager(folder)
+    assert time.monotonic() - started >= 0.4
+    assert json.loads(fs.cat_file(lock))["token"] != "x"
+    manager.save(1, full_state(seed=1))
+    # Another job replaces the lock (it judged this one dead): the next save is refused.
+    fs.pipe_file(lock, json.dumps({"holder": "pid 2 on elsewhere", "token": "y", "renewed": time.time(),
+                                   "lease_s": 0.8}).encode())
+    time.sleep(0.6)  # a renewal (every 0.2 s) finds the other token
+    with pytest.raises(hdcp.CheckpointError, match="lost the lock .*another job replaced it"):
+        manager.save(2, full_state(seed=2))
+    assert manager.committed_steps() == [1]
+    manager.close()
+    assert json.loads(fs.cat_file(lock))["token"] == "y"  # not deleted: it is the other job's
