@@ -209,3 +209,19 @@ def test_manager_async_and_corrupt_latest(memory_url):
     target = blank_state()
     assert manager.load_latest(target) == 1  # the corrupt newest one is skipped (verify_checkpoint)
     manager.close()
+
+
+@pytest.mark.parametrize("span_bytes", [32 << 20, 1000])
+def test_adjacent_ranges_go_out_as_one_request(memory_url, monkeypatch, span_bytes):
+    state = {f"t{i}": torch.arange(64, dtype=torch.float32) + i for i in range(6)}  # 256 B each, one file
+    hdcp.save(state, checkpoint_id=memory_url, no_dist=True)
+    monkeypatch.setattr(object_reader, "SPAN_BYTES", span_bytes)
+    fs = fsspec.filesystem("memory")
+    requests = []
+    real = type(fs).cat_ranges
+    monkeypatch.setattr(type(fs), "cat_ranges", lambda self, paths, *a, **k: requests.append(len(paths))
+                        or real(self, paths, *a, **k))
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    hdcp.load(target, checkpoint_id=memory_url, no_dist=True)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert requests == ([1] if span_bytes > 1536 else [2])  # 6 chunks of 256 B: one span, or 3 + 3

@@ -2,7 +2,8 @@
 
 Each rank fetches byte ranges: a chunk it must check (``planning/verify_plan.py``) whole,
 otherwise only the rows of the chunk its box lies in; the ranges of a batch go out together
-(``cat_ranges``: concurrent GETs on s3fs). Every range is read once per rank.
+(``cat_ranges``: concurrent GETs on s3fs), adjacent ranges of one object merged into one GET
+of up to ``SPAN_BYTES``. Every range is read once per rank.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import Veri
 
 BATCH_BYTES = 256 << 20
 """Bytes fetched (and held) at once per rank: the ranges of a batch are requested together."""
+SPAN_BYTES = 32 << 20
+"""Adjacent ranges of one object are fetched as one GET of up to this many bytes (fewer requests;
+the spans of a batch still go out concurrently)."""
 
 
 class _Fetch:
@@ -108,31 +112,37 @@ class FsspecReader(VerifyingReader):
             self._run(batch, planner, duties)
 
     def _run(self, batch: List[_Fetch], planner: LoadPlanner, duties) -> None:
-        paths = [f"{self.path}/{f.info.relative_path}" for f in batch]
-        blobs = self.fs.cat_ranges(paths, [f.start for f in batch], [f.end for f in batch], on_error="return")
-        for fetch, data in zip(batch, blobs):
+        spans = _spans(batch)  # batch is sorted by object and offset
+        blobs = self.fs.cat_ranges([f"{self.path}/{span[0].info.relative_path}" for span in spans],
+                                   [span[0].start for span in spans], [span[-1].end for span in spans],
+                                   on_error="return")
+        for span, data in zip(spans, blobs):
+            first = span[0]
             if isinstance(data, BaseException):
-                raise CheckpointError(f"cannot read {self.url}/{fetch.info.relative_path} bytes "
-                                      f"{fetch.start}..{fetch.end}: {data}")
-            if len(data) != fetch.end - fetch.start:
-                raise CheckpointError(f"{self.url}/{fetch.info.relative_path} is truncated: needed bytes "
-                                      f"{fetch.start}..{fetch.end}, got {len(data)}")
-            self._apply(fetch, data, planner)
+                raise CheckpointError(f"cannot read {self.url}/{first.info.relative_path} bytes "
+                                      f"{first.start}..{span[-1].end}: {data}")
+            view = memoryview(data)
+            for fetch in span:
+                piece = view[fetch.start - first.start:fetch.end - first.start]
+                if len(piece) != fetch.end - fetch.start:
+                    raise CheckpointError(f"{self.url}/{fetch.info.relative_path} is truncated: needed bytes "
+                                          f"{fetch.start}..{fetch.end}, got {len(piece)}")
+                self._apply(fetch, piece, planner)
 
-    def _apply(self, fetch: _Fetch, data: bytes, planner: LoadPlanner) -> None:
+    def _apply(self, fetch: _Fetch, data: memoryview, planner: LoadPlanner) -> None:
         item, info = fetch.item, fetch.info
         key = item.storage_index.fqn
         if item.type == LoadItemType.BYTE_IO:
             if self._verifying:
                 self._check(crc32(data), info, key)
-            planner.apply_bytes(item, decode_stored_value(data, info.encoding, key, allow_pickle=self.allow_pickle))
+            planner.apply_bytes(item, decode_stored_value(bytes(data), info.encoding, key, allow_pickle=self.allow_pickle))
             return
         if self._verifying and fetch.whole:
             self._check(crc32(data), info, f"{key} chunk {item.storage_index.offset}")
         md = self.metadata.state_dict_metadata[key]
         with warnings.catch_warnings():  # read only: the buffer is never written through
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
         offsets = list(item.storage_offsets)
         if fetch.whole:
             stored = raw.view(md.dtype).reshape(fetch.sizes)
@@ -143,3 +153,17 @@ class FsspecReader(VerifyingReader):
         with torch.no_grad():
             dest.copy_(narrow(stored, offsets, item.lengths))
         planner.apply_tensor(item, dest)
+
+
+def _spans(batch: List[_Fetch]) -> List[List[_Fetch]]:
+    """``batch`` (sorted by object and start) in runs of adjacent fetches of one object, each
+    run at most ``SPAN_BYTES`` long unless a single fetch is longer."""
+    spans: List[List[_Fetch]] = []
+    for fetch in batch:
+        last = spans[-1] if spans else None
+        if (last is not None and last[-1].info.relative_path == fetch.info.relative_path
+                and last[-1].end == fetch.start and fetch.end - last[0].start <= SPAN_BYTES):
+            last.append(fetch)
+        else:
+            spans.append([fetch])
+    return spans
