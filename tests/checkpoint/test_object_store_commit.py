@@ -102,3 +102,17 @@ def test_a_dead_holders_lease_is_taken_over_and_a_live_one_that_lost_it_saves_no
     assert manager.committed_steps() == [1]
     manager.close()
     assert json.loads(fs.cat_file(lock))["token"] == "y"  # not deleted: it is the other job's
+
+
+def test_a_folder_without_write_access_for_the_lock_is_used_unlocked_with_a_warning(memory_url, monkeypatch,
+                                                                                     caplog):
+    folder = memory_url.rsplit("/", 1)[0]
+    hdcp.save(full_state(seed=4), checkpoint_id=f"{folder}/step-4", no_dist=True)
+
+    def refused(self, path, data):
+        raise PermissionError(f"access denied: {path}")
+
+    monkeypatch.setattr(ObjectOps, "create", refused)
+    manager = hdcp.CheckpointManager(folder)  # e.g. read-only credentials, only to resume from
+    assert "cannot lock" in caplog.text and manager.latest_step() == 4
+    manager.close()

@@ -164,7 +164,10 @@ class CheckpointManager:
         killed saves left (nothing of this job is in flight yet)."""
         try:
             refusal = self._objects.lock()
-        except OSError as exc:  # the store refused the lock object itself (permissions, endpoint)
+        except PermissionError as exc:  # read-only access, e.g. only to resume from: as for directories
+            _log.warning("cannot lock %s (%s): a second job on this folder would not be detected", self.folder, exc)
+            return None
+        except OSError as exc:  # the store refused the lock object itself (endpoint, bucket)
             return f"cannot lock checkpoint folder {self.folder}: {exc}"
         if refusal is None:
             self._unlock = weakref.finalize(self, self._objects.unlock)
