@@ -116,3 +116,20 @@ def test_a_folder_without_write_access_for_the_lock_is_used_unlocked_with_a_warn
     manager = hdcp.CheckpointManager(folder)  # e.g. read-only credentials, only to resume from
     assert "cannot lock" in caplog.text and manager.latest_step() == 4
     manager.close()
+
+
+def test_file_url_lock_is_created_exclusively(tmp_path):
+    from hyper_parallel.core.distributed_checkpoint.object_store.conditional import LocalOps, object_ops
+
+    fs, path = fsspec.core.url_to_fs(f"file://{tmp_path}/run")
+    ops = object_ops(fs)
+    assert isinstance(ops, LocalOps)
+    lock = f"{path}/{lease.LOCK_OBJECT}"
+    first = ops.create(lock, b"one")
+    assert first == b"one" and ops.create(lock, b"two") is None
+    assert ops.replace(lock, b"three", b"two") is None and ops.replace(lock, b"three", first) == b"three"
+    assert sorted(os.listdir(tmp_path / "run")) == [lease.LOCK_OBJECT]  # nothing left aside
+    manager = hdcp.CheckpointManager(f"file://{tmp_path}/other")
+    assert os.path.isfile(tmp_path / "other" / lease.LOCK_OBJECT)
+    manager.close()
+    assert not os.path.exists(tmp_path / "other" / lease.LOCK_OBJECT)

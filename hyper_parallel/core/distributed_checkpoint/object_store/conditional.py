@@ -2,14 +2,19 @@
 clean-up of incomplete multipart uploads.
 
 :class:`ObjectOps` is the generic one: create-if-absent through fsspec's ``mode="create"``
-(exclusive where the implementation makes it so: ``file://``, ``memory://`` in one process;
-check-then-write elsewhere) and compare-then-write replaces. :class:`S3Ops` makes both single
-conditional requests (``If-None-Match: *``, ``If-Match: <etag>``) and aborts multipart uploads.
+(check-then-write unless the implementation makes it exclusive) and compare-then-write replaces.
+:class:`LocalOps` (``file://``) creates exclusively (a hard link, which fails if the name
+exists). :class:`S3Ops` makes both single conditional requests (``If-None-Match: *``,
+``If-Match: <etag>``) and aborts multipart uploads.
 """
 
 from __future__ import annotations
 
+import os
+import uuid
 from typing import Any, Callable, Optional, Tuple
+
+from hyper_parallel.utils.fileio import write_file, write_file_atomically
 
 Version = Any
 """What identifies one state of an object: its ETag on S3, its bytes elsewhere."""
@@ -64,6 +69,29 @@ class ObjectOps:
         """Abort the incomplete multipart uploads under ``prefix`` whose key ``doomed``
         accepts; how many. Stores without such uploads have none to abort."""
         return 0
+
+
+class LocalOps(ObjectOps):
+    """:class:`ObjectOps` on the local file system: exclusive create, whole content at once."""
+
+    def create(self, path: str, data: bytes) -> Optional[Version]:
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        aside = f"{path}.{uuid.uuid4().hex}.tmp"
+        write_file(aside, data, sync=True)
+        try:
+            os.link(aside, path)  # fails if ``path`` exists: no window between check and write
+        except FileExistsError:
+            return None
+        finally:
+            os.unlink(aside)
+        return data
+
+    def replace(self, path: str, data: bytes, version: Version) -> Optional[Version]:
+        current = self.read(path)
+        if current is None or current[1] != version:
+            return None
+        write_file_atomically(path, data)  # renamed over: readers never see half of it
+        return data
 
 
 class S3Ops(ObjectOps):
@@ -121,6 +149,9 @@ class S3Ops(ObjectOps):
 
 
 def object_ops(fs: Any) -> ObjectOps:
-    """The conditional operations of ``fs``: :class:`S3Ops` for s3fs, else :class:`ObjectOps`."""
+    """The conditional operations of ``fs``: :class:`S3Ops` for s3fs, :class:`LocalOps` for
+    ``file://``, else :class:`ObjectOps`."""
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return S3Ops(fs) if "s3" in protocols or "s3a" in protocols else ObjectOps(fs)
+    if "s3" in protocols or "s3a" in protocols:
+        return S3Ops(fs)
+    return LocalOps(fs) if "file" in protocols else ObjectOps(fs)
