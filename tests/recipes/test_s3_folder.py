@@ -10,6 +10,7 @@ import pytest
 import torch.distributed as dist
 
 from hyper_parallel.checkpoint import CheckpointManager
+from hyper_parallel.core.distributed_checkpoint.object_store.lease import LOCK_OBJECT
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import compose_config, run_training, validate_config
 from tests.checkpoint.s3_server import with_env
@@ -27,6 +28,14 @@ def _train(overrides: List[str]) -> tuple:
     return summary.start_step, summary.end_step
 
 
+def _lock_exists(folder: str) -> bool:
+    import s3fs
+
+    fs = s3fs.S3FileSystem()
+    fs.invalidate_cache()
+    return fs.exists(f"{folder[len('s3://'):]}/{LOCK_OBJECT}")
+
+
 def _env(s3: Dict[str, str]) -> Dict[str, str]:
     return {k: v for k, v in s3.items() if k != "url"}
 
@@ -37,6 +46,9 @@ def test_stopped_and_resumed_from_s3_continues_the_uninterrupted_losses(s3_bucke
     run_on_ranks(2, _train, [f"output_dir={ref}"], timeout=240)
     s3 = [f"output_dir={out}", f"checkpoint.folder={folder}", "checkpoint.async_save=true"]
     assert run_on_ranks(2, with_env, env, _train, [*s3, "training.stop_after_steps=3"], timeout=240) == [(0, 3)] * 2
+    # The run released the folder's lease (the recipe ends with os._exit: no interpreter exit
+    # handlers), so the next job starts at once instead of waiting for the lease to run out.
+    assert not _lock_exists(folder)
     assert CheckpointManager(folder).committed_steps() == [3]  # step 2 retired, 3 saved at the stop
     assert run_on_ranks(2, with_env, env, _train, s3, timeout=240) == [(3, 6)] * 2
     losses = last_loss_per_step(out)
