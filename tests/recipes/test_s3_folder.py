@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from hyper_parallel.checkpoint import CheckpointManager
@@ -67,3 +68,9 @@ def test_check_accepts_an_s3_folder_and_names_a_missing_bucket(check, s3_bucket,
     assert not (tmp_path / "s3:").exists()
     code, _, err = check("checkpoint.folder=s3://no-such-bucket/run")
     one_line_error(code, err, "checkpoint.folder=s3://no-such-bucket/run cannot be written")
+    # checkpoint.resume=false on a folder holding another run's checkpoints is refused, as for a directory.
+    manager = CheckpointManager(f"{s3_bucket['url']}/run")
+    manager.save(5, {"w": torch.ones(2)})
+    manager.close()
+    code, _, err = check(f"checkpoint.folder={s3_bucket['url']}/run", "checkpoint.resume=false")
+    one_line_error(code, err, f"checkpoint.folder={s3_bucket['url']}/run holds checkpoints of an earlier run (step-5)")
