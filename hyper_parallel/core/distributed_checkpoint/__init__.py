@@ -23,9 +23,12 @@ Map of the package (each layer imports only the layers below it; see ``docs/chec
     host_memory/      slabs (the process's pool, ``staging_buffers()``), snapshot (a save's host
                       copy through the slabs), background (async saves' thread and Future)
     filesystem/       writer, reader, data_files (safetensors + values files), commit (pending
-                      directory, markers, committed metadata), block_reads, bounce (load reads)
+                      directory, markers, committed metadata), block_reads, bounce (load reads),
+                      folder_lock (a manager folder's flock)
     object_store/     FsspecWriter, FsspecReader (fsspec URLs: s3://, memory://, file://), store
-                      (the commit protocol there: data objects tagged by save id, metadata last)
+                      (the commit protocol there: data objects tagged by save id, metadata last),
+                      forwarding (chunks fetched once, sent between ranks), folder (a manager
+                      folder), lease (one job per folder), conditional (conditional requests)
     format/           metadata (+ chunk_table, storage_table), safetensors_format, values,
                       checksum, validation, geometry (boxes), flatten: no process group, no threads
 
