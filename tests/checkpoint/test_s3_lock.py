@@ -83,10 +83,11 @@ def test_two_managers_on_one_s3_folder(s3_bucket, monkeypatch):
     assert proc.returncode == 3, err
     assert f"{folder} is in use by another job (pid {os.getpid()} on " in out.decode()
     first.close()  # releases: the next job starts at once
-    proc = _python(_SECOND_JOB, folder)
-    out, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, out + err
     assert not _fs().exists(f"{folder[len('s3://'):]}/{lease.LOCK_OBJECT}")
+    started = time.monotonic()
+    second = hdcp.CheckpointManager(folder)
+    assert time.monotonic() - started < 1.0 and second.committed_steps() == [1]
+    second.close()
 
 
 _KILLED_MULTIPART = """
