@@ -133,3 +133,12 @@ def test_file_url_lock_is_created_exclusively(tmp_path):
     assert os.path.isfile(tmp_path / "other" / lease.LOCK_OBJECT)
     manager.close()
     assert not os.path.exists(tmp_path / "other" / lease.LOCK_OBJECT)
+
+
+def test_a_foreign_lock_object_is_refused_in_one_line(memory_url):
+    folder = memory_url.rsplit("/", 1)[0]
+    fs, lock = _lock_object(folder)
+    fs.pipe_file(lock, b"not json")
+    with pytest.raises(hdcp.CheckpointError, match=r"\.hyper_parallel\.lock is not a lock of this library; delete it"):
+        hdcp.CheckpointManager(folder)
+    assert fs.cat_file(lock) == b"not json"  # never overwritten
