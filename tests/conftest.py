@@ -1,5 +1,6 @@
 import pytest
 
+from tests.checkpoint.s3_server import s3_bucket, s3_endpoint  # noqa: F401 (fixtures: moto's S3 server)
 from tests.multirank import close_all_pools
 
 

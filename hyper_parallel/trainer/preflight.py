@@ -12,14 +12,15 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
+import uuid
 from typing import List, NamedTuple, Optional
 
 import torch
 
 from hyper_parallel._optional import MissingDependency, require
-from hyper_parallel.checkpoint import is_checkpoint
-from hyper_parallel.core.distributed_checkpoint._fileio import local_path
-from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step
+from hyper_parallel.core.distributed_checkpoint._fileio import local_path, url_scheme
+from hyper_parallel.core.distributed_checkpoint.manager import committed_steps
+from hyper_parallel.core.distributed_checkpoint.object_store import store
 from hyper_parallel.data import MarkovSource, load_tokenizer
 from hyper_parallel.data.text import TEXT_SUFFIXES, expand_paths
 from hyper_parallel.data.tokenizer import check_vocab
@@ -51,9 +52,15 @@ def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: i
 
 
 def folder_problems(cfg: TrainConfig) -> List[str]:
-    """``output_dir`` and ``checkpoint.folder`` can be created and written."""
+    """``output_dir`` and ``checkpoint.folder`` can be created and written; a ``checkpoint.folder``
+    URL (``s3://bucket/run``) needs an fsspec file system for its scheme, and an object written
+    there (then deleted) as a check."""
     problems = []
+    if url_scheme(cfg.checkpoint.folder):
+        problems += _url_folder_problems("checkpoint.folder", cfg.checkpoint.folder)
     for key, path in (("output_dir", cfg.output_dir), ("checkpoint.folder", cfg.checkpoint.folder)):
+        if key == "checkpoint.folder" and url_scheme(path):
+            continue
         try:
             local_path(path)  # a URL would become a local folder named "s3:"
         except ValueError as err:
@@ -68,6 +75,21 @@ def folder_problems(cfg: TrainConfig) -> List[str]:
             why = f"{blocker} is a file, not a folder" if blocker else (err.strerror or str(err))
             problems.append(f"{key}={path} cannot be used: {why}; choose another {key}")
     return problems
+
+
+def _url_folder_problems(key: str, url: str) -> List[str]:
+    try:
+        fs, path = store.open_store(url)
+    except ValueError as err:  # no fsspec implementation for the scheme: one line naming it
+        return [f"{key}: {err}"]
+    probe = f"{path}/.hyper_parallel.preflight.{uuid.uuid4().hex}"
+    try:
+        fs.pipe_file(probe, b"")
+        fs.rm(probe)
+    except Exception as err:  # noqa: BLE001 (credentials, endpoint, bucket: whatever the store says)
+        return [f"{key}={url} cannot be written ({type(err).__name__}: {err}); check the bucket, the "
+                "endpoint (AWS_ENDPOINT_URL) and the credentials"]
+    return []
 
 
 def init_from_problems(cfg: TrainConfig) -> List[str]:
@@ -120,10 +142,12 @@ def _first_file_on_path(path: str) -> Optional[str]:
 def resume_problems(cfg: TrainConfig) -> List[str]:
     """``checkpoint.resume=false`` must not write into a folder holding another run's checkpoints."""
     folder = cfg.checkpoint.folder
-    if cfg.checkpoint.resume or not os.path.isdir(folder):
+    if cfg.checkpoint.resume:
         return []
-    steps = sorted(s for s in map(checkpoint_step, os.listdir(folder))
-                   if s is not None and is_checkpoint(os.path.join(folder, f"step-{s}")))
+    try:
+        steps = committed_steps(folder)
+    except ValueError:  # a URL of an unknown scheme: folder_problems names it
+        return []
     if not steps:
         return []
     return [f"checkpoint.resume=false, but checkpoint.folder={folder} holds checkpoints of an earlier run "

@@ -4,7 +4,6 @@ import pytest
 import torch.distributed as dist
 
 from tests.checkpoint.helpers import save_layout
-from tests.checkpoint.s3_server import s3_bucket, s3_endpoint  # noqa: F401 (fixtures: moto's S3 server)
 
 
 @pytest.fixture

@@ -99,3 +99,23 @@ def test_inspect_and_verify_take_a_manager_folder_and_name_the_step(tmp_path, ca
     os.makedirs(empty)
     assert main(["verify", empty]) == 1
     assert "not a committed checkpoint (metadata.json is missing) nor a folder" in capsys.readouterr().err
+
+
+def test_inspect_verify_list_on_a_memory_url(capsys):
+    fsspec = pytest.importorskip("fsspec")
+    folder = "memory://cli-test/run"
+    try:
+        manager = hdcp.CheckpointManager(folder)
+        for step in (3, 5):
+            manager.save(step, {"w": torch.full((3,), float(step)), "n": step})
+        manager.close()
+        assert main(["list", folder]) == 0 and capsys.readouterr().out.split() == ["step-3", "step-5"]
+        assert main(["inspect", f"{folder}/step-3"]) == 0 and "n = 3" in capsys.readouterr().out
+        assert main(["verify", folder]) == 0
+        assert capsys.readouterr().out.startswith(f"OK: {folder}/step-5 (the newest committed step in {folder}): ")
+        assert main(["list", "memory://cli-test/none"]) == 1
+        assert "holds no committed step-N checkpoint" in capsys.readouterr().err
+        assert main(["verify", "nosuchscheme://x/y"]) == 1
+        assert len(capsys.readouterr().err.strip().splitlines()) == 1
+    finally:
+        fsspec.filesystem("memory").rm("/cli-test", recursive=True)

@@ -143,14 +143,35 @@ def test_file_url_two_ranks_resharding(tmp_path):
     assert os.path.isfile(tmp_path / "step-1" / METADATA_FILE)
     assert all(run_on_ranks(2, load_and_check, url, ["shard1", "replicate"], timeout=T))
     assert load_and_check(url, [None], no_dist=True)
-    # Resharding Shard(0) -> Shard(1): no rank fetches a stored range twice, and each chunk
-    # is read whole at most by the one rank that checks it.
+    # Resharding Shard(0) -> Shard(1): no rank fetches a stored range twice, and each tensor
+    # chunk is fetched once in all: by the rank that checks it, which forwards it to the other.
     per_rank = run_on_ranks(2, _counted_reads, url, ["shard1"], timeout=T)
     md = hdcp.FsspecReader(url)
     md.initialize_reader(None)
     lengths = {(i.relative_path, i.offset): i.length for i in md.read_metadata().storage_data.values()}
     for fetched in per_rank:
         assert all(n <= lengths[key] for key, n in fetched.items())
+    tensor_chunks = [key for key in lengths if key[0].endswith(".safetensors")]
+    total = {key: sum(fetched.get(key, 0) for fetched in per_rank) for key in tensor_chunks}
+    assert total == {key: lengths[key] for key in tensor_chunks}
+
+
+def _load_corrupt(url):
+    try:
+        load_and_check(url, ["shard1"])
+    except hdcp.CheckpointError as exc:
+        return str(exc)
+    return "loaded"
+
+
+def test_file_url_two_ranks_forwarded_corrupt_chunk_fails_every_rank(tmp_path):
+    url = f"file://{tmp_path}/step-1"
+    run_on_ranks(2, save_layout, url, "fsdp", timeout=T)
+    _corrupt_tensor_object(url)
+    errors = run_on_ranks(2, _load_corrupt, url, timeout=T)  # no rank waits forever for a forward
+    # The source names the corruption; a rank it could not forward the chunk to names the source.
+    assert any("checksum mismatch" in e and "the object is corrupt" in e for e in errors), errors
+    assert all("checksum mismatch" in e or ("could not fetch" in e and "to forward it" in e) for e in errors), errors
 
 
 def test_file_url_two_ranks_async_save(tmp_path):
@@ -209,3 +230,38 @@ def test_manager_async_and_corrupt_latest(memory_url):
     target = blank_state()
     assert manager.load_latest(target) == 1  # the corrupt newest one is skipped (verify_checkpoint)
     manager.close()
+
+
+@pytest.mark.parametrize("span_bytes", [32 << 20, 1000])
+def test_adjacent_ranges_go_out_as_one_request(memory_url, monkeypatch, span_bytes):
+    state = {f"t{i}": torch.arange(64, dtype=torch.float32) + i for i in range(6)}  # 256 B each, one file
+    hdcp.save(state, checkpoint_id=memory_url, no_dist=True)
+    monkeypatch.setattr(object_reader, "SPAN_BYTES", span_bytes)
+    fs = fsspec.filesystem("memory")
+    requests = []
+    real = type(fs).cat_ranges
+    monkeypatch.setattr(type(fs), "cat_ranges", lambda self, paths, *a, **k: requests.append(len(paths))
+                        or real(self, paths, *a, **k))
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    hdcp.load(target, checkpoint_id=memory_url, no_dist=True)
+    assert all(torch.equal(target[k], state[k]) for k in state)
+    assert requests == ([1] if span_bytes > 1536 else [2])  # 6 chunks of 256 B: one span, or 3 + 3
+
+
+def test_forward_sources_are_the_checkers_else_the_largest_readers_in_rounds():
+    from hyper_parallel.core.distributed_checkpoint.object_store.forwarding import Forward, plan_forwards
+    from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, ReadItem
+    from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import Verification
+
+    a, b, c = (hdcp.MetadataIndex(name, (0, 0)) for name in "abc")
+
+    def item(index, rows):
+        return ReadItem(LoadItemType.TENSOR, index, (0, 0), index, (0, 0), (rows, 4))
+
+    plans = [LoadPlan([item(a, 2), item(c, 4)], Verification(True, True, frozenset())),
+             LoadPlan([item(a, 2), item(b, 1)], Verification(True, True, frozenset({a}))),
+             LoadPlan([item(b, 3)], Verification(True, True, frozenset()))]
+    out = plan_forwards(plans, lambda index: 64, round_bytes=100)
+    fa, fb = Forward(a, 1, (0,), 64, 0), Forward(b, 2, (1,), 64, 1)  # c: one reader, nothing to forward
+    assert [p.storage_data.forwards for p in out] == [(fa,), (fa, fb), (fb,)]
+    assert [p.storage_data.verification for p in out] == [p.storage_data for p in plans]

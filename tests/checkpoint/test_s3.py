@@ -122,3 +122,32 @@ def test_kill_9_during_a_save_leaves_no_checkpoint(s3_bucket):
     target = blank_state()
     assert resumed.load_latest(target) == 1
     resumed.close()
+
+
+def test_cli_inspect_verify_list_on_an_s3_folder(s3_bucket, capsys):
+    import subprocess
+    import sys
+
+    from hyper_parallel.core.distributed_checkpoint.cli import main
+
+    folder = f"{s3_bucket['url']}/run"
+    manager = hdcp.CheckpointManager(folder)
+    for step in (1, 2):
+        manager.save(step, full_state(seed=step))
+    manager.close()
+    fs_url = f"{folder}/step-9/__0_0.{'ab' * 16}.safetensors"  # an uncommitted upload: never chosen
+    import fsspec
+    with fsspec.open(fs_url, "wb") as f:
+        f.write(b"partial")
+    newest = f"{folder}/step-2"
+    assert main(["list", folder]) == 0
+    assert capsys.readouterr().out.split() == ["step-1", "step-2"]
+    assert main(["inspect", folder]) == 0
+    out = capsys.readouterr().out
+    assert f"checkpoint: {newest} (the newest committed step in {folder})" in out and "step: 2" in out
+    # The subprocess reads AWS_ENDPOINT_URL and the credentials from its environment, as botocore does.
+    result = subprocess.run([sys.executable, "-m", "hyper_parallel.checkpoint", "verify", folder],
+                            env=dict(os.environ, PYTHONPATH=_REPO), capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and result.stdout.startswith(f"OK: {newest} (the newest committed step"), result.stderr
+    assert main(["verify", f"{folder}/step-9"]) == 1
+    assert "is not a committed checkpoint (metadata.json is missing)" in capsys.readouterr().err

@@ -98,11 +98,12 @@ def test_output_folder_under_a_file(check, tmp_path):
     one_line_error(code, err, f"checkpoint.folder={blocker}/ckpt cannot be used: {blocker} is a file")
 
 
-def test_a_url_checkpoint_folder_is_refused_before_anything_is_created(check, tmp_path, monkeypatch):
+def test_a_checkpoint_folder_url_of_an_unknown_scheme_is_refused_before_anything_is_created(check, tmp_path,
+                                                                                             monkeypatch):
     monkeypatch.chdir(tmp_path)
-    code, _, err = check(f"output_dir={tmp_path}/run", "checkpoint.folder=s3://bucket/run")
-    one_line_error(code, err, "checkpoint.folder: checkpoint path 's3://bucket/run' is a s3:// URL")
-    assert not (tmp_path / "s3:").exists()
+    code, _, err = check(f"output_dir={tmp_path}/run", "checkpoint.folder=nosuchfs://bucket/run")
+    one_line_error(code, err, "checkpoint.folder: checkpoint 'nosuchfs://bucket/run': nosuchfs:// is no storage")
+    assert not (tmp_path / "nosuchfs:").exists()
 
 
 @pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")

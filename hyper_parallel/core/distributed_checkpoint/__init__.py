@@ -23,9 +23,12 @@ Map of the package (each layer imports only the layers below it; see ``docs/chec
     host_memory/      slabs (the process's pool, ``staging_buffers()``), snapshot (a save's host
                       copy through the slabs), background (async saves' thread and Future)
     filesystem/       writer, reader, data_files (safetensors + values files), commit (pending
-                      directory, markers, committed metadata), block_reads, bounce (load reads)
+                      directory, markers, committed metadata), block_reads, bounce (load reads),
+                      folder_lock (a manager folder's flock)
     object_store/     FsspecWriter, FsspecReader (fsspec URLs: s3://, memory://, file://), store
-                      (the commit protocol there: data objects tagged by save id, metadata last)
+                      (the commit protocol there: data objects tagged by save id, metadata last),
+                      forwarding (chunks fetched once, sent between ranks), folder (a manager
+                      folder), lease (one job per folder), conditional (conditional requests)
     format/           metadata (+ chunk_table, storage_table), safetensors_format, values,
                       checksum, validation, geometry (boxes), flatten: no process group, no threads
 
@@ -47,6 +50,7 @@ from hyper_parallel.core.distributed_checkpoint.api import (
     async_save,
     is_checkpoint,
     load,
+    read_checkpoint_metadata,
     save,
     staging_buffers,
     verify_checkpoint,
@@ -54,7 +58,6 @@ from hyper_parallel.core.distributed_checkpoint.api import (
 )
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.format.flatten import flatten_state_dict

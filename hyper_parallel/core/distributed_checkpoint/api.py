@@ -35,7 +35,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
 )
 from hyper_parallel.utils.ranks import dist_ready, rank_and_world
 
-__all__ = ["save", "async_save", "load", "is_checkpoint", "verify_checkpoint"]
+__all__ = ["save", "async_save", "load", "is_checkpoint", "read_checkpoint_metadata", "verify_checkpoint"]
 
 _PLANS = SavePlanCache()
 _SAVER = AsyncSaver()
@@ -322,6 +322,20 @@ def is_checkpoint(checkpoint_id: str) -> bool:
         fs, path = store.open_store(checkpoint_id)
         return store.is_committed(fs, path)
     return commit.is_checkpoint(checkpoint_id)
+
+
+def read_checkpoint_metadata(checkpoint_id: str) -> Metadata:
+    """The committed metadata of a checkpoint (a directory or an fsspec URL), without a
+    process group (``filesystem/commit.read_checkpoint_metadata`` for directories).
+
+    Raises:
+        CheckpointError: nothing committed there, or the metadata is corrupt.
+    """
+    checkpoint_id = os.fspath(checkpoint_id)
+    if url_scheme(checkpoint_id):
+        fs, path = store.open_store(checkpoint_id)
+        return store.read_metadata(fs, path, checkpoint_id)
+    return commit.read_checkpoint_metadata(checkpoint_id)
 
 
 def verify_checkpoint(checkpoint_id: str, *, allow_pickle: bool = False) -> Metadata:

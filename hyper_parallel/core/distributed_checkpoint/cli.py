@@ -1,4 +1,6 @@
-"""``python -m hyper_parallel.checkpoint inspect|verify|export-hf|import-dcp|export-dcp DIR ...``"""
+"""``python -m hyper_parallel.checkpoint inspect|verify|list|export-hf|import-dcp|export-dcp DIR ...``
+
+``inspect``, ``verify`` and ``list`` also take fsspec URLs (``s3://bucket/run``, ``memory://``)."""
 
 from __future__ import annotations
 
@@ -13,9 +15,8 @@ from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import local_path
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.commands import add_dcp_commands, run_dcp_command
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata, verify_checkpoint
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
-from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, resolve_checkpoint
+from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, committed_steps, resolve_checkpoint
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     FORMAT_NAME,
     Metadata,
@@ -51,7 +52,7 @@ def inspect(directory: str, out: TextIO) -> None:
     """Print what a checkpoint holds: step, format, layouts at save time, tensors and sizes.
     ``directory`` may be a folder of ``step-N`` checkpoints: its newest is shown."""
     directory, shown = _checkpoint(directory)
-    metadata = read_checkpoint_metadata(directory)
+    metadata = api.read_checkpoint_metadata(directory)
     step = checkpoint_step(directory)
     print(f"checkpoint: {shown}", file=out)
     print(f"step: {step if step is not None else 'unknown'}", file=out)
@@ -83,6 +84,15 @@ def inspect(directory: str, out: TextIO) -> None:
           f"{file_bytes} bytes on disk", file=out)
 
 
+def list_steps(folder: str, out: TextIO) -> None:
+    """Print the committed ``step-N`` checkpoints of a manager folder, oldest first."""
+    steps = committed_steps(folder)
+    if not steps:
+        raise CheckpointError(f"{folder} holds no committed step-N checkpoint")
+    for step in steps:
+        print(f"step-{step}", file=out)
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m hyper_parallel.checkpoint",
                                      description="Inspect, verify and export hyper_parallel checkpoints.")
@@ -93,6 +103,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("dir", help="a checkpoint, or a folder of step-N checkpoints (its newest)")
     p.add_argument("--allow-pickle", action="store_true",
                    help="accept pickled values (checksummed, never unpickled) as load with allow_pickle=True does")
+    p = sub.add_parser("list", help="the committed step-N checkpoints of a folder, oldest first")
+    p.add_argument("dir", help="a folder of step-N checkpoints (a directory or an fsspec URL)")
     p = sub.add_parser("export-hf", help="write HF-style safetensors shards + model.safetensors.index.json")
     p.add_argument("dir")
     p.add_argument("out")
@@ -111,9 +123,11 @@ def main(argv: Optional[List[str]] = None) -> int:
             inspect(args.dir, sys.stdout)
         elif args.command == "verify":
             directory, shown = _checkpoint(args.dir)
-            metadata = verify_checkpoint(directory, allow_pickle=args.allow_pickle)
+            metadata = api.verify_checkpoint(directory, allow_pickle=args.allow_pickle)
             total = sum(f.size for f in metadata.files.values())
             print(f"OK: {shown}: {len(metadata.files)} file(s), {total} bytes match their checksums")
+        elif args.command == "list":
+            list_steps(args.dir, sys.stdout)
         else:
             index = export_hf(_checkpoint(args.dir)[0], local_path(args.out), max_shard_bytes=args.max_shard_bytes)
             files = sorted(set(index["weight_map"].values()))

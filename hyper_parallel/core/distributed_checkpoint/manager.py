@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import fcntl
 import logging
 import os
 import re
 import shutil
-import socket
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -15,63 +13,20 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint._fileio import local_path, open_regular, url_scheme
+from hyper_parallel.core.distributed_checkpoint._fileio import local_path, url_scheme
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem.commit import is_checkpoint, pending_target
+from hyper_parallel.core.distributed_checkpoint.filesystem.folder_lock import LOCK_FILE, lock_folder, unlock_folder
 from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
+from hyper_parallel.core.distributed_checkpoint.object_store import store
 from hyper_parallel.core.distributed_checkpoint.object_store.folder import ObjectFolder
 from hyper_parallel.platform import get_platform
 
-__all__ = ["CheckpointManager", "checkpoint_step", "committed_steps", "resolve_checkpoint"]
+__all__ = ["CheckpointManager", "LOCK_FILE", "checkpoint_step", "committed_steps", "resolve_checkpoint"]
 
 _STEP_DIR = re.compile(r"step-(\d+)")
-LOCK_FILE = ".hyper_parallel.lock"
 _log = logging.getLogger(__name__)
-# folder (real path) -> [lock fd, managers of this process using it]
-_HELD_LOCKS: Dict[str, List[int]] = {}
-
-
-def _lock_folder(folder: str) -> Optional[str]:
-    """Take ``folder``'s writer lock for this process (shared by its managers); None on
-    success, else a sentence naming the holder. The OS drops the lock when the process ends."""
-    key = os.path.realpath(folder)
-    held = _HELD_LOCKS.get(key)
-    if held is not None:
-        held[1] += 1
-        return None
-    try:  # never through a symbolic link or into a file with other names: we truncate it below
-        fd = open_regular(os.path.join(folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o666)
-    except CheckpointError as exc:
-        return f"cannot lock {folder}: {exc}"
-    except OSError as exc:  # e.g. a read-only folder, used only to resume from
-        _log.warning("cannot lock %s (%s): a second job on this folder would not be detected", folder, exc)
-        return None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "another process"
-        os.close(fd)
-        return (f"{folder} is in use by another job ({holder}); two jobs must not write checkpoints "
-                "into one folder: use another folder, or stop the other job")
-    except OSError as exc:  # a file system without flock (ENOLCK, ENOSYS): work unlocked
-        os.close(fd)
-        _log.warning("cannot lock %s (%s): a second job on this folder would not be detected", folder, exc)
-        return None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode(), 0)
-    _HELD_LOCKS[key] = [fd, 1]
-    return None
-
-
-def _unlock_folder(folder: str) -> None:
-    key = os.path.realpath(folder)
-    held = _HELD_LOCKS.get(key)
-    if held is not None:
-        held[1] -= 1
-        if not held[1]:
-            del _HELD_LOCKS[key]
-            os.close(held[0])  # releases the flock
 
 
 def checkpoint_step(path: Union[str, os.PathLike]) -> Optional[int]:
@@ -81,7 +36,10 @@ def checkpoint_step(path: Union[str, os.PathLike]) -> Optional[int]:
 
 
 def committed_steps(folder: Union[str, os.PathLike]) -> List[int]:
-    """Steps of the committed ``step-N`` checkpoints in ``folder``, ascending (pending/partial dirs ignored)."""
+    """Steps of the committed ``step-N`` checkpoints in ``folder`` (a directory or an fsspec
+    URL), ascending (pending/partial dirs and uncommitted prefixes ignored)."""
+    if url_scheme(folder):
+        return ObjectFolder(folder, checkpoint_step).committed_steps()
     if not os.path.isdir(folder):
         return []
     steps = (checkpoint_step(name) for name in os.listdir(folder))
@@ -90,14 +48,24 @@ def committed_steps(folder: Union[str, os.PathLike]) -> List[int]:
 
 def resolve_checkpoint(path: Union[str, os.PathLike]) -> str:
     """``path`` if it is a committed checkpoint, else the newest committed ``step-N`` in it
-    (a :class:`CheckpointManager` folder). A directory holding neither is returned as it is
-    when it has metadata files (reading it then names what is wrong with them).
+    (a :class:`CheckpointManager` folder); ``path`` may be an fsspec URL. A directory holding
+    neither is returned as it is when it has metadata files (reading it then names what is
+    wrong with them).
 
     Raises:
         CheckpointError: ``path`` is neither a checkpoint nor a folder of committed ones.
-        ValueError: ``path`` is a URL.
+        ValueError: ``path`` is a URL of a scheme fsspec does not know.
     """
-    path = local_path(path)
+    path = os.fspath(path)
+    if url_scheme(path):
+        folder = ObjectFolder(path, checkpoint_step)
+        if store.is_committed(folder.fs, folder.path):
+            return path
+        steps = folder.committed_steps()
+        if steps:
+            return folder.step_url(steps[-1])
+        raise CheckpointError(f"{path} is not a committed checkpoint ({METADATA_FILE} is missing) nor a folder "
+                              "holding committed step-N checkpoints")
     if is_checkpoint(path):
         return path
     steps = committed_steps(path)
@@ -124,9 +92,11 @@ class CheckpointManager:
     ``step-N``. Managers within one process share the lock.
 
     ``folder`` may be an fsspec URL (``s3://bucket/run``): checkpoints are then committed by
-    their metadata object, rank 0 deletes the uploads that killed saves left in uncommitted
-    ``step-N`` prefixes when the manager starts, and there is no lock (object stores have
-    none): one job per folder is then the caller's duty (docs/checkpoint.md, "Object storage").
+    their metadata object, the lock is a lease object renewed in the background (taken over
+    from a job that stopped renewing it; ``object_store/lease.py``), rank 0 deletes the uploads
+    that killed saves left in uncommitted ``step-N`` prefixes when the manager starts, and
+    aborts incomplete multipart uploads of saves then and after each commit
+    (docs/checkpoint.md, "Object storage").
 
     Args:
         folder: directory holding the ``step-{N}`` checkpoints (created if missing), or an fsspec URL.
@@ -169,16 +139,16 @@ class CheckpointManager:
         self._unlock: Optional[weakref.finalize] = None
         refusal = None
         if self._objects is not None:
-            if get_platform().rank == 0:  # nothing of this job is in flight yet
-                self._objects.remove_abandoned_uploads()
+            if get_platform().rank == 0:
+                refusal = self._lock_objects()
         elif get_platform().rank == 0:
             try:
                 os.makedirs(self.folder, exist_ok=True)
-                refusal = _lock_folder(self.folder)
+                refusal = lock_folder(self.folder)
             except OSError as exc:  # told to every rank below instead of leaving them waiting
                 refusal = f"cannot use checkpoint folder {self.folder}: {exc}"
             if refusal is None:  # held until close(), the manager is collected, or the process ends
-                self._unlock = weakref.finalize(self, _unlock_folder, self.folder)
+                self._unlock = weakref.finalize(self, unlock_folder, self.folder)
             if refusal is None:
                 # We hold the folder and write nothing yet: pending dirs of step-N are from crashed runs.
                 for name in os.listdir(self.folder):
@@ -188,6 +158,30 @@ class CheckpointManager:
         if self._agree(0 if refusal is None else None) is None:
             raise CheckpointError(refusal or f"{self.folder} is in use by another job (see rank 0)")
         self._barrier()
+
+    def _lock_objects(self) -> Optional[str]:
+        """Rank 0 of a URL folder: take its lease (``object_store/lease.py``), then remove what
+        killed saves left (nothing of this job is in flight yet)."""
+        try:
+            refusal = self._objects.lock()
+        except PermissionError as exc:  # read-only access, e.g. only to resume from: as for directories
+            _log.warning("cannot lock %s (%s): a second job on this folder would not be detected", self.folder, exc)
+            return None
+        except OSError as exc:  # the store refused the lock object itself (endpoint, bucket)
+            return f"cannot lock checkpoint folder {self.folder}: {exc}"
+        if refusal is None:
+            self._unlock = weakref.finalize(self, self._objects.unlock)
+            self._objects.remove_abandoned_uploads()
+        return refusal
+
+    def _check_lock(self) -> None:
+        """Every rank: refuse to save once rank 0 lost a URL folder's lease to another job."""
+        if self._objects is None:
+            return
+        problem = self._objects.lock_problem() if get_platform().rank == 0 else None
+        if self._agree(0 if problem is None else None) is None:
+            raise CheckpointError(f"{problem or 'rank 0 lost the lock of ' + self.folder}; this job saves no more "
+                                  "checkpoints there (another job took the folder over)")
 
     def close(self) -> None:
         """Wait for a pending save, then release the folder lock (another job may then use it)."""
@@ -232,6 +226,7 @@ class CheckpointManager:
         if not force and step % self.interval:
             return False
         self.wait()  # one save in flight at a time; also applies retention for the previous one
+        self._check_lock()
         path = self.checkpoint_path(step)
         if self.async_save:
             self._pending = api.async_save(state, checkpoint_id=path, no_dist=self._no_dist(),
@@ -267,6 +262,11 @@ class CheckpointManager:
         self._apply_retention(step)
 
     def _apply_retention(self, saved_step: int) -> None:
+        if self._objects is not None and get_platform().rank == 0:
+            if self._objects.lock_problem() is not None:  # another job's folder now: delete nothing
+                self._barrier()
+                return
+            self._objects.abort_incomplete_uploads()  # no save of this job is in flight now
         if self.keep_last_n is not None and get_platform().rank == 0:
             steps = self.committed_steps()
             keep = set(steps[-self.keep_last_n:]) | {saved_step, steps[-1] if steps else saved_step}

@@ -2,28 +2,36 @@
 
 Each rank fetches byte ranges: a chunk it must check (``planning/verify_plan.py``) whole,
 otherwise only the rows of the chunk its box lies in; the ranges of a batch go out together
-(``cat_ranges``: concurrent GETs on s3fs). Every range is read once per rank.
+(``cat_ranges``: concurrent GETs on s3fs), adjacent ranges of one object merged into one GET
+of up to ``SPAN_BYTES``. A chunk several ranks need part of is fetched by one of them and
+forwarded to the others (``forwarding.py``): every stored byte is fetched once in all.
 """
 
 from __future__ import annotations
 
 import math
 import warnings
+from collections import defaultdict
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, StorageInfo, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.format.validation import decode_stored_value
-from hyper_parallel.core.distributed_checkpoint.object_store import store
+from hyper_parallel.core.distributed_checkpoint.object_store import forwarding, store
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import VerifyingReader, duties_of, reads_whole
+from hyper_parallel.platform import get_platform
 
 BATCH_BYTES = 256 << 20
 """Bytes fetched (and held) at once per rank: the ranges of a batch are requested together."""
+SPAN_BYTES = 32 << 20
+"""Adjacent ranges of one object are fetched as one GET of up to this many bytes (fewer requests;
+the spans of a batch still go out concurrently)."""
 
 
 class _Fetch:
@@ -45,11 +53,14 @@ class FsspecReader(VerifyingReader):
         verify: check every stored chunk a rank uses against its crc32 (as ``FileSystemReader``).
         allow_pickle: accept pickled values (only for checkpoints you trust).
         storage_options: fsspec options of the file system (on top of its own configuration).
+        forward: with a process group, a chunk several ranks need part of is fetched whole by one
+            of them and sent to the others (``forwarding.py``: each stored byte fetched once in
+            all); False: each rank fetches what it needs itself.
     """
 
     def __init__(self, url: Optional[str] = None, *, verify: bool = True, allow_pickle: bool = False,
-                 storage_options: Optional[Dict[str, Any]] = None) -> None:
-        self.url, self.verify, self.allow_pickle = url, verify, allow_pickle
+                 storage_options: Optional[Dict[str, Any]] = None, forward: bool = True) -> None:
+        self.url, self.verify, self.allow_pickle, self.forward = url, verify, allow_pickle, forward
         self.storage_options = storage_options
         self.fs: Any = None
         self.path = ""
@@ -75,7 +86,7 @@ class FsspecReader(VerifyingReader):
             raise CheckpointError(f"checksum mismatch in {self.url}/{info.relative_path} bytes {info.offset}.."
                                   f"{info.offset + info.length} ({what}): the object is corrupt")
 
-    def _plan_fetch(self, info: StorageInfo, item: ReadItem, duties) -> _Fetch:
+    def _plan_fetch(self, info: StorageInfo, item: ReadItem, duties, whole: bool = False) -> _Fetch:
         if item.type == LoadItemType.BYTE_IO:
             return _Fetch(info, item, info.offset, info.offset + info.length, None, True)
         key = item.storage_index.fqn
@@ -84,55 +95,117 @@ class FsspecReader(VerifyingReader):
         if sizes is None or math.prod(sizes) * md.dtype.itemsize != info.length:
             raise CheckpointError(f"checkpoint metadata of {key!r} chunk {item.storage_index.offset} is inconsistent")
         checked = self._verifying and (reads_whole(item, sizes) or duties is None or item.storage_index in duties)
-        if checked or not sizes:
+        if checked or not sizes or whole:
             return _Fetch(info, item, info.offset, info.offset + info.length, sizes, True)
         row = math.prod(sizes[1:]) * md.dtype.itemsize  # only the rows the box lies in
         first, rows = item.storage_offsets[0], item.lengths[0]
         return _Fetch(info, item, info.offset + first * row, info.offset + (first + rows) * row, sizes, False)
 
+    def optimize_global_plan(self, plans: List[LoadPlan]) -> List[LoadPlan]:
+        """Coordinator: the checking duties, then a source for each chunk that several ranks
+        need part of (``forwarding.py``), unless ``forward=False``."""
+        plans = super().optimize_global_plan(plans)
+        if not self.forward or len(plans) < 2:
+            return plans
+        return forwarding.plan_forwards(plans, lambda index: self._storage(index).length, BATCH_BYTES)
+
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
+        forwards: Tuple[forwarding.Forward, ...] = ()
+        if isinstance(plan.storage_data, forwarding.ForwardingPlan):
+            forwards = plan.storage_data.forwards
+            plan = LoadPlan(plan.items, plan.storage_data.verification, plan.planner_data)
         duties = duties_of(plan)
-        fetches = [self._plan_fetch(self._storage(item.storage_index), item, duties) for item in plan.items]
-        for name in sorted({f.info.relative_path for f in fetches}):  # one metadata request each
-            store.check_object(self.fs, self.path, self.url, name, self.metadata)
-        fetches.sort(key=lambda f: (f.info.relative_path, f.start))
+        rank = dist.get_rank() if forwards else 0
+        sourced = {f.index for f in forwards if f.source == rank}
+        shared = {f.index for f in forwards}
+        fetches = [self._plan_fetch(self._storage(item.storage_index), item, duties,
+                                    whole=item.storage_index in shared) for item in plan.items]
+        received: Dict[Any, List[_Fetch]] = defaultdict(list)
+        mine: Dict[Any, List[_Fetch]] = defaultdict(list)
+        for fetch in fetches:
+            index = fetch.item.storage_index
+            if index in shared:
+                (mine if index in sourced else received)[index].append(fetch)
+        for name in sorted({f.info.relative_path for f in fetches if f.item.storage_index not in received}):
+            store.check_object(self.fs, self.path, self.url, name, self.metadata)  # one request each
+        direct = [f for f in fetches if f.item.storage_index not in shared]
+        if not forwards:
+            self._fetch(direct, planner)
+            return
+        failure: Optional[BaseException] = None
+        try:
+            self._fetch(direct, planner)
+        except Exception as exc:  # noqa: BLE001 (raised after the exchange: the others must not wait forever)
+            failure = exc
+        device = get_platform().current_device()
+        reported = None
+        for group in forwarding.rounds(forwards):
+            held: Dict[Any, memoryview] = {}
+            if failure is None:
+                try:
+                    self._fetch([f for forward in group for f in mine.get(forward.index, [])], planner, held)
+                except Exception as exc:  # noqa: BLE001 (as above)
+                    failure = exc
+
+            def receive(forward: forwarding.Forward, data: memoryview) -> None:
+                for fetch in received[forward.index]:
+                    self._apply(fetch, data, planner)
+
+            reported = forwarding.exchange(group, rank, held, failure, device, receive) or reported
+        if failure is not None:
+            raise failure
+        if reported is not None:
+            raise reported
+
+    def _fetch(self, fetches: List[_Fetch], planner: LoadPlanner,
+               keep: Optional[Dict[Any, memoryview]] = None) -> None:
+        """Fetch and apply ``fetches`` in batches of ``BATCH_BYTES``; whole chunks into ``keep``."""
+        fetches = sorted(fetches, key=lambda f: (f.info.relative_path, f.start))
         batch: List[_Fetch] = []
         held = 0
         for fetch in fetches:
             if batch and held + fetch.end - fetch.start > BATCH_BYTES:
-                self._run(batch, planner, duties)
+                self._run(batch, planner, keep)
                 batch, held = [], 0
             batch.append(fetch)
             held += fetch.end - fetch.start
         if batch:
-            self._run(batch, planner, duties)
+            self._run(batch, planner, keep)
 
-    def _run(self, batch: List[_Fetch], planner: LoadPlanner, duties) -> None:
-        paths = [f"{self.path}/{f.info.relative_path}" for f in batch]
-        blobs = self.fs.cat_ranges(paths, [f.start for f in batch], [f.end for f in batch], on_error="return")
-        for fetch, data in zip(batch, blobs):
+    def _run(self, batch: List[_Fetch], planner: LoadPlanner, keep: Optional[Dict[Any, memoryview]]) -> None:
+        spans = _spans(batch)  # batch is sorted by object and offset
+        blobs = self.fs.cat_ranges([f"{self.path}/{span[0].info.relative_path}" for span in spans],
+                                   [span[0].start for span in spans], [span[-1].end for span in spans],
+                                   on_error="return")
+        for span, data in zip(spans, blobs):
+            first = span[0]
             if isinstance(data, BaseException):
-                raise CheckpointError(f"cannot read {self.url}/{fetch.info.relative_path} bytes "
-                                      f"{fetch.start}..{fetch.end}: {data}")
-            if len(data) != fetch.end - fetch.start:
-                raise CheckpointError(f"{self.url}/{fetch.info.relative_path} is truncated: needed bytes "
-                                      f"{fetch.start}..{fetch.end}, got {len(data)}")
-            self._apply(fetch, data, planner)
+                raise CheckpointError(f"cannot read {self.url}/{first.info.relative_path} bytes "
+                                      f"{first.start}..{span[-1].end}: {data}")
+            view = memoryview(data)
+            for fetch in span:
+                piece = view[fetch.start - first.start:fetch.end - first.start]
+                if len(piece) != fetch.end - fetch.start:
+                    raise CheckpointError(f"{self.url}/{fetch.info.relative_path} is truncated: needed bytes "
+                                          f"{fetch.start}..{fetch.end}, got {len(piece)}")
+                self._apply(fetch, piece, planner)
+                if keep is not None:
+                    keep[fetch.item.storage_index] = piece
 
-    def _apply(self, fetch: _Fetch, data: bytes, planner: LoadPlanner) -> None:
+    def _apply(self, fetch: _Fetch, data: memoryview, planner: LoadPlanner) -> None:
         item, info = fetch.item, fetch.info
         key = item.storage_index.fqn
         if item.type == LoadItemType.BYTE_IO:
             if self._verifying:
                 self._check(crc32(data), info, key)
-            planner.apply_bytes(item, decode_stored_value(data, info.encoding, key, allow_pickle=self.allow_pickle))
+            planner.apply_bytes(item, decode_stored_value(bytes(data), info.encoding, key, allow_pickle=self.allow_pickle))
             return
         if self._verifying and fetch.whole:
             self._check(crc32(data), info, f"{key} chunk {item.storage_index.offset}")
         md = self.metadata.state_dict_metadata[key]
         with warnings.catch_warnings():  # read only: the buffer is never written through
             warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(data, dtype=torch.uint8) if data else torch.empty(0, dtype=torch.uint8)
+            raw = torch.frombuffer(data, dtype=torch.uint8) if len(data) else torch.empty(0, dtype=torch.uint8)
         offsets = list(item.storage_offsets)
         if fetch.whole:
             stored = raw.view(md.dtype).reshape(fetch.sizes)
@@ -143,3 +216,17 @@ class FsspecReader(VerifyingReader):
         with torch.no_grad():
             dest.copy_(narrow(stored, offsets, item.lengths))
         planner.apply_tensor(item, dest)
+
+
+def _spans(batch: List[_Fetch]) -> List[List[_Fetch]]:
+    """``batch`` (sorted by object and start) in runs of adjacent fetches of one object, each
+    run at most ``SPAN_BYTES`` long unless a single fetch is longer."""
+    spans: List[List[_Fetch]] = []
+    for fetch in batch:
+        last = spans[-1] if spans else None
+        if (last is not None and last[-1].info.relative_path == fetch.info.relative_path
+                and last[-1].end == fetch.start and fetch.end - last[0].start <= SPAN_BYTES):
+            last.append(fetch)
+        else:
+            spans.append([fetch])
+    return spans

@@ -161,11 +161,11 @@ def verify_objects(fs: Any, path: str, url: str, allow_pickle: bool = False) -> 
     return metadata
 
 
-def remove_other_saves(fs: Any, path: str, keep_save_id: Optional[str]) -> None:
-    """Delete the data and marker objects under ``path`` of saves other than ``keep_save_id``
-    (None: of every save; the metadata object is left alone)."""
+def remove_saves(fs: Any, path: str, doomed: Callable[[str], bool]) -> None:
+    """Delete the data and marker objects directly under ``path`` whose save id is
+    ``doomed`` (one listing, one batched delete; other objects are left alone)."""
     stale = [f"{path}/{name}" for name in list_names(fs, path)
-             if save_id_of(name) is not None and save_id_of(name) != keep_save_id]
+             if save_id_of(name) is not None and doomed(save_id_of(name))]
     if stale:
         fs.rm(stale)
 

@@ -93,15 +93,12 @@ class FsspecWriter(AsyncCommitWriter):
         """Write the metadata object (the commit point), then delete other saves' objects."""
         commit.record_results(metadata, results)
         store.put_atomically(self.fs, self._object(METADATA_FILE), metadata.to_json().encode())
-        store.remove_other_saves(self.fs, self.path, metadata.save_id)
+        store.remove_saves(self.fs, self.path, lambda save_id: save_id != metadata.save_id)
 
     def abort_checkpoint(self, plan: SavePlan) -> None:
         """Delete the objects of a failed save (the committed checkpoint, if any, stays)."""
         if plan.save_id:
-            stale = [f"{self.path}/{n}" for n in store.list_names(self.fs, self.path)
-                     if store.save_id_of(n) == plan.save_id]
-            if stale:
-                self.fs.rm(stale)
+            store.remove_saves(self.fs, self.path, lambda save_id: save_id == plan.save_id)
 
     # --- commit without collectives, for async saves: marker objects ----------------------
 
@@ -125,15 +122,21 @@ class FsspecWriter(AsyncCommitWriter):
 
         store.poll(self.fs, self.path, self.url, plan.save_id, self.commit_timeout_s, all_done,
                    lambda: f"ranks did not finish writing (missing {sorted(missing)[:8]})")
-        results = [commit.results_from_json(self.fs.cat_file(self._object(m)).decode()) for m in markers]
-        self.fs.rm([self._object(m) for m in markers])
+        paths = [self._object(m) for m in markers]
+        texts = self.fs.cat(paths)  # one batch: concurrent GETs on s3fs
+        results = [commit.results_from_json(texts[p].decode()) for p in paths]
+        self.fs.rm(paths)
         return results
 
     def wait_committed(self, plan: SavePlan) -> Metadata:
+        """Poll until the coordinator committed this save. The coordinator deletes this rank's
+        done marker once it collected it, just before the commit: the metadata object is read
+        only after that (a replaced checkpoint's old metadata is not re-read on every poll)."""
         committed: List[Metadata] = []
+        marker = store.DONE_MARKER.format(self.rank, plan.save_id)
 
         def done(names: List[str]) -> bool:
-            if METADATA_FILE not in names:
+            if marker in names or METADATA_FILE not in names:
                 return False
             metadata = store.read_metadata(self.fs, self.path, self.url)
             if metadata.save_id == plan.save_id:
@@ -144,4 +147,3 @@ class FsspecWriter(AsyncCommitWriter):
         store.poll(self.fs, self.path, self.url, plan.save_id, self.commit_timeout_s, done,
                    lambda: "the coordinator did not commit")
         return committed[0]
-
