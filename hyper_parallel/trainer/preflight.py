@@ -162,7 +162,7 @@ def estimate_memory(cfg: TrainConfig, dims: ParallelDims) -> MemoryEstimate:
             if isinstance(cfg.data, SyntheticDataConfig) else 0)
     return MemoryEstimate(
         parameters=parameters,
-        model_state=_STATE_BYTES_PER_PARAM * parameters // (dims.shard * dims.tp),
+        model_state=_STATE_BYTES_PER_PARAM * parameters // (dims.shard * dims.tp * dims.pp),  # the stages at best even
         gathered=param_bytes * max(root, block) // dims.tp,
         logits=2 * 4 * micro_batch * t.seq_len * llama.vocab_size // dims.tp,  # vocab-parallel
         rope=4 * llama.max_seq_len * llama.head_dim,
