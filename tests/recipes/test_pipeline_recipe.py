@@ -24,7 +24,7 @@ from tests.multirank import run_on_ranks
 from tests.recipes.launch import TINY, last_loss_per_step, read_metrics, run
 from tests.recipes.train_in_process import one_line_error
 
-STEPS = ["training.steps=5", "training.max_grad_norm=0.3", "checkpoint.interval=1", "checkpoint.keep_last_n=6", "eval.every=2", "eval.steps=1"]
+STEPS = ["training.steps=5", "training.max_grad_norm=0.3", "checkpoint.interval=2", "checkpoint.keep_last_n=6", "eval.every=2", "eval.steps=1"]
 PP2_FSDP2 = ["parallel.pp=2", "training.grad_accum_steps=2", "parallel.pp_microbatches=2"]
 PP2_TP2 = ["parallel.pp=2", "parallel.tp=2"]
 REL = 1e-6  # float64: only the order of the sums differs between layouts
@@ -82,7 +82,7 @@ def test_pp2_x_fsdp2_trains_the_fsdp_losses_and_resumes_across_pipeline_layouts(
     assert stopped == [(4, "SIGTERM")] * 4
     assert sorted(last_loss_per_step(pptp)) == [3, 4]
     _assert_close(ref, pptp, range(3, 5))
-    assert CheckpointManager(os.path.join(pptp, "checkpoints")).committed_steps() == [3, 4]
+    assert CheckpointManager(os.path.join(pptp, "checkpoints")).committed_steps() == [4]
 
     listing = run([sys.executable, "-m", "hyper_parallel.checkpoint", "inspect", f"{pptp}/checkpoints"]).stdout
     assert "mesh: pp=2 x dp_replicate=1 x dp_shard=1 x tp=2" in listing, listing
@@ -130,3 +130,60 @@ def test_dp_rank_and_pp_rank_are_the_row_major_coordinates():
 ])
 def test_impossible_pipeline_layouts_are_refused_in_one_line(check, overrides, expected):
     one_line_error(*check(*overrides)[::2], expected)
+
+
+def _stages_vs_plain(overrides: List[str]):
+    """Two steps of this rank's pipeline stages and of the plain model on the same global
+    batches, in float64: the names each rank's stages hold, the largest parameter difference
+    after init, and (loss, reference loss, grad norm, reference grad norm) per step."""
+    from hyper_parallel.data import DistributedBatchLoader, MarkovSource
+    from hyper_parallel.trainer import train_step, typed_config
+    from hyper_parallel.trainer.optimizer import build_optimizer
+    from hyper_parallel.trainer.parallelize import build_model
+    from hyper_parallel.trainer.pipelined import build_pipeline, pipelined_step
+
+    torch.set_default_dtype(torch.float64)
+    try:
+        composed = compose_config([*TINY, "training.global_batch_size=4", "optim.warmup_steps=0", *overrides])
+        dims, cfg = validate_config(composed, dist.get_world_size()), typed_config(composed)
+        t, cpu = cfg.training, torch.device("cpu")
+        plain = build_model(cfg.model, mesh=None, device=cpu, seed=t.seed)
+        pipeline = build_pipeline(cfg.model, cfg.parallel, mesh=build_mesh(dims, "cpu"), device=cpu, seed=t.seed,
+                                  grad_accum_steps=t.grad_accum_steps,
+                                  compile_backend=t.compile_backend if t.compile else None)
+        reference = dict(plain.named_parameters())
+        names = sorted({n.split(".")[0] + (f".{n.split('.')[1]}" if n.startswith("layers") else "")
+                        for part in pipeline.parts for n, _ in part.named_parameters()})
+        init_diff = max((p.full_tensor() - reference[n]).abs().max().item()
+                        for part in pipeline.parts for n, p in part.named_parameters())
+        opt_plain, opt_pp = build_optimizer(plain, cfg.optim), build_optimizer(pipeline.parts, cfg.optim)
+        loader = DistributedBatchLoader(MarkovSource(cfg.model.vocab_size, t.seq_len, seed=1), t.global_batch_size)
+        steps = []
+        for _ in range(2):
+            batch = loader.next_batch()
+            ref = train_step(plain, batch, opt_plain, grad_accum_steps=1, max_grad_norm=0.3)
+            got = pipelined_step(pipeline, batch, opt_pp, max_grad_norm=0.3)
+            loss = got["loss"].clone()
+            dist.all_reduce(loss)
+            steps.append((float(loss) / dims.loss_ranks, float(ref["loss"]), float(got["grad_norm"]),
+                          float(ref["grad_norm"])))
+        return pipeline.stage_indices, names, init_diff, steps
+    finally:
+        torch.set_default_dtype(torch.float32)
+
+
+@pytest.mark.parametrize("overrides, held", [
+    (["parallel.pp_schedule=Interleaved1F1B", "parallel.pp_microbatches=4", "model.activation_checkpointing=true",
+      "training.compile=true", "training.compile_backend=aot_eager"],
+     [([0, 2], ["layers.0", "layers.2", "tok_embeddings"]), ([1, 3], ["layers.1", "layers.3", "norm", "output"])]),
+    (["parallel.pp_schedule=GPipe", "parallel.pp_layers_per_stage=[1,3]", "training.grad_accum_steps=2",
+      "parallel.pp_microbatches=2"],
+     [([0], ["layers.0", "tok_embeddings"]), ([1], ["layers.1", "layers.2", "layers.3", "norm", "output"])]),
+], ids=["interleaved-ac-compiled", "gpipe-uneven-accum"])
+def test_each_schedule_and_split_trains_the_plain_models_losses(overrides, held):
+    results = run_on_ranks(2, _stages_vs_plain, ["parallel.pp=2", "model.n_layers=4", *overrides], timeout=120)
+    assert [(indices, names) for indices, names, _, _ in results] == held
+    for _, _, init_diff, steps in results:
+        assert init_diff == 0  # every stage initialised to the whole model's values
+        for loss, ref_loss, norm, ref_norm in steps:
+            assert abs(loss - ref_loss) <= REL * ref_loss and abs(norm - ref_norm) <= REL * ref_norm, steps
