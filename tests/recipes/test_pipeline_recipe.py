@@ -187,3 +187,16 @@ def test_each_schedule_and_split_trains_the_plain_models_losses(overrides, held)
         assert init_diff == 0  # every stage initialised to the whole model's values
         for loss, ref_loss, norm, ref_norm in steps:
             assert abs(loss - ref_loss) <= REL * ref_loss and abs(norm - ref_norm) <= REL * ref_norm, steps
+
+
+def test_the_memory_estimate_counts_one_stage_one_end_of_the_model_and_one_pipeline_micro_batch():
+    from hyper_parallel.trainer import typed_config
+    from hyper_parallel.trainer.preflight import estimate_memory
+
+    estimates = {}
+    for pp in (1, 2):  # llama_8b: the embedding and the output outweigh a block
+        cfg = compose_config(["model=llama_8b", "data.path=corpus.bin", "data=tokens", f"parallel.pp={pp}"])
+        estimates[pp] = estimate_memory(typed_config(cfg), validate_config(cfg, 4 * pp))
+    one, two = estimates[1], estimates[2]
+    assert two.parameters == one.parameters and two.model_state * 2 == one.model_state
+    assert two.gathered * 2 == one.gathered and two.logits * 4 == one.logits  # 4 samples per rank, 4 micro-batches
