@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.checkpoint import CheckpointManager
+from hyper_parallel.checkpoint import CheckpointManager, export_hf
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import ParallelDims, compose_config, loop, run_training, validate_config
 from hyper_parallel.trainer.parallelize import build_mesh, dp_mesh
@@ -51,6 +51,14 @@ def _train(overrides: List[str], signal_rank: int = -1):
     return summary.end_step, summary.stop_reason
 
 
+def _export(checkpoint: str, out: str):
+    from safetensors.torch import load_file
+
+    export_hf(checkpoint, out)
+    return {k: v for file in sorted(os.listdir(out)) if file.endswith(".safetensors")
+            for k, v in load_file(os.path.join(out, file)).items()}
+
+
 def _per_step(output_dir: str, key: str):
     return {r["step"]: r[key] for r in read_metrics(output_dir)}
 
@@ -72,6 +80,10 @@ def test_pp2_x_fsdp2_trains_the_fsdp_losses_and_resumes_across_pipeline_layouts(
     _assert_close(ref, pp, range(1, 4))
     val = {path: [r["val_loss"] for r in read_metrics(path) if "val_loss" in r] for path in (ref, pp)}
     assert len(val[pp]) == 1 and abs(val[pp][0] - val[ref][0]) <= REL * val[ref][0], val
+    # The PP checkpoint holds the whole model under its usual names: its HF export is FSDP's.
+    exported = [_export(f"{run}/checkpoints/step-2", str(tmp_path / f"hf-{i}")) for i, run in enumerate((ref, pp))]
+    assert sorted(exported[0]) == sorted(exported[1]) and "tok_embeddings.weight" in exported[1]
+    assert all(torch.allclose(exported[0][k], exported[1][k], rtol=1e-9, atol=0) for k in exported[0])
     # PP2 x FSDP2 step 2 -> FSDP2 on 2 ranks, to the end.
     run_on_ranks(2, _train, [f"output_dir={fsdp}", f"checkpoint.load_from={pp}/checkpoints/step-2"], timeout=240)
     assert sorted(last_loss_per_step(fsdp)) == [3, 4, 5]
