@@ -121,9 +121,9 @@ def split_stage(model: Transformer, layers: range, *, first: bool, last: bool) -
     """A deep copy of ``model`` (``model`` itself is left whole) holding only the blocks in
     ``layers``, under the same names (``layers.3.attention.wq.weight``), with the embedding
     only if ``first`` and the final norm and output projection only if ``last`` (see
-    :class:`~hyper_parallel.models.llama.Transformer`). Call it on the meta device, before
-    tensor parallelism and ``fully_shard``; ``init_weights`` then gives every parameter the
-    value it has in the full model.
+    :class:`~hyper_parallel.models.llama.Transformer`). Call it before tensor parallelism and
+    ``fully_shard`` (on the meta device, the copy allocates nothing); ``init_weights`` then
+    gives every parameter the value it has in the full model.
 
     Raises:
         ValueError: ``model`` ties its embeddings and the stage is not the whole model (the
@@ -136,7 +136,7 @@ def split_stage(model: Transformer, layers: range, *, first: bool, last: bool) -
     if model.cfg.tie_embeddings and not (first and last):
         raise ValueError("tie_embeddings cannot be pipelined: the embedding and the output projection "
                          "would be on different stages; untie them or use pipeline size 1")
-    if isinstance(model, FSDPModule) or any(isinstance(m, FSDPModule) for m in model.modules()):
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError("split_stage needs the model before fully_shard; shard each stage module instead")
     stage = copy.deepcopy(model)
     for name in list(stage.layers.keys()):
@@ -162,7 +162,10 @@ class ShardedPipelineStage(PipelineStage):
     in a schedule step accumulates unsharded gradients without reducing them and keeps the
     parameters unsharded; the last one reduce-scatters the sum (and all-reduces it with HSDP)
     and reshards. Gradients are reduced once per ``schedule.step``, so gradient accumulation
-    over several steps sums sharded gradients.
+    over several steps sums sharded gradients. The stage sets ``set_requires_gradient_sync`` /
+    ``set_reshard_after_backward`` of the ``fully_shard`` modules in ``submodule`` itself: off
+    from construction on (torch's shape-inference pass before the first step reduces nothing),
+    on only during each step's last backward.
 
     Arguments as torch's ``PipelineStage`` (``group``: the pipeline process group), plus
     ``mesh``: the world mesh, needed when activations between stages are DTensors (tensor
@@ -192,13 +195,16 @@ class ShardedPipelineStage(PipelineStage):
 
 
 class _ScaledLoss:
-    """``loss_fn(output, target) / divisor``."""
+    """``loss_fn(output, target) / (n_microbatches * grad_accum)`` in training, divided by
+    ``n_microbatches`` only under ``torch.no_grad()`` (evaluation: one call covers the batch)."""
 
-    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], divisor: int):
-        self.loss_fn, self.divisor = loss_fn, divisor
+    def __init__(self, loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], n_microbatches: int,
+                 grad_accum: int):
+        self.loss_fn, self.n_microbatches, self.grad_accum = loss_fn, n_microbatches, grad_accum
 
     def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return self.loss_fn(output, target) / self.divisor
+        divisor = self.n_microbatches * (self.grad_accum if torch.is_grad_enabled() else 1)
+        return self.loss_fn(output, target) / divisor
 
 
 def build_schedule(stages: Sequence[PipelineStage], name: str, n_microbatches: int,
@@ -214,8 +220,9 @@ def build_schedule(stages: Sequence[PipelineStage], name: str, n_microbatches: i
     the gradients (and the sum of the returned losses) equal those of one process training on
     the whole batch. ``loss_fn=None`` builds a forward-only schedule. For evaluation, call
     torch's ``schedule.eval(...)`` inside ``torch.no_grad()`` (forward only; the last stage gets
-    the outputs, and the losses when ``target`` is given; with gradients enabled the
-    ``fully_shard`` roots would stay unsharded, waiting for a backward).
+    the outputs, and the losses when ``target`` is given, then divided by ``n_microbatches``
+    only, so that they sum to the batch loss; with gradients enabled the ``fully_shard`` roots
+    would stay unsharded, waiting for a backward).
 
     Raises:
         ValueError: unknown schedule, the wrong number of stages for it, or non-positive
@@ -226,7 +233,7 @@ def build_schedule(stages: Sequence[PipelineStage], name: str, n_microbatches: i
         raise ValueError(f"pipeline schedule {name} runs {want} stage(s) per rank, got {len(stages)}")
     if n_microbatches < 1 or grad_accum < 1:
         raise ValueError(f"n_microbatches ({n_microbatches}) and grad_accum ({grad_accum}) must be at least 1")
-    scaled = None if loss_fn is None else _ScaledLoss(loss_fn, n_microbatches * grad_accum)
+    scaled = None if loss_fn is None else _ScaledLoss(loss_fn, n_microbatches, grad_accum)
     schedule_cls = SCHEDULES[name]
     if want == 1:
         return schedule_cls(stages[0], n_microbatches, loss_fn=scaled, scale_grads=False)

@@ -9,9 +9,11 @@ import torch
 import hyper_parallel as hp
 from hyper_parallel.checkpoint import (CheckpointManager, ModelState, OptimizerState, StateDictOptions,
                                        get_optimizer_state_dict)
+from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.param_group import ShardState
 from hyper_parallel.models import build_llama
 from hyper_parallel.parallel import apply_tensor_parallel, cross_entropy, loss_parallel
+from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
 from hyper_parallel.pipeline import (ShardedPipelineStage, build_schedule, split_stage, stage_indices, stage_layers,
                                      stages_per_rank)
 from tests.multirank import run_on_ranks
@@ -109,12 +111,20 @@ def test_split_refuses_tied_embeddings_and_bad_ranges():
 
 # -- parity on 4 ranks -------------------------------------------------------------------------
 
-def _pp_train(schedule: str, n_layers: int, tp: bool, folder: Optional[str] = None, steps: int = STEPS):
-    """pp=2 x (shard=2 | tp=2) on 4 ranks; per rank: the last stage's step losses (or None),
-    the gradient norms, the data-parallel rank, the gradient reductions per step and group,
-    and the full values of this rank's stage parameters (and AdamW's ``exp_avg``) after ``steps``
-    optimizer steps; with ``folder``, a checkpoint of the stages saved there."""
-    mesh = hp.init_device_mesh("cpu", (2, 1, 2) if tp else (2, 2, 1), mesh_dim_names=("pp", "shard", "tp"))
+# 4 ranks: pp=2 x the rest, as (pp, replicate, shard, tp)
+_LAYOUTS = {"fsdp": (2, 1, 2, 1), "hsdp": (2, 2, 1, 1), "tp": (2, 1, 1, 2)}
+
+
+def _pp_train(schedule: str, n_layers: int, layout: str, folder: Optional[str] = None, accum: int = 1,
+              steps: int = STEPS):
+    """pp=2 x (shard=2 | replicate=2 (HSDP) | tp=2) on 4 ranks; per rank: the last stage's step
+    losses (or None) and evaluation loss, the gradient norms, the data-parallel rank, the
+    gradient reductions per step and group, and the full values of this rank's stage parameters
+    (and AdamW's ``exp_avg``) after ``steps`` optimizer steps; with ``folder``, a checkpoint of
+    the stages saved there. ``accum``: schedule steps per optimizer step (each on a slice of the
+    batch, MICROBATCHES / accum microbatches)."""
+    mesh = hp.init_device_mesh("cpu", _LAYOUTS[layout], mesh_dim_names=("pp", "replicate", "shard", "tp"))
+    dp = mesh["replicate", "shard"] if layout == "hsdp" else mesh["shard"]
     pp_rank, pp_group = mesh["pp"].get_local_rank(), mesh["pp"].get_group()
     with torch.device("meta"):
         meta = build_llama("llama_debug", n_layers=n_layers, max_seq_len=SEQ)
@@ -122,17 +132,19 @@ def _pp_train(schedule: str, n_layers: int, tp: bool, folder: Optional[str] = No
     parts, stages = [], []
     for index in stage_indices(pp_rank, 2, schedule):
         part = split_stage(meta, ranges[index], first=index == 0, last=index == len(ranges) - 1)
-        if tp:
+        if layout == "tp":
             apply_tensor_parallel(part, mesh["tp"])
+        if schedule == "1F1B":  # recomputation inside the schedule's backward
+            apply_activation_checkpointing(part)
         for block in part.layers.values():
-            hp.fully_shard(block, mesh=mesh["shard"])
-        hp.fully_shard(part, mesh=mesh["shard"])
+            hp.fully_shard(block, mesh=dp)
+        hp.fully_shard(part, mesh=dp)
         part.to_empty(device="cpu")
         part.double().init_weights(SEED)
         parts.append(part)
         stages.append(ShardedPipelineStage(part, index, len(ranges), torch.device("cpu"), group=pp_group,
                                            mesh=mesh))
-    sched = build_schedule(stages, schedule, MICROBATCHES, cross_entropy)
+    sched = build_schedule(stages, schedule, MICROBATCHES // accum, cross_entropy, grad_accum=accum)
     reductions = []
     groups = [m for part in parts for m in part.modules() if isinstance(m, hp.FSDPModule)
               and m._hsdp_state.group.params]  # (an interleaved middle stage's root holds none)
@@ -140,25 +152,28 @@ def _pp_train(schedule: str, n_layers: int, tp: bool, folder: Optional[str] = No
         module.set_all_reduce_hook(lambda grad: reductions.append(1))
     params = [p for part in parts for p in part.parameters()]
     opt = torch.optim.AdamW(params, lr=LR)
-    dp_rank = mesh["shard"].get_local_rank()
-    local = GLOBAL_BATCH // (1 if tp else 2)
+    dp_size = mesh["replicate"].size() * mesh["shard"].size()
+    dp_rank = mesh["replicate"].get_local_rank() * mesh["shard"].size() + mesh["shard"].get_local_rank()
+    local = GLOBAL_BATCH // dp_size
     is_last = any(s.is_last for s in stages)
     step_losses, norms = [], []
     for tokens in _batches(steps):
-        tokens = tokens[dp_rank * local:(dp_rank + 1) * local]
-        losses = []
-        with loss_parallel():
-            if stages[0].is_first:
-                sched.step(tokens[:, :-1], target=tokens[:, 1:] if is_last else None, losses=losses)
-            else:
-                sched.step(target=tokens[:, 1:] if is_last else None, losses=losses)
+        step_loss = 0.0
+        for chunk in tokens[dp_rank * local:(dp_rank + 1) * local].chunk(accum):
+            losses = []  # (step() refills it)
+            with loss_parallel():
+                if stages[0].is_first:
+                    sched.step(chunk[:, :-1], target=chunk[:, 1:] if is_last else None, losses=losses)
+                else:
+                    sched.step(target=chunk[:, 1:] if is_last else None, losses=losses)
+            step_loss += sum(loss.item() for loss in losses)
         norms.append(hp.clip_grad_norm_(params, MAX_NORM, pp_group=pp_group).item())
         assert all(m._hsdp_state.group.state is ShardState.SHARDED for m in groups), "a stage stayed unsharded"
         opt.step()
         opt.zero_grad()
         if is_last:
-            step_losses.append(sum(l.item() for l in losses))
-    reductions = len(reductions) / (steps * len(groups))
+            step_losses.append(step_loss)
+    reductions = len(reductions) / (steps * accum * len(groups))
     # Evaluation (forward only) on the next batch, after training: the loss of the final model.
     tokens = _batches(steps + 1)[-1][dp_rank * local:(dp_rank + 1) * local]
     losses = []
@@ -198,6 +213,35 @@ def _pp_resume(folder: str, n_layers: int):
             {name: s["exp_avg"] for name, s in full_optim["state"].items()}, opt.param_groups[0]["lr"])
 
 
+def _pp_collectives_per_step(schedule: str):
+    """pp=2 x shard=2, blocks with reshard_after_forward=False: the all-gathers and
+    reduce-scatters of this rank's second step, and its number of parameter groups."""
+    mesh = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "shard"))
+    pp_rank = mesh["pp"].get_local_rank()
+    with torch.device("meta"):
+        meta = build_llama("llama_debug", n_layers=2, max_seq_len=SEQ)
+    part = split_stage(meta, range(pp_rank, pp_rank + 1), first=pp_rank == 0, last=pp_rank == 1)
+    hp.fully_shard(part.layers[str(pp_rank)], mesh=mesh["shard"], reshard_after_forward=False)
+    hp.fully_shard(part, mesh=mesh["shard"])
+    part.to_empty(device="cpu")
+    part.init_weights(SEED)
+    stage = ShardedPipelineStage(part, pp_rank, 2, torch.device("cpu"), group=mesh["pp"].get_group())
+    sched = build_schedule([stage], schedule, MICROBATCHES, cross_entropy)
+    tokens = _batches(1)[0][:GLOBAL_BATCH // 2]
+    for _ in range(2):
+        collectives.reset_collective_counts()
+        sched.step(*((tokens[:, :-1],) if pp_rank == 0 else ()), target=tokens[:, 1:] if pp_rank == 1 else None)
+    return collectives.collective_counts(), 2
+
+
+@pytest.mark.parametrize("schedule", ["1F1B", "GPipe"])
+def test_stage_gathers_and_reduces_each_group_once_per_step(schedule):
+    """Parameters stay unsharded from the first microbatch's forward to the last backward, and
+    gradients are reduce-scattered once (the stage of torch's FSDP2 integration)."""
+    for counts, groups in run_on_ranks(4, _pp_collectives_per_step, schedule, timeout=120):
+        assert counts.get("all_gather") == groups and counts.get("reduce_scatter") == groups, counts
+
+
 def _assert_matches_reference(results, n_layers):
     ref_losses, ref_norms, ref_params = _reference(n_layers)
     by_dp = {}
@@ -216,12 +260,16 @@ def _assert_matches_reference(results, n_layers):
         torch.testing.assert_close(seen[name], value, rtol=1e-9, atol=1e-11, msg=name)
 
 
-@pytest.mark.parametrize("schedule,n_layers", [("1F1B", 2), ("GPipe", 2), ("Interleaved1F1B", 4)])
-def test_pp2_fsdp2_matches_single_process_training(schedule, n_layers, tmp_path):
-    """... and (interleaved: two stages per rank) the checkpoint of the stages, each rank
-    saving only its own keys, loads bit-exactly into one plain model and optimizer."""
+@pytest.mark.parametrize("schedule,n_layers,layout", [("1F1B", 2, "fsdp"), ("GPipe", 2, "fsdp"),
+                                                     ("Interleaved1F1B", 4, "fsdp"), ("1F1B", 2, "hsdp")])
+def test_pp2_fsdp2_matches_single_process_training(schedule, n_layers, layout, tmp_path):
+    """PP2 x FSDP2 (and x HSDP 2x1) matches single-process training on the global batch, also
+    with gradient accumulation over two schedule steps (GPipe); interleaved (two stages per
+    rank): the checkpoint of the stages, each rank saving only its own keys, loads bit-exactly
+    into one plain model and optimizer."""
     folder = str(tmp_path) if schedule == "Interleaved1F1B" else None
-    results = run_on_ranks(4, _pp_train, schedule, n_layers, False, folder, timeout=180)
+    accum = 2 if schedule == "GPipe" else 1  # two schedule steps per optimizer step (gradient accumulation)
+    results = run_on_ranks(4, _pp_train, schedule, n_layers, layout, folder, accum, timeout=180)
     _assert_matches_reference(results, n_layers)
     if folder is None:
         return
@@ -243,5 +291,5 @@ def test_pp2_fsdp2_matches_single_process_training(schedule, n_layers, tmp_path)
 
 @pytest.mark.parametrize("schedule,n_layers", [("1F1B", 2), ("GPipe", 2), ("Interleaved1F1B", 4)])
 def test_pp2_tp2_matches_single_process_training(schedule, n_layers):
-    results = run_on_ranks(4, _pp_train, schedule, n_layers, True, timeout=180)
+    results = run_on_ranks(4, _pp_train, schedule, n_layers, "tp", timeout=180)
     _assert_matches_reference(results, n_layers)
