@@ -40,9 +40,10 @@ class Pipeline:
 
     def mean_loss(self, batch: torch.Tensor, *, train: bool) -> torch.Tensor:
         """The schedule over ``batch`` (``(local_batch, seq_len + 1)`` tokens, the same on every
-        stage of a data-parallel rank), one call per accumulation step: forward and backward
-        when ``train`` (gradients accumulate), else forward only. Returns the batch's mean loss
-        on the last stage (the sum of the schedule's scaled losses), 0 on the others."""
+        stage of a data-parallel rank), one call per accumulation step (the micro-batch shapes
+        the stages were set up with): forward and backward when ``train`` (gradients
+        accumulate), else forward only (call under ``torch.no_grad()``). Returns the batch's
+        mean loss on the last stage, 0 on the others."""
         total = torch.zeros((), device=batch.device)
         for micro in batch.chunk(self.grad_accum_steps):
             args = (micro[:, :-1],) if self.has_first else ()
@@ -53,7 +54,9 @@ class Pipeline:
                 (self.schedule.step if train else self.schedule.eval)(*args, target=target, losses=losses)
             for loss in losses:
                 total = total + loss.detach()
-        return total
+        # The schedule's losses sum to the batch mean in training (each is divided by
+        # microbatches x accumulation steps), to each call's mean in evaluation.
+        return total if train else total / self.grad_accum_steps
 
 
 def build_pipeline(model_cfg: ModelConfig, parallel: ParallelConfig, *, mesh: DeviceMesh, device: torch.device,
@@ -72,10 +75,8 @@ def build_pipeline(model_cfg: ModelConfig, parallel: ParallelConfig, *, mesh: De
     for index in indices:
         part = split_stage(whole, ranges[index], first=index == 0, last=index == len(ranges) - 1)
         parts.append(parallelize(part, model_cfg, mesh=mesh, device=device, seed=seed, **options))
-        # With TP the activations between stages are DTensors: the receiving stage rebuilds
-        # them on the sub-mesh of the same dim names.
-        stages.append(ShardedPipelineStage(part, index, len(ranges), device, group=pp_mesh.get_group(),
-                                           get_mesh=lambda names, layout: mesh[names]))
+        # mesh: with TP the activations between stages are DTensors on its sub-meshes.
+        stages.append(ShardedPipelineStage(part, index, len(ranges), device, group=pp_mesh.get_group(), mesh=mesh))
     schedule = build_schedule(stages, parallel.pp_schedule, parallel.microbatches, cross_entropy,
                               grad_accum=grad_accum_steps)
     return Pipeline(parts, indices, len(ranges), schedule, pp_mesh.get_group(), grad_accum_steps)
