@@ -145,9 +145,10 @@ def test_impossible_pipeline_layouts_are_refused_in_one_line(check, overrides, e
 
 
 def _stages_vs_plain(overrides: List[str]):
-    """Two steps of this rank's pipeline stages and of the plain model on the same global
-    batches, in float64: the names each rank's stages hold, the largest parameter difference
-    after init, and (loss, reference loss, grad norm, reference grad norm) per step."""
+    """Two steps of this rank's pipeline stages (on its data-parallel slice) and of the plain
+    model on the same global batches, in float64: the names each rank's stages hold, the
+    largest parameter difference after init, and (loss, reference loss, grad norm, reference
+    grad norm) per step."""
     from hyper_parallel.data import DistributedBatchLoader, MarkovSource
     from hyper_parallel.trainer import train_step, typed_config
     from hyper_parallel.trainer.optimizer import build_optimizer
@@ -169,12 +170,14 @@ def _stages_vs_plain(overrides: List[str]):
         init_diff = max((p.full_tensor() - reference[n]).abs().max().item()
                         for part in pipeline.parts for n, p in part.named_parameters())
         opt_plain, opt_pp = build_optimizer(plain, cfg.optim), build_optimizer(pipeline.parts, cfg.optim)
-        loader = DistributedBatchLoader(MarkovSource(cfg.model.vocab_size, t.seq_len, seed=1), t.global_batch_size)
+        source = MarkovSource(cfg.model.vocab_size, t.seq_len, seed=1)
+        whole = DistributedBatchLoader(source, t.global_batch_size)
+        mine = DistributedBatchLoader(source, t.global_batch_size, dp_rank=dims.dp_rank(dist.get_rank()),
+                                      dp_size=dims.dp_size)
         steps = []
         for _ in range(2):
-            batch = loader.next_batch()
-            ref = train_step(plain, batch, opt_plain, grad_accum_steps=1, max_grad_norm=0.3)
-            got = pipelined_step(pipeline, batch, opt_pp, max_grad_norm=0.3)
+            ref = train_step(plain, whole.next_batch(), opt_plain, grad_accum_steps=1, max_grad_norm=0.3)
+            got = pipelined_step(pipeline, mine.next_batch(), opt_pp, max_grad_norm=0.3)
             loss = got["loss"].clone()
             dist.all_reduce(loss)
             steps.append((float(loss) / dims.loss_ranks, float(ref["loss"]), float(got["grad_norm"]),
@@ -191,9 +194,11 @@ def _stages_vs_plain(overrides: List[str]):
     (["parallel.pp_schedule=GPipe", "parallel.pp_layers_per_stage=[1,3]", "training.grad_accum_steps=2",
       "parallel.pp_microbatches=2"],
      [([0], ["layers.0", "tok_embeddings"]), ([1], ["layers.1", "layers.2", "layers.3", "norm", "output"])]),
-], ids=["interleaved-ac-compiled", "gpipe-uneven-accum"])
+    (["parallel.dp_replicate=2", "parallel.pp_microbatches=2"],  # PP2 x HSDP 2x1 on 4 ranks: a stage's ranks are a contiguous block
+     [([0], ["layers.0", "layers.1", "tok_embeddings"])] * 2 + [([1], ["layers.2", "layers.3", "norm", "output"])] * 2),
+], ids=["interleaved-ac-compiled", "gpipe-uneven-accum", "1f1b-hsdp"])
 def test_each_schedule_and_split_trains_the_plain_models_losses(overrides, held):
-    results = run_on_ranks(2, _stages_vs_plain, ["parallel.pp=2", "model.n_layers=4", *overrides], timeout=120)
+    results = run_on_ranks(len(held), _stages_vs_plain, ["parallel.pp=2", "model.n_layers=4", *overrides], timeout=120)
     assert [(indices, names) for indices, names, _, _ in results] == held
     for _, _, init_diff, steps in results:
         assert init_diff == 0  # every stage initialised to the whole model's values
