@@ -217,3 +217,37 @@ def test_the_memory_estimate_counts_one_stage_one_end_of_the_model_and_one_pipel
     one, two = estimates[1], estimates[2]
     assert two.parameters == one.parameters and two.model_state * 2 == one.model_state
     assert two.gathered * 2 == one.gathered and two.logits * 4 == one.logits  # 4 samples per rank, 4 micro-batches
+
+
+def _init_from_diff(path: str) -> float:
+    """The largest difference between this rank's stages initialised from the transformers
+    export at ``path`` and the plain model it was exported from (seed 3)."""
+    from hyper_parallel.trainer import typed_config
+    from hyper_parallel.trainer.parallelize import build_model
+    from hyper_parallel.trainer.pipelined import build_pipeline
+
+    composed = compose_config([*TINY, "parallel.pp=2", "parallel.pp_microbatches=2", f"model.init_from={path}"])
+    dims, cfg = validate_config(composed, dist.get_world_size()), typed_config(composed)
+    pipeline = build_pipeline(cfg.model, cfg.parallel, mesh=build_mesh(dims, "cpu"), device=torch.device("cpu"),
+                              seed=0, grad_accum_steps=1)
+    cfg.model.init_from = None
+    plain = dict(build_model(cfg.model, mesh=None, device=torch.device("cpu"), seed=3).named_parameters())
+    return max((p.full_tensor() - plain[n]).abs().max().item() for part in pipeline.parts for n, p in part.named_parameters())
+
+
+def test_init_from_a_transformers_export_fills_each_stage(tmp_path):
+    import json
+
+    from safetensors.torch import save_file
+
+    from hyper_parallel.models import hf_llama
+    from hyper_parallel.models.llama import Transformer
+    from hyper_parallel.trainer.config import llama_config
+
+    cfg = llama_config(compose_config(TINY).model)
+    model = Transformer(cfg)
+    model.init_weights(seed=3)
+    save_file(dict(item for item in (hf_llama.to_hf(k, v, cfg) for k, v in model.state_dict().items()) if item),
+              tmp_path / "model.safetensors")
+    (tmp_path / "config.json").write_text(json.dumps(hf_llama.hf_config(cfg, torch.float32)))
+    assert run_on_ranks(2, _init_from_diff, str(tmp_path), timeout=120) == [0.0, 0.0]
