@@ -110,7 +110,8 @@ def stage_layers(n_layers: int, num_stages: int, layers_per_stage: Optional[Sequ
         counts = [base + (index < extra) for index in range(num_stages)]
     else:
         counts = list(layers_per_stage)
-        if len(counts) != num_stages or any(not isinstance(c, int) or c < 1 for c in counts) or sum(counts) != n_layers:
+        if (len(counts) != num_stages or sum(counts) != n_layers
+                or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts)):
             raise ValueError(f"layers per stage {counts} must be {num_stages} integers >= 1 summing to the "
                              f"model's {n_layers} layers")
     starts = [sum(counts[:index]) for index in range(num_stages)]
@@ -187,6 +188,11 @@ class ShardedPipelineStage(PipelineStage):
             module.set_reshard_after_backward(sync, recurse=False)
 
     def backward_maybe_with_nosync(self, backward_type, bwd_kwargs: dict, last_backward: bool = False):
+        if backward_type != "full":
+            # fully_shard reduces a group once its inputs' gradients are computed: a weight
+            # gradient computed later (split backward) would miss the reduction.
+            raise ValueError(f"ShardedPipelineStage runs full backwards only (schedules {sorted(SCHEDULES)}), "
+                             f"not a split {backward_type!r} backward (zero-bubble schedules)")
         self._set_gradient_sync(last_backward)
         try:
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)

@@ -242,6 +242,20 @@ def test_stage_gathers_and_reduces_each_group_once_per_step(schedule):
         assert counts.get("all_gather") == groups and counts.get("reduce_scatter") == groups, counts
 
 
+def _split_backward_is_refused():
+    rank = torch.distributed.get_rank()
+    with torch.device("meta"):
+        part = split_stage(build_llama("llama_debug"), range(rank, rank + 1), first=rank == 0, last=rank == 1)
+    hp.fully_shard(part, mesh=hp.init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "shard"))["shard"])
+    stage = ShardedPipelineStage(part, rank, 2, torch.device("cpu"))
+    with pytest.raises(ValueError, match="ShardedPipelineStage runs full backwards only .* not a split 'input'"):
+        stage.backward_maybe_with_nosync("input", {})
+
+
+def test_split_backward_schedules_are_refused_in_one_line():
+    run_on_ranks(2, _split_backward_is_refused, timeout=60)
+
+
 def _assert_matches_reference(results, n_layers):
     ref_losses, ref_norms, ref_params = _reference(n_layers)
     by_dp = {}

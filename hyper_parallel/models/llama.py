@@ -200,10 +200,11 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
         def init(fqn: str, param: torch.Tensor, std: float, truncated: bool = True) -> None:
-            if truncated:
-                fill = lambda t, g: nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)  # noqa: E731
-            else:
-                fill = lambda t, g: nn.init.normal_(t, std=std, generator=g)  # noqa: E731
+            def fill(t: torch.Tensor, g: torch.Generator) -> None:
+                if truncated:
+                    nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
+                else:
+                    nn.init.normal_(t, std=std, generator=g)
             init_tensor_(param, fill, param_generator(seed, fqn))
 
         std = 0.02
