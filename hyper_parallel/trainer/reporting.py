@@ -6,11 +6,13 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Optional
 
+import torch
 from omegaconf import OmegaConf
 
+from hyper_parallel.models.llama import Transformer
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.config import model_overrides
-from hyper_parallel.trainer.config_schema import TrainConfig, shape
+from hyper_parallel.trainer.config_schema import TrainConfig, llama_config, shape
 
 if TYPE_CHECKING:
     from hyper_parallel.trainer.loop import RunSummary, TrainingJob
@@ -40,10 +42,16 @@ def describe(job: TrainingJob) -> str:
     floor = f", loss floor {job.loss_floor:.4f}" if job.loss_floor is not None else ""
     changed = model_overrides(cfg.model)
     name = cfg.model.name + (f" with {', '.join(f'{k}={v}' for k, v in changed.items())}" if changed else "")
-    stages = (f" (stages {job.pipeline.stage_indices} of {job.pipeline.num_stages} on rank 0)"
-              if job.pipeline is not None else "")
-    return (f"model {name}: {sum(p.numel() for m in job.model_parts for p in m.parameters()):,} parameters{stages}, "
-            f"mesh {mesh_desc}, {cfg.parallel.mixed_precision}, data {cfg.data.kind}{floor}")
+    count = sum(p.numel() for m in job.model_parts for p in m.parameters())  # global sizes (DTensors)
+    if job.pipeline is not None:  # this rank's stages: the whole model's count from its shapes
+        with torch.device("meta"):
+            whole = Transformer(llama_config(cfg.model)).num_params()
+        count_desc = (f"{whole:,} parameters ({count:,} in stage(s) {job.pipeline.stage_indices} of "
+                      f"{job.pipeline.num_stages} on this rank)")
+    else:
+        count_desc = f"{count:,} parameters"
+    return (f"model {name}: {count_desc}, mesh {mesh_desc}, {cfg.parallel.mixed_precision}, "
+            f"data {cfg.data.kind}{floor}")
 
 
 def starting_point(cfg: TrainConfig, plan: Optional[operations.LoadPlan]) -> str:

@@ -18,7 +18,7 @@ import torch.distributed as dist
 
 from hyper_parallel.checkpoint import CheckpointManager, export_hf
 from hyper_parallel.platform import get_platform
-from hyper_parallel.trainer import ParallelDims, compose_config, loop, run_training, validate_config
+from hyper_parallel.trainer import ParallelDims, compose_config, loop, run_training, typed_config, validate_config
 from hyper_parallel.trainer.parallelize import build_mesh, dp_mesh
 from tests.multirank import run_on_ranks
 from tests.recipes.launch import TINY, last_loss_per_step, read_metrics, run
@@ -116,6 +116,22 @@ def test_the_mesh_puts_pp_outermost_and_dp_rank_follows_it(dims, names):
         assert (pp_local, dp_local) == (pp_rank, dp_rank)
 
 
+def _describe(overrides: List[str]) -> str:
+    from hyper_parallel.trainer.reporting import describe
+
+    cfg = compose_config([*TINY, *overrides])
+    return describe(loop.build_job(typed_config(cfg), validate_config(cfg, dist.get_world_size()), get_platform()))
+
+
+def test_the_start_up_line_counts_the_whole_model_and_this_ranks_stages(tmp_path):
+    lines = run_on_ranks(2, _describe, [f"output_dir={tmp_path}", "parallel.pp=2", "parallel.pp_microbatches=2"],
+                         timeout=60)
+    assert [line.split(", mesh")[0] for line in lines] == [
+        "model llama_debug with dim=32: 41,120 parameters (20,544 in stage(s) [0] of 2 on this rank)",
+        "model llama_debug with dim=32: 41,120 parameters (20,576 in stage(s) [1] of 2 on this rank)"]
+    assert "mesh 2x1 (pp, shard)" in lines[0]
+
+
 def test_dp_rank_and_pp_rank_are_the_row_major_coordinates():
     dims = ParallelDims(replicate=2, shard=3, tp=2, pp=2)
     coords = itertools.product(range(2), range(2), range(3), range(2))  # (pp, replicate, shard, tp)
@@ -150,7 +166,7 @@ def _stages_vs_plain(overrides: List[str]):
     largest parameter difference after init, and (loss, reference loss, grad norm, reference
     grad norm) per step."""
     from hyper_parallel.data import DistributedBatchLoader, MarkovSource
-    from hyper_parallel.trainer import train_step, typed_config
+    from hyper_parallel.trainer import train_step
     from hyper_parallel.trainer.optimizer import build_optimizer
     from hyper_parallel.trainer.parallelize import build_model
     from hyper_parallel.trainer.pipelined import build_pipeline, pipelined_step
@@ -207,7 +223,6 @@ def test_each_schedule_and_split_trains_the_plain_models_losses(overrides, held)
 
 
 def test_the_memory_estimate_counts_one_stage_one_end_of_the_model_and_one_pipeline_micro_batch():
-    from hyper_parallel.trainer import typed_config
     from hyper_parallel.trainer.preflight import estimate_memory
 
     estimates = {}
@@ -222,7 +237,6 @@ def test_the_memory_estimate_counts_one_stage_one_end_of_the_model_and_one_pipel
 def _init_from_diff(path: str) -> float:
     """The largest difference between this rank's stages initialised from the transformers
     export at ``path`` and the plain model it was exported from (seed 3)."""
-    from hyper_parallel.trainer import typed_config
     from hyper_parallel.trainer.parallelize import build_model
     from hyper_parallel.trainer.pipelined import build_pipeline
 
