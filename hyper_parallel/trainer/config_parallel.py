@@ -55,8 +55,8 @@ class ParallelConfig:
     dp_replicate: int = key(1, min=1)
     dp_shard: int = key(-1, min=-1)                 # -1: the rest of the world (world_size / (pp x dp_replicate x tp))
     tp: int = key(1, min=1)                         # tensor-parallel degree (Megatron-style plan, within a node)
-    pp: int = key(1, min=1)                         # pipeline-parallel degree (stages of consecutive blocks, across nodes)
-    pp_schedule: str = key("1F1B", choices=PP_SCHEDULES)  # torch.distributed.pipelining schedule (Interleaved1F1B: 2 stages per rank)
+    pp: int = key(1, min=1)                         # pipeline-parallel degree (stages of consecutive blocks)
+    pp_schedule: str = key("1F1B", choices=PP_SCHEDULES)  # torch's schedule (Interleaved1F1B: 2 stages per rank)
     pp_microbatches: Optional[int] = key(None, min=1)  # pipeline micro-batches per grad-accum step (null: 2 x stages)
     pp_layers_per_stage: Optional[List[int]] = key(None, min=1)  # blocks of each stage, in order (null: an even split)
     mixed_precision: str = key("fp32", choices=("fp32", "bf16"))  # bf16: bf16 compute, fp32 master weights and reduction

@@ -7,12 +7,14 @@ from dataclasses import dataclass
 from typing import Any, Dict, List
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.parallel import cross_entropy, loss_parallel
-from hyper_parallel.pipeline import (ShardedPipelineStage, build_schedule, split_stage, stage_indices, stage_layers)
+from hyper_parallel.pipeline import (Schedule, ShardedPipelineStage, build_schedule, split_stage, stage_indices,
+                                     stage_layers)
 from hyper_parallel.trainer.config_parallel import ParallelConfig
 from hyper_parallel.trainer.config_schema import ModelConfig, llama_config
 from hyper_parallel.trainer.parallelize import parallelize
@@ -26,8 +28,8 @@ class Pipeline:
     parts: List[nn.Module]     # one module per stage of this rank, in schedule order
     stage_indices: List[int]   # their stage numbers
     num_stages: int
-    schedule: Any              # a torch.distributed.pipelining schedule
-    pp_group: Any              # the pipeline process group (gradient norms reduce over it)
+    schedule: Schedule         # torch.distributed.pipelining's, over this rank's stages
+    pp_group: dist.ProcessGroup  # the pipeline process group (gradient norms reduce over it)
     grad_accum_steps: int      # schedule calls per batch (the schedule's losses are scaled by it)
 
     @property
@@ -84,10 +86,10 @@ def build_pipeline(model_cfg: ModelConfig, parallel: ParallelConfig, *, mesh: De
 
 def pipelined_step(pipeline: Pipeline, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
                    *, max_grad_norm: float) -> Dict[str, torch.Tensor]:
-    """:func:`~hyper_parallel.trainer.step.train_step` through the pipeline: one schedule
-    call per accumulation step (``pipeline.grad_accum_steps``),
-    clipping by the norm over all stages, the update. Returns 0-dim tensors: ``loss``, this
-    data-parallel rank's mean loss on the last stage (0 on the others), and ``grad_norm``."""
+    """:func:`~hyper_parallel.trainer.step.train_step` through the pipeline: one schedule call
+    per accumulation step (``pipeline.grad_accum_steps``), clipping by the norm over all
+    stages, the update. Returns 0-dim tensors: ``loss``, this data-parallel rank's mean loss on
+    the last stage (0 on the others), and ``grad_norm``."""
     import hyper_parallel as hp
 
     loss = pipeline.mean_loss(batch, train=True)

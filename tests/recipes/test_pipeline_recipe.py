@@ -24,7 +24,8 @@ from tests.multirank import run_on_ranks
 from tests.recipes.launch import TINY, last_loss_per_step, read_metrics, run
 from tests.recipes.train_in_process import one_line_error
 
-STEPS = ["training.steps=5", "training.max_grad_norm=0.3", "checkpoint.interval=2", "checkpoint.keep_last_n=6", "eval.every=2", "eval.steps=1"]
+STEPS = ["training.steps=5", "training.max_grad_norm=0.3", "checkpoint.interval=2", "checkpoint.keep_last_n=6",
+         "eval.every=2", "eval.steps=1"]
 PP2_FSDP2 = ["parallel.pp=2", "training.grad_accum_steps=2", "parallel.pp_microbatches=2"]
 PP2_TP2 = ["parallel.pp=2", "parallel.tp=2"]
 REL = 1e-6  # float64: only the order of the sums differs between layouts
@@ -89,8 +90,8 @@ def test_pp2_x_fsdp2_trains_the_fsdp_losses_and_resumes_across_pipeline_layouts(
     assert sorted(last_loss_per_step(fsdp)) == [3, 4, 5]
     _assert_close(ref, fsdp, range(3, 6))
     # FSDP2 step 2 -> PP2 x TP2 on 4 ranks; the first stage's rank 0 gets SIGTERM in step 4.
-    stopped = run_on_ranks(4, _train, [f"output_dir={pptp}", *PP2_TP2, f"checkpoint.load_from={ref}/checkpoints/step-2"],
-                           0, timeout=240)
+    stopped = run_on_ranks(4, _train, [f"output_dir={pptp}", *PP2_TP2,
+                                       f"checkpoint.load_from={ref}/checkpoints/step-2"], 0, timeout=240)
     assert stopped == [(4, "SIGTERM")] * 4
     assert sorted(last_loss_per_step(pptp)) == [3, 4]
     _assert_close(ref, pptp, range(3, 5))
@@ -210,7 +211,8 @@ def _stages_vs_plain(overrides: List[str]):
     (["parallel.pp_schedule=GPipe", "parallel.pp_layers_per_stage=[1,3]", "training.grad_accum_steps=2",
       "parallel.pp_microbatches=2"],
      [([0], ["layers.0", "tok_embeddings"]), ([1], ["layers.1", "layers.2", "layers.3", "norm", "output"])]),
-    (["parallel.dp_replicate=2", "parallel.pp_microbatches=2"],  # PP2 x HSDP 2x1 on 4 ranks: a stage's ranks are a contiguous block
+    # PP2 x HSDP 2x1 on 4 ranks: a stage's ranks are a contiguous block.
+    (["parallel.dp_replicate=2", "parallel.pp_microbatches=2"],
      [([0], ["layers.0", "layers.1", "tok_embeddings"])] * 2 + [([1], ["layers.2", "layers.3", "norm", "output"])] * 2),
 ], ids=["interleaved-ac-compiled", "gpipe-uneven-accum", "1f1b-hsdp"])
 def test_each_schedule_and_split_trains_the_plain_models_losses(overrides, held):
@@ -246,7 +248,8 @@ def _init_from_diff(path: str) -> float:
                               seed=0, grad_accum_steps=1)
     cfg.model.init_from = None
     plain = dict(build_model(cfg.model, mesh=None, device=torch.device("cpu"), seed=3).named_parameters())
-    return max((p.full_tensor() - plain[n]).abs().max().item() for part in pipeline.parts for n, p in part.named_parameters())
+    return max((p.full_tensor() - plain[n]).abs().max().item()
+               for part in pipeline.parts for n, p in part.named_parameters())
 
 
 def test_init_from_a_transformers_export_fills_each_stage(tmp_path):
