@@ -268,3 +268,20 @@ def test_init_from_a_transformers_export_fills_each_stage(tmp_path):
               tmp_path / "model.safetensors")
     (tmp_path / "config.json").write_text(json.dumps(hf_llama.hf_config(cfg, torch.float32)))
     assert run_on_ranks(2, _init_from_diff, str(tmp_path), timeout=120) == [0.0, 0.0]
+
+
+def test_a_bad_batch_mid_run_stops_every_stage_after_the_last_good_step(tmp_path):
+    import numpy as np
+
+    from tests.recipes.test_failures import _train_without_upfront_validation
+
+    tokens = np.zeros(4000, dtype=np.uint16)
+    tokens[3750] = 300  # step 15, data-parallel rank 1: global ranks 1 (stage 0) and 3 (stage 1)
+    tokens.tofile(tmp_path / "tokens.bin")
+    reports = run_on_ranks(4, _train_without_upfront_validation,
+                           [f"output_dir={tmp_path}/out", "data=tokens", "data.shuffle=false", "parallel.pp=2",
+                            f"data.path={tmp_path}/tokens.bin", "training.steps=20"], timeout=120)
+    assert reports[0] is None and reports[2] is None, reports
+    for rank in (1, 3):
+        assert reports[rank].startswith(f"(rank {rank} of 4) data=tokens, step 15: ") and "token id 300" in reports[rank]
+    assert [r["step"] for r in read_metrics(str(tmp_path / "out"))] == list(range(1, 15))
