@@ -1,8 +1,10 @@
 """Pipeline parallelism in the recipe, in-process on the shared gloo rank pools and in float64
 (see tests/fully_shard/_helpers.py, [Note: parity in float64]): PP2 x FSDP2 trains the losses
 of plain FSDP on the same global batch, a checkpoint crosses PP2 x FSDP2 -> FSDP2 and
-FSDP2 -> PP2 x TP2 with the uninterrupted losses, a SIGTERM on the first stage is agreed by
-every stage; the mesh; and the layouts pipeline parallelism refuses."""
+FSDP2 -> PP2 x TP2 with the uninterrupted losses, a SIGTERM on the first stage and a bad batch
+on one data-parallel rank are agreed by every stage; each schedule and split against the plain
+model; the mesh, the start-up line, the memory estimate, ``model.init_from``; and the layouts
+pipeline parallelism refuses."""
 
 from __future__ import annotations
 
