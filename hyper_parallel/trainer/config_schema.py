@@ -19,6 +19,7 @@ from typing import Callable, ClassVar, Dict, List, Optional, Tuple, Type, Union
 
 from hyper_parallel._optional import available, install_hint
 from hyper_parallel.models.llama import LlamaConfig
+from hyper_parallel.trainer.config_parallel import ParallelConfig, ParallelDims
 from hyper_parallel.trainer.config_rules import defaults, key
 
 SEED_MAX = 2**32 - 1  # numpy's and the loader's seed range
@@ -197,76 +198,6 @@ DATA_KINDS: Dict[str, Type[DataConfig]] = {
 DATA_KEYS: Dict[str, Tuple[str, ...]] = {kind: tuple(f.name for f in fields(cls)) for kind, cls in DATA_KINDS.items()}
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    """The layout of the world: ``replicate`` x ``shard`` data-parallel ranks x ``tp``
-    tensor-parallel ranks (row-major: the ``tp`` ranks of one data-parallel rank are adjacent)."""
-
-    replicate: int
-    shard: int
-    tp: int = 1
-
-    @property
-    def dp_size(self) -> int:
-        return self.replicate * self.shard
-
-    @property
-    def world_size(self) -> int:
-        return self.dp_size * self.tp
-
-    def dp_rank(self, rank: int) -> int:
-        """The data-parallel index of global ``rank`` (its slice of each global batch)."""
-        return rank // self.tp
-
-
-@dataclass
-class ParallelConfig:
-    """The ``parallel`` group (``fsdp``, ``hsdp``, ``tp``): the mesh and precision.
-
-    The world factors as ``dp_replicate x dp_shard x tp`` (mesh dims in that order)."""
-
-    dp_replicate: int = key(1, min=1)
-    dp_shard: int = key(-1, min=-1)                 # -1: the rest of the world (world_size / (dp_replicate x tp))
-    tp: int = key(1, min=1)                         # tensor-parallel degree (Megatron-style plan, within a node)
-    mixed_precision: str = key("fp32", choices=("fp32", "bf16"))  # bf16: bf16 compute, fp32 master weights and reduction
-    reshard_after_forward: bool = key(True)
-
-    def resolve(self, world_size: int) -> Tuple[Optional[ParallelDims], Optional[str]]:
-        """The mesh shape (``dp_shard=-1``: the rest of the world), or why it does not factor
-        ``world_size``."""
-        replicate, shard, tp = self.dp_replicate, self.dp_shard, self.tp
-        if shard == -1:
-            if world_size % (replicate * tp):
-                fixed = " x ".join(f"parallel.{k}={v}" for k, v in (("dp_replicate", replicate), ("tp", tp)) if v > 1)
-                return None, f"{fixed or 'parallel.dp_replicate=1'} does not divide the world size {world_size}"
-            shard = world_size // (replicate * tp)
-        if shard < 1 or replicate * shard * tp != world_size:
-            with_tp = f" x parallel.tp={tp}" if tp > 1 else ""
-            return None, (f"parallel.dp_replicate={replicate} x parallel.dp_shard={self.dp_shard}{with_tp} does "
-                          f"not factor the world size {world_size} (use dp_shard=-1 for the rest of the world)")
-        return ParallelDims(replicate, shard, tp), None
-
-    def split_problems(self, model: ModelConfig, seq_len: int) -> List[str]:
-        """What tensor parallelism cannot split: heads, kv-heads, the MLP's hidden size, the
-        vocabulary (vocab-parallel embedding and output) and the sequence (sequence-parallel
-        norms) must each divide by ``tp``."""
-        if self.tp == 1:
-            return []
-        try:
-            llama = llama_config(model)
-        except (ValueError, TypeError):
-            return []  # ModelConfig.problems reports it
-        sizes = {"model.n_heads": llama.n_heads, "model.n_kv_heads": llama.n_kv_heads,
-                 "model.ffn_hidden_dim": llama.ffn_hidden_dim, "model.vocab_size": llama.vocab_size,
-                 "training.seq_len": seq_len}
-        bad = [f"{name}={size}" for name, size in sizes.items() if size % self.tp]
-        if not bad:
-            return []
-        each, them = ("each", "them") if len(bad) > 1 else ("it", "it")
-        return [f"parallel.tp={self.tp} does not divide {', '.join(bad)} (tensor parallelism splits {each} "
-                f"over the tp ranks; pick a tp that divides {them})"]
-
-
 @dataclass
 class OptimConfig:
     """The ``optim`` group (``adamw``): AdamW with a linear warm-up and a cosine decay."""
@@ -329,10 +260,11 @@ class TrainConfig:
             return lambda name: ok(f"{group}.{name}")
 
         problems: List[str] = []
-        dims, t, m = None, self.training, self.model
-        if ok("parallel.dp_replicate") and ok("parallel.dp_shard") and ok("parallel.tp"):
-            dims, problem = self.parallel.resolve(world_size)
+        dims, t, m, p = None, self.training, self.model, self.parallel
+        if all(ok(f"parallel.{k}") for k in ("pp", "dp_replicate", "dp_shard", "tp")):
+            dims, problem = p.resolve(world_size)
             problems += [problem] if problem else []
+        micro_batch = None  # samples per rank and accumulation step
         if dims is not None and ok("training.global_batch_size") and ok("training.grad_accum_steps"):
             ranks_x_accum = dims.dp_size * t.grad_accum_steps
             if t.global_batch_size % ranks_x_accum:
@@ -340,18 +272,31 @@ class TrainConfig:
                     f"training.global_batch_size={t.global_batch_size} does not divide over "
                     f"{dims.dp_size} data-parallel ranks x training.grad_accum_steps={t.grad_accum_steps}"
                     f" (needs a multiple of {ranks_x_accum})")
+            else:
+                micro_batch = t.global_batch_size // ranks_x_accum
         problems += m.problems(within("model"))
-        if dims is not None and ok("training.seq_len") and all(ok(f"model.{f.name}") for f in fields(m)):
-            problems += self.parallel.split_problems(m, t.seq_len)
+        llama = None
+        if all(ok(f"model.{f.name}") for f in fields(m)):
+            try:
+                llama = llama_config(m)
+            except (ValueError, TypeError):
+                pass  # ModelConfig.problems reports it
+        if dims is not None and llama is not None and ok("training.seq_len"):
+            problems += p.split_problems(llama, t.seq_len)
+        if dims is not None and llama is not None and all(ok(f"parallel.{f.name}") for f in fields(p)):
+            problems += p.pipeline_problems(llama, micro_batch, m.tie_embeddings)
         if ok("training.seq_len") and ok("model.max_seq_len") and t.seq_len > m.max_seq_len:
             problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         d = self.data
         if (isinstance(d, SyntheticDataConfig) and ok("data.kind") and ok("data.branching") and ok("model.vocab_size")
                 and d.branching > m.vocab_size):
             problems.append(f"data.branching={d.branching} exceeds model.vocab_size={m.vocab_size}")
-        if ok("training.float8") and ok("parallel.tp") and t.float8 and self.parallel.tp > 1:
-            problems.append(f"training.float8=true with parallel.tp={self.parallel.tp} is not supported yet "
+        if ok("training.float8") and ok("parallel.tp") and t.float8 and p.tp > 1:
+            problems.append(f"training.float8=true with parallel.tp={p.tp} is not supported yet "
                             "(float8 needs torchao's tensor-parallel styles); use one or the other")
+        if ok("training.float8") and ok("parallel.pp") and t.float8 and p.pp > 1:
+            problems.append(f"training.float8=true with parallel.pp={p.pp} is not supported yet "
+                            "(untested with pipeline stages); use one or the other")
         problems += t.problems(within("training"))
         problems += self.checkpoint.problems(within("checkpoint"))
         problems += self.logging.problems(within("logging"))

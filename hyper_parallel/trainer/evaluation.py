@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, NamedTuple, Optional, Union
 
 import torch
 from torch import nn
@@ -19,6 +19,7 @@ from torch import nn
 from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindows, build_source, split_windows
 from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.trainer.config_schema import TrainConfig
+from hyper_parallel.trainer.pipelined import Pipeline
 from hyper_parallel.trainer.state import all_reduce_sum
 
 # Synthetic validation samples are drawn with this offset added to training.seed.
@@ -111,19 +112,23 @@ class Evaluator:
         return step % self.every == 0 or step == last_step
 
     @torch.no_grad()
-    def evaluate(self, model: nn.Module) -> Dict[str, float]:
+    def evaluate(self, model: Union[nn.Module, Pipeline]) -> Dict[str, float]:
         """``val_loss`` (nats/token, averaged over every token of the data-parallel group) and
         ``val_ppl``. Collective: every rank calls.
 
         Every rank scores the same number of tokens, so the group's mean is the mean of the
         ranks' means (accumulated in float64 on the host, reduced as one float32 per rank; the
-        ``tp_size`` ranks of a data-parallel rank hold the same mean).
+        ``tp_size`` ranks of a data-parallel rank hold the same mean). Through a pipeline, the
+        last stage's ranks hold it and the others add 0.
         """
         loader = DistributedBatchLoader(self.source, self.global_batch_size, dp_rank=self.dp_rank,
                                         dp_size=self.dp_size, shuffle=False)
         local = 0.0
         for _ in range(self.steps):
             batch = loader.next_batch().to(self.device)
+            if isinstance(model, Pipeline):
+                local += model.mean_loss(batch, train=False).item()
+                continue
             with loss_parallel():
                 local += cross_entropy(model(batch[:, :-1]), batch[:, 1:]).item()
         mean = torch.tensor([local / self.steps], device=self.device)

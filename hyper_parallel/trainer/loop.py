@@ -6,7 +6,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -19,17 +19,19 @@ from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
-from hyper_parallel.trainer.config import ConfigError, model_overrides, typed_config
-from hyper_parallel.trainer.config_schema import ParallelDims, TrainConfig, llama_config, shape
+from hyper_parallel.trainer.config import ConfigError, typed_config
+from hyper_parallel.trainer.config_schema import ParallelDims, TrainConfig, llama_config
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
+from hyper_parallel.trainer.pipelined import Pipeline, build_pipeline, pipelined_step
+from hyper_parallel.trainer.reporting import describe, format_summary, resume_mismatch, starting_point
 from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 from hyper_parallel.trainer.sinks import WandbSettings, wandb_settings
-from hyper_parallel.trainer.state import RNGState, StopRequest, all_reduce_sum, training_state
+from hyper_parallel.trainer.state import SAVED_ONLY, RNGState, StopRequest, all_reduce_sum, training_state
 from hyper_parallel.trainer.step import train_step
 
 
@@ -51,7 +53,7 @@ class TrainingJob:
     platform: Platform
     device: torch.device
     mesh: DeviceMesh
-    model: nn.Module
+    model_parts: List[nn.Module]  # the model, or with pipeline parallelism this rank's stage modules
     optimizer: torch.optim.Optimizer
     schedule: WarmupCosineSchedule
     loader: DistributedBatchLoader
@@ -63,6 +65,12 @@ class TrainingJob:
     started_at: float  # time.monotonic() when setup began (training.time_limit_minutes counts from it)
     evaluator: Optional[Evaluator] = None
     profiler: Optional[ProfilerWindow] = None
+    pipeline: Optional[Pipeline] = None  # parallel.pp > 1
+
+    @property
+    def model(self) -> Union[nn.Module, Pipeline]:
+        """What a step or an evaluation runs: the model, or the pipeline."""
+        return self.pipeline if self.pipeline is not None else self.model_parts[0]
 
 
 @dataclass
@@ -119,14 +127,18 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
     profiler = ProfilerWindow(p.folder, rank=rank, start=p.start_step, steps=p.steps, platform=platform,
                               memory_snapshot=p.memory_snapshot) if p.enable else None
     mesh = build_mesh(dims, device.type)
-    model = together(device, lambda: build_model(
-        cfg.model, mesh=mesh, device=device, seed=t.seed, mixed_precision=cfg.parallel.mixed_precision,
-        reshard_after_forward=cfg.parallel.reshard_after_forward,
-        compile_backend=t.compile_backend if t.compile else None,
-        float8_recipe=t.float8_recipe if t.float8 else None))
+    options = dict(mesh=mesh, device=device, seed=t.seed, mixed_precision=cfg.parallel.mixed_precision,
+                   reshard_after_forward=cfg.parallel.reshard_after_forward,
+                   compile_backend=t.compile_backend if t.compile else None,
+                   float8_recipe=t.float8_recipe if t.float8 else None)
+    pipeline = None
+    if dims.pp > 1:
+        pipeline = together(device, lambda: build_pipeline(cfg.model, cfg.parallel,
+                                                           grad_accum_steps=t.grad_accum_steps, **options))
+    parts = pipeline.parts if pipeline is not None else [together(device, lambda: build_model(cfg.model, **options))]
     # Every rank starts training from the same global generator state (the checkpoint stores it).
     torch.manual_seed(t.seed + 1)
-    optimizer = build_optimizer(model, cfg.optim)
+    optimizer = build_optimizer(parts, cfg.optim)
     schedule = WarmupCosineSchedule(optimizer, peak_lr=cfg.optim.lr, warmup_steps=cfg.optim.warmup_steps,
                                     total_steps=t.steps, min_lr_ratio=cfg.optim.min_lr_ratio)
     # Async checkpoints stage in the background: this loop changes the saved tensors in place
@@ -138,14 +150,15 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
                         log_every=cfg.logging.log_every, tensorboard=cfg.logging.tensorboard,
                         wandb=wandb)
     return TrainingJob(
-        cfg=cfg, dims=dims, platform=platform, device=device, mesh=mesh, model=model,
+        cfg=cfg, dims=dims, platform=platform, device=device, mesh=mesh, model_parts=parts,
         optimizer=optimizer, schedule=schedule, loader=loader, manager=manager,
-        state=training_state(model, optimizer, schedule, loader, RNGState(platform.device_module)),
+        state=training_state(parts, optimizer, schedule, loader, RNGState(platform.device_module), dims,
+                             pp_group=pipeline.pp_group if pipeline is not None else None),
         log=log, loss_floor=loader.source.loss_floor(),
         throughput=Throughput(llama_config(cfg.model), seq_len=t.seq_len,
                               tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.world_size,
                               peak=peak_tflops(platform, t.peak_tflops)),
-        started_at=started_at, evaluator=evaluator, profiler=profiler,
+        started_at=started_at, evaluator=evaluator, profiler=profiler, pipeline=pipeline,
     )
 
 
@@ -161,7 +174,7 @@ def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
     cfg = job.cfg
 
     def load() -> Optional[operations.LoadPlan]:
-        plan = operations.plan_load(cfg.checkpoint, list(job.state))
+        plan = operations.plan_load(cfg.checkpoint, [key for key in job.state if key not in SAVED_ONLY])
         if plan is None:
             return None
         try:
@@ -179,43 +192,6 @@ def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
                              description=f"resumed from {path} ({plan.path} is corrupt)")
 
     return together(job.device, load)
-
-
-def resume_mismatch(cfg: TrainConfig, path: str, err: Exception) -> str:
-    """Why the checkpoint at ``path`` does not fit this run, and what to do about it: the model
-    keys that differ from the run's ``config.yaml`` (next to the checkpoint's folder, else in
-    ``output_dir``), else the first line of ``err``."""
-    candidates = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.yaml"),
-                  os.path.join(cfg.output_dir, "config.yaml")]
-    changed = []
-    saved_path = next((p for p in candidates if os.path.isfile(p)), None)
-    if saved_path is not None:
-        saved = OmegaConf.load(saved_path).get("model", {})
-        changed = [f"model.{k}: saved {saved[k]!r}, now {v!r}" for k, v in shape(cfg.model).items()
-                   if k in saved and saved[k] != v]
-    detail = "; ".join(changed) if changed else str(err).strip().splitlines()[0]
-    return (f"cannot resume from {path} ({detail}). For a new run use a new "
-            "output_dir (or checkpoint.folder); to continue that run use the settings it was written with")
-
-
-def describe(job: TrainingJob) -> str:
-    """One line: model (its preset and any size overrides), mesh, precision, data, loss floor."""
-    cfg, mesh = job.cfg, job.mesh
-    mesh_desc = "x".join(map(str, mesh.shape)) + f" ({', '.join(mesh.mesh_dim_names)})"
-    floor = f", loss floor {job.loss_floor:.4f}" if job.loss_floor is not None else ""
-    changed = model_overrides(cfg.model)
-    name = cfg.model.name + (f" with {', '.join(f'{k}={v}' for k, v in changed.items())}" if changed else "")
-    return (f"model {name}: {sum(p.numel() for p in job.model.parameters()):,} parameters, "
-            f"mesh {mesh_desc}, {cfg.parallel.mixed_precision}, data {cfg.data.kind}{floor}")
-
-
-def starting_point(cfg: TrainConfig, plan: Optional[operations.LoadPlan]) -> str:
-    """Where training starts: a checkpoint, ``model.init_from``, or a fresh initialisation."""
-    if plan is not None:
-        return plan.description
-    if cfg.model.init_from:
-        return f"starting at step 0 from the weights in {cfg.model.init_from} (model.init_from)"
-    return "starting from scratch"
 
 
 def run_training(composed: DictConfig, dims: ParallelDims, platform: Platform) -> RunSummary:
@@ -298,8 +274,12 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         step_start = time.perf_counter()
         platform.reset_peak_memory()
         lr = job.schedule.step()
-        result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
-                            max_grad_norm=t.max_grad_norm, float8_scales=t.float8 and t.float8_recipe == "tensorwise")
+        if job.pipeline is not None:
+            result = pipelined_step(job.pipeline, batch, job.optimizer, max_grad_norm=t.max_grad_norm)
+        else:
+            result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
+                                max_grad_norm=t.max_grad_norm,
+                                float8_scales=t.float8 and t.float8_recipe == "tensorwise")
         job.loader.advance()
         step += 1
         batch, error = _peek_batch(job, step + 1) if step < t.steps else (None, None)
@@ -310,8 +290,8 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
                              device=job.device)
         loss_sum, stop_votes, time_votes, bad_batches = all_reduce_sum(
             torch.cat([result["loss"].reshape(1), flags])).tolist()
-        # Each tensor-parallel rank holds its data-parallel rank's loss: the mean over the world.
-        loss, grad_norm = loss_sum / job.dims.world_size, float(result["grad_norm"])
+        # Each tensor-parallel rank of the last pipeline stage holds its data-parallel rank's loss.
+        loss, grad_norm = loss_sum / job.dims.loss_ranks, float(result["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             saver.wait()
             raise JobFailed(ConfigError(
@@ -353,19 +333,3 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     summary.wall_time_s = time.perf_counter() - started
     summary.tokens_per_s = tokens_per_step * (step - summary.start_step) / summary.wall_time_s
     return summary
-
-
-def format_summary(summary: RunSummary, cfg: TrainConfig) -> str:
-    """The end-of-run report printed on rank 0."""
-    lines = [f"done: steps {summary.start_step} -> {summary.end_step} in {summary.wall_time_s:.1f}s "
-             f"({summary.tokens_per_s:,.0f} tokens/s)"]
-    if summary.losses:
-        lines.append(f"loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}"
-                     + (f" (best achievable {summary.loss_floor:.4f})" if summary.loss_floor is not None else ""))
-    lines.append(f"metrics: {os.path.join(cfg.output_dir, 'metrics.jsonl')}")
-    lines.append(f"checkpoints: {cfg.checkpoint.folder}")
-    if cfg.logging.tensorboard:
-        lines.append(f"tensorboard: {os.path.join(cfg.output_dir, 'tensorboard')}")
-    if cfg.logging.wandb:
-        lines.append(f"wandb: {os.path.join(cfg.output_dir, 'wandb')} (project {cfg.logging.wandb_project})")
-    return "\n".join(lines)

@@ -19,18 +19,19 @@ from hyper_parallel.trainer.float8 import convert_to_float8
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The world's mesh, dims ``("replicate", "shard", "tp")`` in that order, each present when
-    its degree is above 1 (``"shard"`` always): ``("shard",)`` for FSDP, ``("replicate",
-    "shard")`` for HSDP, ``("shard", "tp")`` for FSDP x TP."""
-    named = [(name, size) for name, size in (("replicate", dims.replicate), ("shard", dims.shard), ("tp", dims.tp))
-             if size > 1 or name == "shard"]
+    """The world's mesh, dims ``("pp", "replicate", "shard", "tp")`` in that order, each present
+    when its degree is above 1 (``"shard"`` always): ``("shard",)`` for FSDP, ``("replicate",
+    "shard")`` for HSDP, ``("shard", "tp")`` for FSDP x TP, ``("pp", "shard")`` for PP x FSDP."""
+    degrees = (("pp", dims.pp), ("replicate", dims.replicate), ("shard", dims.shard), ("tp", dims.tp))
+    named = [(name, size) for name, size in degrees if size > 1 or name == "shard"]
     return init_device_mesh(device_type, tuple(size for _, size in named),
                             mesh_dim_names=tuple(name for name, _ in named))
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The data-parallel sub-mesh of :func:`build_mesh`'s mesh (what ``fully_shard`` shards over)."""
-    names = tuple(name for name in mesh.mesh_dim_names if name != "tp")
+    """The data-parallel sub-mesh of :func:`build_mesh`'s mesh (what ``fully_shard`` shards
+    over): every dim but ``pp`` and ``tp``."""
+    names = tuple(name for name in mesh.mesh_dim_names if name not in ("pp", "tp"))
     return mesh if names == mesh.mesh_dim_names else mesh[names]
 
 
@@ -106,6 +107,16 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
     """
     with torch.device("meta"):
         model = Transformer(llama_config(model_cfg))
+    return parallelize(model, model_cfg, mesh=mesh, device=device, seed=seed, mixed_precision=mixed_precision,
+                       reshard_after_forward=reshard_after_forward, compile_backend=compile_backend,
+                       float8_recipe=float8_recipe)
+
+
+def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device,
+                seed: int, mixed_precision: str = "fp32", reshard_after_forward: bool = True,
+                compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None) -> Transformer:
+    """:func:`build_model`'s steps after the meta model: parallelise, materialise and
+    initialise ``model`` (a whole model, or a pipeline stage of one with the same names)."""
     tensor_parallel = mesh is not None and "tp" in mesh.mesh_dim_names
     if tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"])

@@ -161,8 +161,8 @@ class MemoryEstimate(NamedTuple):
 
     parameters: int       # parameter count of the whole model
     model_state: int      # this rank's shard of parameters, gradients and AdamW moments (fp32)
-    gathered: int         # the largest FSDP group unsharded at once (the root: embeddings, head)
-    logits: int           # one micro-batch's fp32 logits and their gradient
+    gathered: int         # the largest FSDP group unsharded at once (the root: embeddings, head; one of them with PP)
+    logits: int           # one (pipeline) micro-batch's fp32 logits and their gradient
     rope: int             # the RoPE cos/sin tables (max_seq_len x head_dim)
     data: int             # the data source's tables, in host memory
 
@@ -182,11 +182,13 @@ def estimate_memory(cfg: TrainConfig, dims: ParallelDims) -> MemoryEstimate:
     param_bytes = 2 if cfg.parallel.mixed_precision == "bf16" else 4
     t = cfg.training
     micro_batch = t.global_batch_size // (dims.dp_size * t.grad_accum_steps)
+    if dims.pp > 1:  # a stage holds the embedding or the output (untied), and one pipeline micro-batch's logits
+        root, micro_batch = root // 2, max(1, micro_batch // cfg.parallel.microbatches)
     data = (MarkovSource.memory_bytes(llama.vocab_size, cfg.data.branching)
             if isinstance(cfg.data, SyntheticDataConfig) else 0)
     return MemoryEstimate(
         parameters=parameters,
-        model_state=_STATE_BYTES_PER_PARAM * parameters // (dims.shard * dims.tp),
+        model_state=_STATE_BYTES_PER_PARAM * parameters // (dims.shard * dims.tp * dims.pp),  # the stages at best even
         gathered=param_bytes * max(root, block) // dims.tp,
         logits=2 * 4 * micro_batch * t.seq_len * llama.vocab_size // dims.tp,  # vocab-parallel
         rope=4 * llama.max_seq_len * llama.head_dim,

@@ -24,7 +24,7 @@ def state_bytes(value: Any) -> int:
     if isinstance(value, torch.Tensor):
         return value.numel() * value.element_size()
     if isinstance(value, ModelState):
-        return sum(map(state_bytes, (*value.model.parameters(), *value.model.buffers())))
+        return sum(state_bytes(t) for part in value.parts for t in (*part.parameters(), *part.buffers()))
     if isinstance(value, OptimizerState):
         return sum(state_bytes(t) for per_param in value.optim.state.values() for t in per_param.values())
     if isinstance(value, dict):

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import signal
-from typing import Any, Dict
+from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel.data import DistributedBatchLoader
+from hyper_parallel.trainer.config_parallel import ParallelDims
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
+
+# Entries a checkpoint records but a resumed job does not load (the run's own layout wins).
+SAVED_ONLY = ("parallel",)
 
 
 class RNGState:
@@ -35,17 +39,37 @@ class RNGState:
             self.device_module.set_rng_state(state["device"])
 
 
-def training_state(model: nn.Module, optimizer: torch.optim.Optimizer, schedule: WarmupCosineSchedule,
-                   loader: DistributedBatchLoader, rng: RNGState) -> Dict[str, Any]:
-    """The Stateful objects a checkpoint saves and a resumed job restores (on any mesh)."""
+class ParallelLayout:
+    """The degrees of the mesh a checkpoint was saved on, as small JSON values (``checkpoint
+    inspect`` shows them in one line); never loaded: a checkpoint resumes on any mesh."""
+
+    def __init__(self, dims: ParallelDims):
+        self.dims = dims
+
+    def state_dict(self) -> Dict[str, Any]:
+        d = self.dims
+        return {"pp": d.pp, "dp_replicate": d.replicate, "dp_shard": d.shard, "tp": d.tp}
+
+    def load_state_dict(self, state: Dict[str, Any]) -> None:
+        pass  # informational: this run's layout is its config's
+
+
+def training_state(model: Union[nn.Module, Sequence[nn.Module]], optimizer: torch.optim.Optimizer,
+                   schedule: WarmupCosineSchedule, loader: DistributedBatchLoader, rng: RNGState,
+                   dims: ParallelDims, pp_group: Optional[dist.ProcessGroup] = None) -> Dict[str, Any]:
+    """The Stateful objects a checkpoint saves and a resumed job restores (on any mesh; the
+    :data:`SAVED_ONLY` entries are saved, not restored). ``model``: the model, or this rank's
+    pipeline stage modules (the whole model's parameter names, so any split loads any other)
+    and ``pp_group`` the pipeline group (the optimizer's param groups are gathered over it)."""
     from hyper_parallel.checkpoint import ModelState, OptimizerState
 
     return {
         "model": ModelState(model),
-        "optim": OptimizerState(model, optimizer),
+        "optim": OptimizerState(model, optimizer, pp_group=pp_group),
         "lr_schedule": schedule,
         "data": loader,
         "rng": rng,
+        "parallel": ParallelLayout(dims),
     }
 
 

@@ -40,6 +40,7 @@ def test_inspect_lists_tensors_layouts_and_totals(checkpoint):
     assert "mesh 2 placements [S(0)]" in line  # fully_shard(mesh=None): torch's unnamed default mesh
     assert "optim.state.output.weight.exp_avg" in out
     assert "total tensor bytes:" in out and "values (" in out and "step" in out
+    assert "mesh: not recorded" in out  # a library save has no recipe "parallel" entry
 
 
 def test_verify_passes_then_detects_a_flipped_byte(checkpoint, tmp_path, capsys):

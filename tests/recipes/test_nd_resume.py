@@ -54,7 +54,9 @@ def _train_and_save(overrides: List[str]) -> Dict[str, torch.Tensor]:
         job.schedule.step()
         loop.train_step(job.model, job.loader.next_batch(), job.optimizer, grad_accum_steps=t.grad_accum_steps,
                         max_grad_norm=t.max_grad_norm)
-    job.manager.save(2, job.state, force=True)
+    # Without the "parallel" entry, as checkpoints were written before they recorded their mesh:
+    # a resumed job must not need it.
+    job.manager.save(2, {k: v for k, v in job.state.items() if k != "parallel"}, force=True)
     job.manager.wait()
     tensors = _full_state(job)  # collective: every rank gathers
     return tensors if dist.get_rank() == 0 else {}

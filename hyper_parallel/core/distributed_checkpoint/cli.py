@@ -48,18 +48,37 @@ def _checkpoint(given: str) -> Tuple[str, str]:
     return path, f"{path} (the newest committed step in {given})"
 
 
+# The recipe's ``parallel`` entry: the degrees of the mesh a checkpoint was saved on.
+MESH_DEGREES = ("pp", "dp_replicate", "dp_shard", "tp")
+
+
+def _mesh(values: Dict[str, Any]) -> str:
+    """The saving mesh's degrees from the ``parallel.*`` values, or why they are unknown."""
+    degrees = [(name, values.get(f"parallel.{name}")) for name in MESH_DEGREES]
+    if any(value is None for _, value in degrees):
+        return "not recorded (no 'parallel' entry; each tensor's layout is listed below)"
+    return " x ".join(f"{name}={value}" for name, value in degrees)
+
+
 def inspect(directory: str, out: TextIO) -> None:
-    """Print what a checkpoint holds: step, format, layouts at save time, tensors and sizes.
-    ``directory`` may be a folder of ``step-N`` checkpoints: its newest is shown."""
+    """Print what a checkpoint holds: step, format, the mesh it was saved on, layouts at save
+    time, tensors and sizes. ``directory`` may be a folder of ``step-N`` checkpoints: its newest
+    is shown."""
     directory, shown = _checkpoint(directory)
     metadata = api.read_checkpoint_metadata(directory)
     step = checkpoint_step(directory)
+    tensors = {k: md for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
+    values = sorted(k for k in metadata.state_dict_metadata if k not in tensors)
+    # Values are small JSON (or pickled, shown as such: the CLI never unpickles).
+    pickled = {k for k in values if metadata.storage_data[MetadataIndex(k)].encoding == "pickle"}
+    loaded: Dict[str, Any] = {k: None for k in values if k not in pickled}
+    if loaded:
+        api.load(loaded, checkpoint_id=directory, no_dist=True)
     print(f"checkpoint: {shown}", file=out)
     print(f"step: {step if step is not None else 'unknown'}", file=out)
     print(f"format: {FORMAT_NAME} version {metadata.version}, saved by {metadata.world_size} rank(s), "
           f"save id {metadata.save_id or '-'}", file=out)
-    tensors = {k: md for k, md in metadata.state_dict_metadata.items() if isinstance(md, TensorStorageMetadata)}
-    values = sorted(k for k in metadata.state_dict_metadata if k not in tensors)
+    print(f"mesh: {_mesh(loaded)}", file=out)
     total = 0
     print(f"tensors ({len(tensors)}):", file=out)
     width = max((len(k) for k in tensors), default=0)
@@ -71,14 +90,9 @@ def inspect(directory: str, out: TextIO) -> None:
         print(f"  {fqn:<{width}}  {dtype_name(md.dtype):<9} {shape:<16} {format_bytes(nbytes, digits=2, sep=' '):>11}  "
               f"{len(md.chunks)} chunk(s)  {_layout(metadata, fqn)}", file=out)
     print(f"values ({len(values)}):{'' if values else ' -'}", file=out)
-    if values:
-        # Values are small JSON (or pickled, shown as such: the CLI never unpickles).
-        pickled = {k for k in values if metadata.storage_data[MetadataIndex(k)].encoding == "pickle"}
-        loaded: Dict[str, Any] = {k: None for k in values if k not in pickled}
-        api.load(loaded, checkpoint_id=directory, no_dist=True)
-        for key in values:
-            text = "<pickled>" if key in pickled else repr(loaded[key])
-            print(f"  {key} = {text if len(text) <= 120 else text[:117] + '...'}", file=out)
+    for key in values:
+        text = "<pickled>" if key in pickled else repr(loaded[key])
+        print(f"  {key} = {text if len(text) <= 120 else text[:117] + '...'}", file=out)
     file_bytes = sum(f.size for f in metadata.files.values())
     print(f"total tensor bytes: {total} ({format_bytes(total, digits=2, sep=' ')}); {len(metadata.files)} data file(s), "
           f"{file_bytes} bytes on disk", file=out)

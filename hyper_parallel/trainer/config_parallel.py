@@ -1,0 +1,142 @@
+"""The ``parallel`` config group: how the world factors into pipeline, data-parallel and
+tensor-parallel ranks, and what each degree cannot split."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+from hyper_parallel.models.llama import LlamaConfig
+from hyper_parallel.trainer.config_rules import key
+
+# torch.distributed.pipelining's schedules, by the names the config takes.
+PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    """The layout of the world: ``pp`` pipeline stages x ``replicate`` x ``shard``
+    data-parallel ranks x ``tp`` tensor-parallel ranks, row-major (the ``tp`` ranks of one
+    data-parallel rank are adjacent; a pipeline stage's ranks are a contiguous block)."""
+
+    replicate: int
+    shard: int
+    tp: int = 1
+    pp: int = 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.replicate * self.shard
+
+    @property
+    def world_size(self) -> int:
+        return self.pp * self.dp_size * self.tp
+
+    @property
+    def loss_ranks(self) -> int:
+        """How many ranks hold a loss: those of the last pipeline stage (all ranks without PP)."""
+        return self.dp_size * self.tp
+
+    def dp_rank(self, rank: int) -> int:
+        """The data-parallel index of global ``rank`` (its slice of each global batch)."""
+        return (rank // self.tp) % self.dp_size
+
+    def pp_rank(self, rank: int) -> int:
+        """The pipeline index of global ``rank``."""
+        return rank // (self.dp_size * self.tp)
+
+
+@dataclass
+class ParallelConfig:
+    """The ``parallel`` group (``fsdp``, ``hsdp``): the mesh and precision.
+
+    The world factors as ``pp x dp_replicate x dp_shard x tp`` (mesh dims in that order)."""
+
+    dp_replicate: int = key(1, min=1)
+    dp_shard: int = key(-1, min=-1)                 # -1: the rest of the world (world_size / (pp x dp_replicate x tp))
+    tp: int = key(1, min=1)                         # tensor-parallel degree (Megatron-style plan, within a node)
+    pp: int = key(1, min=1)                         # pipeline-parallel degree (stages of consecutive blocks)
+    pp_schedule: str = key("1F1B", choices=PP_SCHEDULES)  # torch's schedule (Interleaved1F1B: 2 stages per rank)
+    pp_microbatches: Optional[int] = key(None, min=1)  # pipeline micro-batches per grad-accum step (null: 2 x stages)
+    pp_layers_per_stage: Optional[List[int]] = key(None, min=1)  # blocks of each stage, in order (null: an even split)
+    mixed_precision: str = key("fp32", choices=("fp32", "bf16"))  # bf16: bf16 compute, fp32 master weights and reduction
+    reshard_after_forward: bool = key(True)
+
+    def resolve(self, world_size: int) -> Tuple[Optional[ParallelDims], Optional[str]]:
+        """The mesh shape (``dp_shard=-1``: the rest of the world), or why it does not factor
+        ``world_size``."""
+        pp, replicate, shard, tp = self.pp, self.dp_replicate, self.dp_shard, self.tp
+        if shard == -1:
+            if world_size % (pp * replicate * tp):
+                fixed = " x ".join(f"parallel.{k}={v}" for k, v in (("pp", pp), ("dp_replicate", replicate),
+                                                                    ("tp", tp)) if v > 1)
+                return None, f"{fixed or 'parallel.dp_replicate=1'} does not divide the world size {world_size}"
+            shard = world_size // (pp * replicate * tp)
+        if shard < 1 or pp * replicate * shard * tp != world_size:
+            with_pp = f"parallel.pp={pp} x " if pp > 1 else ""
+            with_tp = f" x parallel.tp={tp}" if tp > 1 else ""
+            return None, (f"{with_pp}parallel.dp_replicate={replicate} x parallel.dp_shard={self.dp_shard}{with_tp} "
+                          f"does not factor the world size {world_size} (use dp_shard=-1 for the rest of the world)")
+        return ParallelDims(replicate, shard, tp, pp), None
+
+    def split_problems(self, llama: LlamaConfig, seq_len: int) -> List[str]:
+        """What tensor parallelism cannot split: heads, kv-heads, the MLP's hidden size, the
+        vocabulary (vocab-parallel embedding and output) and the sequence (sequence-parallel
+        norms) must each divide by ``tp``."""
+        if self.tp == 1:
+            return []
+        sizes = {"model.n_heads": llama.n_heads, "model.n_kv_heads": llama.n_kv_heads,
+                 "model.ffn_hidden_dim": llama.ffn_hidden_dim, "model.vocab_size": llama.vocab_size,
+                 "training.seq_len": seq_len}
+        bad = [f"{name}={size}" for name, size in sizes.items() if size % self.tp]
+        if not bad:
+            return []
+        each, them = ("each", "them") if len(bad) > 1 else ("it", "it")
+        return [f"parallel.tp={self.tp} does not divide {', '.join(bad)} (tensor parallelism splits {each} "
+                f"over the tp ranks; pick a tp that divides {them})"]
+
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages in all: ``pp`` x the schedule's stages per rank."""
+        from hyper_parallel.pipeline import stages_per_rank
+
+        return self.pp * stages_per_rank(self.pp_schedule)
+
+    @property
+    def microbatches(self) -> int:
+        """``pp_microbatches``, by default twice the stages (1F1B's bubble then at most a third)."""
+        return self.pp_microbatches if self.pp_microbatches is not None else 2 * self.num_stages
+
+    def pipeline_problems(self, llama: LlamaConfig, micro_batch: Optional[int], tie_embeddings: bool) -> List[str]:
+        """What pipeline parallelism cannot split: the blocks over the stages
+        (``pp_layers_per_stage``), the per-rank micro-batch (``micro_batch`` samples, None when
+        it is not a whole number) over ``pp_microbatches``, and tied embeddings (the embedding
+        is on the first stage, the output on the last)."""
+        if self.pp == 1:
+            return []
+        from hyper_parallel.pipeline import stage_layers
+
+        pp, problems = f"parallel.pp={self.pp}", []
+        layout = f"{pp} with parallel.pp_schedule={self.pp_schedule} ({self.num_stages} stages)"
+        try:
+            stage_layers(llama.n_layers, self.num_stages, self.pp_layers_per_stage)
+        except ValueError as err:
+            given = f"parallel.pp_layers_per_stage={self.pp_layers_per_stage} with " if self.pp_layers_per_stage else ""
+            problems.append(f"{given}{layout} and model.n_layers={llama.n_layers}: {err}")
+        if tie_embeddings:
+            problems.append(f"model.tie_embeddings=true with {pp} is not supported (the embedding is on the first "
+                            "stage, the output layer on the last); untie them or set parallel.pp=1")
+        m = self.microbatches
+        given = (f"parallel.pp_microbatches={m}" if self.pp_microbatches is not None
+                 else f"parallel.pp_microbatches=null (2 x {self.num_stages} stages = {m})")
+        if micro_batch is not None and micro_batch % m:
+            problems.append(f"{given} does not divide the per-rank micro-batch of {micro_batch} samples "
+                            "(training.global_batch_size / data-parallel ranks / training.grad_accum_steps); "
+                            "set parallel.pp_microbatches to a divisor of it, or change the batch")
+        elif self.pp_schedule != "GPipe" and m < self.pp:
+            problems.append(f"{given} is fewer than {pp} ({self.pp_schedule} needs at least one "
+                            "micro-batch per pipeline rank)")
+        elif self.pp_schedule == "Interleaved1F1B" and m % max(1, m // self.pp):
+            problems.append(f"{given} with {pp}: Interleaved1F1B needs a multiple of its "
+                            f"{m // self.pp} rounds (parallel.pp_microbatches // parallel.pp)")
+        return problems

@@ -1,0 +1,101 @@
+"""Pipeline parallelism in the recipe: this rank's stage modules over ``mesh["pp"]``, the
+schedule that runs them, and one optimizer step through it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Dict, List
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hyper_parallel.models.llama import Transformer
+from hyper_parallel.parallel import cross_entropy, loss_parallel
+from hyper_parallel.pipeline import (Schedule, ShardedPipelineStage, build_schedule, split_stage, stage_indices,
+                                     stage_layers)
+from hyper_parallel.trainer.config_parallel import ParallelConfig
+from hyper_parallel.trainer.config_schema import ModelConfig, llama_config
+from hyper_parallel.trainer.parallelize import parallelize
+
+
+@dataclass
+class Pipeline:
+    """This rank's pipeline stages (their modules keep the whole model's parameter names) and
+    the schedule that runs them over the ``pp`` process group."""
+
+    parts: List[nn.Module]     # one module per stage of this rank, in schedule order
+    stage_indices: List[int]   # their stage numbers
+    num_stages: int
+    schedule: Schedule         # torch.distributed.pipelining's, over this rank's stages
+    pp_group: dist.ProcessGroup  # the pipeline process group (gradient norms reduce over it)
+    grad_accum_steps: int      # schedule calls per batch (the schedule's losses are scaled by it)
+
+    @property
+    def has_first(self) -> bool:
+        return 0 in self.stage_indices
+
+    @property
+    def has_last(self) -> bool:
+        return self.num_stages - 1 in self.stage_indices
+
+    def mean_loss(self, batch: torch.Tensor, *, train: bool) -> torch.Tensor:
+        """The schedule over ``batch`` (``(local_batch, seq_len + 1)`` tokens, the same on every
+        stage of a data-parallel rank), one call per accumulation step (the micro-batch shapes
+        the stages were set up with): forward and backward when ``train`` (gradients
+        accumulate), else forward only (call under ``torch.no_grad()``). Returns the batch's
+        mean loss on the last stage, 0 on the others."""
+        total = torch.zeros((), device=batch.device)
+        for micro in batch.chunk(self.grad_accum_steps):
+            args = (micro[:, :-1],) if self.has_first else ()
+            target = micro[:, 1:] if self.has_last else None
+            losses: List[torch.Tensor] = []
+            # The loss's backward runs inside the schedule: vocab-parallel logits need the context.
+            with loss_parallel():
+                (self.schedule.step if train else self.schedule.eval)(*args, target=target, losses=losses)
+            for loss in losses:
+                total = total + loss.detach()
+        # The schedule's losses sum to the batch mean in training (each is divided by
+        # microbatches x accumulation steps), to each call's mean in evaluation.
+        return total if train else total / self.grad_accum_steps
+
+
+def build_pipeline(model_cfg: ModelConfig, parallel: ParallelConfig, *, mesh: DeviceMesh, device: torch.device,
+                   seed: int, grad_accum_steps: int, **options: Any) -> Pipeline:
+    """This rank's stages of the configured model, each parallelised as a whole model would be
+    (:func:`parallelize`: tensor parallelism, activation checkpointing, compile, ``fully_shard``
+    over the data-parallel dims, then initialised to the whole model's values), wrapped in
+    stages over ``mesh["pp"]`` and a ``parallel.pp_schedule`` schedule of
+    ``parallel.microbatches`` micro-batches per call. ``options``: :func:`parallelize`'s."""
+    with torch.device("meta"):
+        whole = Transformer(llama_config(model_cfg))
+    ranges = stage_layers(model_cfg.n_layers, parallel.num_stages, parallel.pp_layers_per_stage)
+    pp_mesh = mesh["pp"]
+    indices = stage_indices(pp_mesh.get_local_rank(), parallel.pp, parallel.pp_schedule)
+    parts, stages = [], []
+    for index in indices:
+        part = split_stage(whole, ranges[index], first=index == 0, last=index == len(ranges) - 1)
+        parts.append(parallelize(part, model_cfg, mesh=mesh, device=device, seed=seed, **options))
+        # mesh: with TP the activations between stages are DTensors on its sub-meshes.
+        stages.append(ShardedPipelineStage(part, index, len(ranges), device, group=pp_mesh.get_group(), mesh=mesh))
+    schedule = build_schedule(stages, parallel.pp_schedule, parallel.microbatches, cross_entropy,
+                              grad_accum=grad_accum_steps)
+    return Pipeline(parts, indices, len(ranges), schedule, pp_mesh.get_group(), grad_accum_steps)
+
+
+def pipelined_step(pipeline: Pipeline, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
+                   *, max_grad_norm: float) -> Dict[str, torch.Tensor]:
+    """:func:`~hyper_parallel.trainer.step.train_step` through the pipeline: one schedule call
+    per accumulation step (``pipeline.grad_accum_steps``), clipping by the norm over all
+    stages, the update. Returns 0-dim tensors: ``loss``, this data-parallel rank's mean loss on
+    the last stage (0 on the others), and ``grad_norm``."""
+    import hyper_parallel as hp
+
+    loss = pipeline.mean_loss(batch, train=True)
+    clip = max_grad_norm if max_grad_norm > 0 else float("inf")
+    params = [p for part in pipeline.parts for p in part.parameters()]
+    grad_norm = hp.clip_grad_norm_(params, clip, pp_group=pipeline.pp_group)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return {"loss": loss, "grad_norm": grad_norm}

@@ -1,0 +1,79 @@
+"""What a run reports in words: the job's one-line description, where it starts, why a
+checkpoint does not fit, and the end-of-run summary."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from omegaconf import OmegaConf
+
+from hyper_parallel.models.llama import Transformer
+from hyper_parallel.trainer import operations
+from hyper_parallel.trainer.config import model_overrides
+from hyper_parallel.trainer.config_schema import TrainConfig, llama_config, shape
+
+if TYPE_CHECKING:
+    from hyper_parallel.trainer.loop import RunSummary, TrainingJob
+
+
+def resume_mismatch(cfg: TrainConfig, path: str, err: Exception) -> str:
+    """Why the checkpoint at ``path`` does not fit this run, and what to do about it: the model
+    keys that differ from the run's ``config.yaml`` (next to the checkpoint's folder, else in
+    ``output_dir``), else the first line of ``err``."""
+    candidates = [os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(path))), "config.yaml"),
+                  os.path.join(cfg.output_dir, "config.yaml")]
+    changed = []
+    saved_path = next((p for p in candidates if os.path.isfile(p)), None)
+    if saved_path is not None:
+        saved = OmegaConf.load(saved_path).get("model", {})
+        changed = [f"model.{k}: saved {saved[k]!r}, now {v!r}" for k, v in shape(cfg.model).items()
+                   if k in saved and saved[k] != v]
+    detail = "; ".join(changed) if changed else str(err).strip().splitlines()[0]
+    return (f"cannot resume from {path} ({detail}). For a new run use a new "
+            "output_dir (or checkpoint.folder); to continue that run use the settings it was written with")
+
+
+def describe(job: TrainingJob) -> str:
+    """One line: model (its preset and any size overrides), mesh, precision, data, loss floor."""
+    cfg, mesh = job.cfg, job.mesh
+    mesh_desc = "x".join(map(str, mesh.shape)) + f" ({', '.join(mesh.mesh_dim_names)})"
+    floor = f", loss floor {job.loss_floor:.4f}" if job.loss_floor is not None else ""
+    changed = model_overrides(cfg.model)
+    name = cfg.model.name + (f" with {', '.join(f'{k}={v}' for k, v in changed.items())}" if changed else "")
+    count = sum(p.numel() for m in job.model_parts for p in m.parameters())  # global sizes (DTensors)
+    if job.pipeline is not None:  # this rank's stages: the whole model's count from its shapes
+        with torch.device("meta"):
+            whole = Transformer(llama_config(cfg.model)).num_params()
+        count_desc = (f"{whole:,} parameters ({count:,} in stage(s) {job.pipeline.stage_indices} of "
+                      f"{job.pipeline.num_stages} on this rank)")
+    else:
+        count_desc = f"{count:,} parameters"
+    return (f"model {name}: {count_desc}, mesh {mesh_desc}, {cfg.parallel.mixed_precision}, "
+            f"data {cfg.data.kind}{floor}")
+
+
+def starting_point(cfg: TrainConfig, plan: Optional[operations.LoadPlan]) -> str:
+    """Where training starts: a checkpoint, ``model.init_from``, or a fresh initialisation."""
+    if plan is not None:
+        return plan.description
+    if cfg.model.init_from:
+        return f"starting at step 0 from the weights in {cfg.model.init_from} (model.init_from)"
+    return "starting from scratch"
+
+
+def format_summary(summary: RunSummary, cfg: TrainConfig) -> str:
+    """The end-of-run report printed on rank 0."""
+    lines = [f"done: steps {summary.start_step} -> {summary.end_step} in {summary.wall_time_s:.1f}s "
+             f"({summary.tokens_per_s:,.0f} tokens/s)"]
+    if summary.losses:
+        lines.append(f"loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}"
+                     + (f" (best achievable {summary.loss_floor:.4f})" if summary.loss_floor is not None else ""))
+    lines.append(f"metrics: {os.path.join(cfg.output_dir, 'metrics.jsonl')}")
+    lines.append(f"checkpoints: {cfg.checkpoint.folder}")
+    if cfg.logging.tensorboard:
+        lines.append(f"tensorboard: {os.path.join(cfg.output_dir, 'tensorboard')}")
+    if cfg.logging.wandb:
+        lines.append(f"wandb: {os.path.join(cfg.output_dir, 'wandb')} (project {cfg.logging.wandb_project})")
+    return "\n".join(lines)
