@@ -4,8 +4,8 @@ Starts moto's S3 server on 127.0.0.1 (a free port; stopped by its process id at 
 gloo CPU ranks with a sharded state of about ``--mb`` MB: parameters plus AdamW moments as
 ``Shard(0)`` DTensors. Per repetition, in alternating order: a save with each library
 (``hdcp.save`` to ``s3://.../ours-N``, ``dcp.save`` with torch's
-``torch.distributed.checkpoint._fsspec_filesystem.FsspecWriter``: a private torch module, used
-here in the benchmark only), then a resharding load of each into ``Shard(1)`` targets (ours with
+fsspec ``FsspecWriter``: public from torch 2.15, a private module before, reached through
+``hyper_parallel._torch_compat.dcp_fsspec_storage``), then a resharding load of each into ``Shard(1)`` targets (ours with
 verification on, the default; ``FsspecReader`` for DCP), checked equal to the saved values.
 Reported: median wall times, the ratios (DCP time / ours: above 1 we are faster), and the bytes
 each library's resharding load fetched (``ContentLength`` of every GET, counted by wrapping
@@ -33,8 +33,6 @@ from typing import Callable, Dict, List
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader as DcpFsspecReader
-from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter as DcpFsspecWriter
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
@@ -42,7 +40,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hyper_parallel.checkpoint as hdcp  # noqa: E402
 from benchmarks.launch import launch  # noqa: E402
+from hyper_parallel._torch_compat import dcp_fsspec_storage  # noqa: E402
 from hyper_parallel.platform import free_port  # noqa: E402
+
+DcpFsspecWriter, DcpFsspecReader = dcp_fsspec_storage()
 
 ROWS, COLS = 1024, 1024  # one tensor: 4 MiB in fp32
 BUCKET = "bench"

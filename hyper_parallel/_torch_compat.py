@@ -9,7 +9,7 @@ the README (``make test-torch TORCH=<version>`` runs the suite on another one).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional
+from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401  (re-exported)
@@ -27,6 +27,7 @@ __all__ = [
     "chunk_cat",
     "compute_local_shape_and_global_offset",
     "current_graph_task_id",
+    "dcp_fsspec_storage",
     "dcp_mem_format_encoding",
     "dcp_storage_info",
     "disable_functorch_if_active",
@@ -137,3 +138,13 @@ def init_fake_process_group(rank: int, world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+
+
+def dcp_fsspec_storage() -> Tuple[type, type]:
+    """torch DCP's fsspec ``(FsspecWriter, FsspecReader)`` classes: public from torch 2.15
+    (``torch.distributed.checkpoint``), a private module before (benchmarks compare with them)."""
+    try:
+        from torch.distributed.checkpoint import FsspecReader, FsspecWriter
+    except ImportError:
+        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
+    return FsspecWriter, FsspecReader

@@ -52,6 +52,14 @@ def test_every_compat_function_is_called_here():
     assert not untested, f"_torch_compat functions without a test naming them here: {untested}"
 
 
+def test_dcp_fsspec_storage():
+    pytest.importorskip("fsspec")
+    from torch.distributed.checkpoint import StorageReader, StorageWriter
+
+    writer, reader = compat.dcp_fsspec_storage()
+    assert issubclass(writer, StorageWriter) and issubclass(reader, StorageReader)
+
+
 def test_chunk_cat():
     a, b = torch.arange(4.0).view(2, 2), torch.arange(4.0, 6.0).view(2, 1)
     # rank-major chunks: rank 0 gets row 0 of each tensor, rank 1 row 1
