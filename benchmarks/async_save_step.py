@@ -6,7 +6,8 @@ A Llama-style model under ``hp.fully_shard`` (each block, then the root) with Ad
 CPU ranks spawned here (or under torchrun: ``--device cuda``). The modes run in turn for
 ``--steps`` steps each, ``--rounds`` times (the order alternates, so machine load hits all
 alike); a step is forward + backward + ``optimizer.step()`` + ``zero_grad`` + ``manager.save``,
-timed on the slowest rank. The background stager's copy overlaps the next step's forward and
+timed on the slowest rank (and the CPU time of all ranks' threads: on CPU the background
+copy shares the cores with the step). The background stager's copy overlaps the next step's forward and
 backward; its optimizer pre-hook makes ``optimizer.step()`` wait for it.
 
     python benchmarks/async_save_step.py [--model llama_50m] [--seq 128] [--steps 4] [--rounds 2]
@@ -42,9 +43,9 @@ MODES: Dict[str, Optional[dict]] = {
 }
 
 
-def _slowest(seconds: float) -> float:
+def _over_ranks(seconds: float, op=dist.ReduceOp.MAX) -> float:
     t = torch.tensor([seconds], dtype=torch.float64, device=get_platform().current_device())
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return float(t.item())
 
 
@@ -75,6 +76,7 @@ def main_in_group(args: argparse.Namespace) -> None:
             manager.save(n, state)
 
     times: Dict[str, List[float]] = {mode: [] for mode in MODES}
+    cpu: Dict[str, List[float]] = {mode: [] for mode in MODES}
     step_no = 0
     for round_no in range(args.rounds + 1):  # round 0 warms up (first saves allocate staging slabs)
         order = list(MODES) if round_no % 2 == 0 else list(reversed(MODES))
@@ -83,12 +85,14 @@ def main_in_group(args: argparse.Namespace) -> None:
             manager = None if MODES[mode] is None else hdcp.CheckpointManager(folder, keep_last_n=1, **MODES[mode])
             for _ in range(args.steps if round_no else 1):
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 step(manager, step_no)
                 platform.synchronize()
-                elapsed = _slowest(time.perf_counter() - start)
+                elapsed = _over_ranks(time.perf_counter() - start)
+                cpu_s = _over_ranks(time.process_time() - cpu_start, dist.ReduceOp.SUM)
                 if round_no:
                     times[mode].append(elapsed)
+                    cpu[mode].append(cpu_s)
                 step_no += 1
             if manager is not None:
                 manager.close()  # waits for the last save (not timed: the loop would go on)
@@ -96,11 +100,12 @@ def main_in_group(args: argparse.Namespace) -> None:
             if rank == 0:
                 shutil.rmtree(folder, ignore_errors=True)
     if rank == 0:
-        _report(args, model, times)
+        _report(args, model, times, cpu)
     dist.destroy_process_group()
 
 
-def _report(args: argparse.Namespace, model: torch.nn.Module, times: Dict[str, List[float]]) -> None:
+def _report(args: argparse.Namespace, model: torch.nn.Module, times: Dict[str, List[float]],
+            cpu: Dict[str, List[float]]) -> None:
     params = sum(p.numel() for p in model.parameters())
     base = statistics.median(times["no checkpoint"])
     print(f"\nmodel {args.model} ({params / 1e6:.1f} M parameters; checkpoint ~{params * 12 / 1e9:.2f} GB of "
@@ -108,12 +113,14 @@ def _report(args: argparse.Namespace, model: torch.nn.Module, times: Dict[str, L
           f"{args.device} ranks, torch {torch.__version__}, a save every step, "
           f"{args.rounds} rounds x {args.steps} steps per mode; load average "
           + " ".join(f"{x:.1f}" for x in os.getloadavg()) + "\n")
-    print("| mode | step s, median (runs) | per checkpoint vs no checkpoint |")
-    print("|---|---|---|")
+    print("| mode | step s, median (runs) | per checkpoint vs no checkpoint | CPU s per step, all ranks and "
+          "threads (median) |")
+    print("|---|---|---|---|")
     for mode, runs in times.items():
         median = statistics.median(runs)
-        extra = "" if mode == "no checkpoint" else f"+{median - base:.3f} s ({(median - base) / base:+.0%})"
-        print(f"| {mode} | {median:.3f} ({', '.join(f'{t:.2f}' for t in runs)}) | {extra} |")
+        extra = "" if mode == "no checkpoint" else f"{median - base:+.3f} s ({(median - base) / base:+.0%})"
+        print(f"| {mode} | {median:.3f} ({', '.join(f'{t:.2f}' for t in runs)}) | {extra} | "
+              f"{statistics.median(cpu[mode]):.2f} |")
 
 
 def main() -> None:
