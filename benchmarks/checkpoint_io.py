@@ -68,21 +68,24 @@ def _barrier() -> None:
     dist.barrier()
 
 
-def _timed(fn: Callable[[], object], cold: bool = False) -> tuple[float, Dict[str, int]]:
-    """Wall time of ``fn`` across both ranks (barriers around it) and this rank's I/O counters."""
+def _timed(fn: Callable[[], object], cold: bool = False) -> tuple[float, Dict[str, float]]:
+    """Wall time of ``fn`` across both ranks (barriers around it), this rank's I/O counters and
+    its CPU time (``cpu_s``: all its threads; the figure that machine load disturbs least)."""
     _barrier()
     if cold:
         if dist.get_rank() == 0:
             drop_caches()
         _barrier()
     before = _io_counters()
-    start = time.perf_counter()
+    start, cpu_start = time.perf_counter(), time.process_time()
     fn()
+    cpu = time.process_time() - cpu_start
     _sync_device()
     _barrier()
     elapsed = time.perf_counter() - start
     after = _io_counters()
-    return elapsed, {k: after[k] - before[k] for k in ("rchar", "read_bytes", "wchar", "write_bytes")}
+    return elapsed, {**{k: after[k] - before[k] for k in ("rchar", "read_bytes", "wchar", "write_bytes")},
+                     "cpu_s": cpu}
 
 
 def _device() -> torch.device:
@@ -227,6 +230,7 @@ def _run(rank: int, port: int, args) -> None:
     }
     times: Dict[str, Dict[str, List[float]]] = {name: {"save": [], "load": []} for name in impls}
     read_bytes: Dict[str, List[float]] = {name: [] for name in impls}
+    load_cpu: Dict[str, List[float]] = {name: [] for name in impls}
     ceilings = [_disk_ceiling(root, total // world)]  # before and after the runs; best counts
     for name, (save_fn, _, path) in impls.items():  # warm-up: first-call costs are not I/O
         fresh(path)
@@ -242,6 +246,7 @@ def _run(rank: int, port: int, args) -> None:
             seconds, io = _timed(lambda: load_fn(target), cold=cold)
             times[name]["load"].append(seconds)
             read_bytes[name].append(_sum_over_ranks(io["read_bytes"]))
+            load_cpu[name].append(_sum_over_ranks(io["cpu_s"]))
             assert _equal(state, target), f"{name} load returned different values"
             del target
 
@@ -323,11 +328,11 @@ def _run(rank: int, port: int, args) -> None:
     write_gbs, read_gbs = (max(c[i] for c in ceilings) for i in (0, 1))
     if rank == 0:
         shutil.rmtree(root, ignore_errors=True)
-        _report(args, total, cold, times, read_bytes, reshard, async_results, write_gbs, read_gbs)
+        _report(args, total, cold, times, read_bytes, load_cpu, reshard, async_results, write_gbs, read_gbs)
     dist.destroy_process_group()
 
 
-def _report(args, total, cold, times, read_bytes, reshard, async_results, write_gbs, read_gbs) -> None:
+def _report(args, total, cold, times, read_bytes, load_cpu, reshard, async_results, write_gbs, read_gbs) -> None:
     gb = total / 1e9
 
     def rate(name: str, op: str, pick=statistics.median) -> float:
@@ -349,14 +354,14 @@ def _report(args, total, cold, times, read_bytes, reshard, async_results, write_
           f"cold read {read_gbs:.2f} GB/s\n")
     print("One untimed warm-up save per implementation first; GB/s of the median and of the best run.\n")
     print("| | save GB/s median (best) | load GB/s median (best) | save s (runs) | load s (runs) "
-          "| bytes read from disk per load |")
-    print("|---|---|---|---|---|---|")
+          "| bytes read from disk per load | load CPU s, all ranks (median) |")
+    print("|---|---|---|---|---|---|---|")
     for name in times:
         print(f"| {name} | {rate(name, 'save'):.2f} ({rate(name, 'save', min):.2f}) | "
               f"{rate(name, 'load'):.2f} ({rate(name, 'load', min):.2f}) | "
               f"{', '.join(f'{t:.2f}' for t in times[name]['save'])} | "
               f"{', '.join(f'{t:.2f}' for t in times[name]['load'])} | "
-              f"{statistics.median(read_bytes[name]) / 1e9:.3f} GB |")
+              f"{statistics.median(read_bytes[name]) / 1e9:.3f} GB | {statistics.median(load_cpu[name]):.3f} |")
     ours, ref = "hyper_parallel", "torch_dcp"
     for label, pick in (("median", statistics.median), ("best", min)):
         print(f"\n{label} runs: ours / torch DCP: save {rate(ours, 'save', pick) / rate(ref, 'save', pick):.2f}x, "

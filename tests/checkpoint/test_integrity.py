@@ -14,8 +14,11 @@ import time
 import zlib
 
 import pytest
+import torch
 
 from hyper_parallel import checkpoint as hdcp
+from hyper_parallel.core.distributed_checkpoint.filesystem import block_reads
+from hyper_parallel.core.distributed_checkpoint.format.metadata import MetadataIndex
 from tests.checkpoint.helpers import assert_state_equal, blank_state, full_state, load_and_check, save_layout
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -42,6 +45,37 @@ def test_flipped_byte_is_caught_by_verify(ckpt):
         _load(ckpt, storage_reader=hdcp.FileSystemReader(ckpt, verify=True))
     with pytest.raises(hdcp.CheckpointError, match=f"{data_file} fails its checksum"):
         hdcp.verify_checkpoint(ckpt)
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "strided"])
+@pytest.mark.parametrize("where", [0.0, 0.5, 1.0])
+def test_flipped_byte_in_any_piece_of_a_chunk_is_caught(tmp_path, monkeypatch, where, layout):
+    """A chunk is read and checksummed piece by piece (block_reads.PIECE_BYTES): a flip in the
+    first, a middle or the last piece fails, read straight into the destination or (a strided
+    destination) through the block buffer."""
+    monkeypatch.setattr(block_reads, "PIECE_BYTES", 4096)  # a 16 KiB chunk in 4 pieces
+    path = str(tmp_path / "ckpt")
+    saved = torch.randn(64, 64)
+    hdcp.save({"w": saved}, checkpoint_id=path, no_dist=True)
+    info = hdcp.FileSystemReader(path).read_metadata().storage_data[MetadataIndex("w", (0, 0))]
+
+    def target():
+        return {"w": torch.zeros(64, 64) if layout == "contiguous" else torch.zeros(64, 64).t()}
+
+    intact = target()
+    hdcp.load(intact, checkpoint_id=path, no_dist=True)  # the pieces' crc32s add up to the chunk's
+    assert torch.equal(intact["w"], saved)
+    at = info.offset + int(where * (info.length - 1))
+    data_file = os.path.join(path, info.relative_path)
+    with open(data_file, "r+b") as f:
+        f.seek(at)
+        byte = f.read(1)
+        f.seek(at)
+        f.write(bytes([byte[0] ^ 0x10]))
+    with pytest.raises(hdcp.CheckpointError, match=f"checksum mismatch in {data_file} bytes "
+                                                   f"{info.offset}..{info.offset + info.length}"):
+        hdcp.load(target(), checkpoint_id=path, no_dist=True)
+    hdcp.load(target(), checkpoint_id=path, no_dist=True, verify=False)  # unverified: loads
 
 
 def test_truncated_file_is_refused(ckpt):

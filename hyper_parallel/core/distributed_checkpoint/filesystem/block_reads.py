@@ -1,28 +1,26 @@
-"""Chunk reads through two reused block buffers (or straight into plain memory):
+"""Chunk reads in pieces, each checksummed as soon as it is read (or straight into plain memory):
 
-- checked reads: a stored chunk read whole, block by block; each block's crc32 is handed to
-  a helper thread and the next block (of this chunk or the next one) is read at once, never
-  waiting for it (the crc and the reads both release the GIL). The helper runs the blocks in
-  order, advancing each chunk's crc; a chunk's check, and what follows it, runs on the
-  reading thread once its crc is known: after a later read finds it done, or at
-  :meth:`BlockReads.settle`. Only a block buffer about to be refilled waits for its crc, so
-  reads straight into the destination never wait for the checksums (which fall behind
-  while the helper waits for a CPU on a busy machine);
+- checked reads: a stored chunk read whole, in pieces of ``PIECE_BYTES``; each piece's crc32
+  runs on the reading thread right after its read, while the bytes the kernel just copied are
+  still in the core's cache, so the checksum is no second pass over memory (ISA-L's crc32 runs
+  at ~100 GB/s on cached bytes, ~15 GB/s from memory; ``benchmarks/RESULTS.md``, issue 20).
+  A chunk is read either straight into its destination or, when the rank needs a box of it,
+  into one reused block buffer of whole rows from which the box is copied out;
 - row reads: the rows of a chunk that a box with many small pieces lies in, read in a few
   large reads and copied out in memory, instead of one syscall per piece.
 
-From the block buffers the box a rank needs is copied to its destination while the helper
-checksums the block: by ``copy(source, target)``, which for device memory, strided views and
-other dtypes stages it in pinned slabs for the copy stream (``BounceReads.copy``), so checked
-and unchecked loads reach device memory the same way.
+From the block buffer the box a rank needs is copied to its destination by ``copy(source,
+target)``, which for device memory, strided views and other dtypes stages it in pinned slabs
+for the copy stream (``BounceReads.copy``), so checked and unchecked loads reach device memory
+the same way. The disk keeps reading ahead meanwhile (the kernel's readahead), so checking on
+the reading thread costs the disk nothing; several reader threads (``thread_count``) read and
+check different chunks at once.
 """
 
 from __future__ import annotations
 
 import math
-from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Callable, Deque, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Callable, NamedTuple, Optional, Sequence
 
 import torch
 
@@ -32,7 +30,11 @@ from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow
 from hyper_parallel.core.distributed_checkpoint.planner import ReadItem
 
 BLOCK_BYTES = 8 << 20
-"""Bytes read (and checksummed) at a time."""
+"""Bytes of whole rows read into the block buffer before the box is copied out of them."""
+
+PIECE_BYTES = 512 << 10
+"""Bytes read (and checksummed) at a time: small enough to stay in a core's L2 cache between
+the read and its crc32, large enough that a syscall per piece costs nothing measurable."""
 
 _Copier = Callable[[torch.Tensor, torch.Tensor], None]  # copy(source, target)
 
@@ -41,24 +43,14 @@ def _copy_now(source: torch.Tensor, target: torch.Tensor) -> None:
     target.copy_(source)
 
 
-class _RunningCrc:
-    """A chunk's crc32, advanced block by block on the helper thread (one worker: in order)."""
-
-    __slots__ = ("value",)
-
-    def __init__(self) -> None:
-        self.value = 0
-
-    def add(self, data) -> None:
-        self.value = crc32(data, self.value)
-
-
-class _PendingCheck(NamedTuple):
-    """A chunk read whole whose crc32 is still being computed."""
-
-    last_block: Future  # the helper's task for the chunk's last block
-    crc: _RunningCrc  # its value is the chunk's crc32 once ``last_block`` is done
-    then: Callable[[int], None]  # called with the chunk's crc32
+def read_checked(fd: int, view: memoryview, offset: int, path: str, crc: int = 0) -> int:
+    """Fill ``view`` (bytes) from ``fd`` at ``offset`` piece by piece, returning the crc32 of
+    its bytes continued from ``crc``."""
+    for start in range(0, len(view), PIECE_BYTES):
+        piece = view[start:start + PIECE_BYTES]
+        read_exact(fd, piece, offset + start, path)
+        crc = crc32(piece, crc)
+    return crc
 
 
 class _BoxCopy(NamedTuple):
@@ -72,32 +64,31 @@ class _BoxCopy(NamedTuple):
 
 
 class BlockReads:
-    """One reader thread's block reads. Call :meth:`settle` after the last read (it runs
-    the last chunk's check) and :meth:`close` in any case."""
+    """One reader thread's block buffer, for reads of boxes of stored chunks. Call
+    :meth:`close` after the last read."""
 
     def __init__(self, block_bytes: int = BLOCK_BYTES) -> None:
         self._block = block_bytes
-        self._pool = ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-verify")
-        self._buffers: List[torch.Tensor] = []
-        self._checksumming: List[Optional[Future]] = []  # per buffer: the helper's last task on it
-        self._turn = 0  # which buffer the next block goes to
-        self._pending: Deque[_PendingCheck] = deque()  # in read order
+        self._buffer: Optional[torch.Tensor] = None
 
-    def read_into(self, fd: int, into, offset: int, path: str, then: Callable[[int], None]) -> None:
-        """Read ``len(into)`` bytes at ``offset`` into the buffer ``into``; ``then(crc32)``
-        runs once their crc32 is known (``into`` must stay alive until then)."""
-        view = memoryview(into).cast("B")
-        self._read(fd, offset, len(view), self._block, lambda start, n: (view[start:start + n], None), None,
-                   path, then)
+    @staticmethod
+    def read_into(fd: int, into, offset: int, path: str) -> int:
+        """Read ``len(into)`` bytes at ``offset`` into the buffer ``into``; returns their crc32."""
+        return read_checked(fd, memoryview(into).cast("B"), offset, path)
 
     def read_box(self, fd: int, offset: int, sizes: Sequence[int], item: ReadItem, dest: torch.Tensor,
-                 dtype: torch.dtype, path: str, then: Callable[[int], None], copy: Optional[_Copier] = None) -> None:
+                 dtype: torch.dtype, path: str, copy: Optional[_Copier] = None) -> int:
         """Read the row-major chunk of ``sizes`` stored at ``offset`` whole, copying the box
         ``item.storage_offsets``/``item.lengths`` of it into ``dest`` (by ``copy(source,
-        target)``, default ``target.copy_(source)``, before the block is refilled);
-        ``then(crc32)`` runs once the chunk's crc32 is known."""
+        target)``, default ``target.copy_(source)``, before the block buffer is refilled);
+        returns the chunk's crc32."""
         copier = self._box_copier(sizes, item, dest, dtype, copy or _copy_now)
-        self._read(fd, offset, copier.length, copier.block, self._next_buffer, copier.use, path, then)
+        crc = 0
+        for start in range(0, copier.length, copier.block):
+            view = self._view(min(copier.block, copier.length - start))
+            crc = read_checked(fd, memoryview(view), offset + start, path, crc)
+            copier.use(start, view)
+        return crc
 
     def read_rows(self, fd: int, offset: int, sizes: Sequence[int], item: ReadItem, dest: torch.Tensor,
                   dtype: torch.dtype, path: str) -> None:
@@ -106,7 +97,7 @@ class BlockReads:
         unchecked."""
         copier = self._box_copier(sizes, item, dest, dtype)
         for at in range(copier.first_byte, copier.end_byte, copier.block):
-            view, _ = self._next_buffer(at, min(copier.block, copier.end_byte - at))
+            view = self._view(min(copier.block, copier.end_byte - at))
             read_exact(fd, view, offset + at, path)
             copier.use(at, view)
 
@@ -118,8 +109,8 @@ class BlockReads:
         row_bytes = math.prod(sizes[1:]) * dtype.itemsize
         length = sizes[0] * row_bytes
         block = max(1, self._block // max(row_bytes, 1)) * row_bytes
-        if length:
-            self._host_buffers(block)
+        if length and (self._buffer is None or self._buffer.numel() < block):
+            self._buffer = torch.empty(block, dtype=torch.uint8)
         first, count = starts[0], lengths[0]
 
         def use(start: int, view) -> None:
@@ -133,52 +124,9 @@ class BlockReads:
 
         return _BoxCopy(length, block, first * row_bytes, (first + count) * row_bytes, use)
 
-    def settle(self) -> None:
-        """Wait for the crc32 of every chunk read and run their checks, in read order."""
-        self._run_checks(wait=True)
+    def _view(self, nbytes: int):
+        return flat_bytes(self._buffer[:nbytes])
 
     def close(self) -> None:
-        """Stop the helper (after the crcs it has left) and free the buffers."""
-        self._pool.shutdown(wait=True)
-        self._pending.clear()
-        self._buffers, self._checksumming = [], []
-
-    def _run_checks(self, wait: bool) -> None:
-        """Run the checks of the chunks whose crc32 is known (``wait``: of all of them)."""
-        while self._pending and (wait or self._pending[0].last_block.done()):
-            check = self._pending.popleft()
-            check.last_block.result()  # (re-raises the helper's error)
-            check.then(check.crc.value)
-
-    def _host_buffers(self, nbytes: int) -> None:
-        if not self._buffers or self._buffers[0].numel() < nbytes:
-            # The helper's tasks hold views of the old buffers: they stay alive until checked.
-            self._buffers = [torch.empty(nbytes, dtype=torch.uint8) for _ in range(2)]
-            self._checksumming = [None, None]
-
-    def _next_buffer(self, start: int, nbytes: int) -> Tuple[object, int]:
-        """The other block buffer (once the helper is done with it) and its slot."""
-        self._turn ^= 1
-        busy = self._checksumming[self._turn]
-        if busy is not None:
-            busy.result()
-        return flat_bytes(self._buffers[self._turn][:nbytes]), self._turn
-
-    def _read(self, fd: int, offset: int, length: int, block: int, place: Callable, use: Optional[Callable],
-              path: str, then: Callable[[int], None]) -> None:
-        """Read ``length`` bytes in blocks into ``place(start, n)`` (a view and its block buffer's
-        slot, or None). Each block's crc runs on the helper while ``use(start, block)`` runs and
-        later blocks are read; ``then(crc32)`` runs once the last one's is known."""
-        crc, task = _RunningCrc(), None
-        for start in range(0, length, block):
-            view, slot = place(start, min(block, length - start))
-            read_exact(fd, view, offset + start, path)
-            task = self._pool.submit(crc.add, view)
-            if slot is not None:
-                self._checksumming[slot] = task
-            if use is not None:
-                use(start, view)
-            self._run_checks(wait=False)
-        if task is None:  # no bytes
-            task = self._pool.submit(crc.add, b"")
-        self._pending.append(_PendingCheck(task, crc, then))
+        """Free the block buffer."""
+        self._buffer = None

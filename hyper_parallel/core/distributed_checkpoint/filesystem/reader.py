@@ -117,7 +117,6 @@ class FileSystemReader(VerifyingReader):
                 try:
                     for info, item in group:
                         self._read_tensor(fds[info.relative_path], info, item, planner, bounce, blocks, duties)
-                    blocks.settle()
                 finally:
                     blocks.close()
                     bounce.finish()
@@ -153,22 +152,19 @@ class FileSystemReader(VerifyingReader):
         whole = reads_whole(item, sizes)
         if self._verifying and (whole or duties is None or item.storage_index in duties):
             # The checksum covers the whole chunk, so read it whole: straight into the
-            # destination when that is the whole chunk in plain memory. Checked (then applied)
-            # once its crc is known, while the next chunk is read.
+            # destination when that is the whole chunk in plain memory, checked as it is read.
             # Destinations not filled in place (device memory, strided, another dtype) get
             # their boxes through the bounce slabs and the copy stream, as unchecked reads do.
-            def then(crc: int) -> None:
-                self._check(crc, info, f"{key} chunk {item.storage_index.offset}")
-                if plain:
-                    planner.apply_tensor(item, dest)
-                else:
-                    bounce.apply_after_copies(item, dest)
-
             if whole and plain:
-                blocks.read_into(fd, flat_bytes(dest), info.offset, path, then)
+                crc = blocks.read_into(fd, flat_bytes(dest), info.offset, path)
             else:
                 copy = None if plain else functools.partial(bounce.copy, key=key)
-                blocks.read_box(fd, info.offset, sizes, item, dest, md.dtype, path, then, copy)
+                crc = blocks.read_box(fd, info.offset, sizes, item, dest, md.dtype, path, copy)
+            self._check(crc, info, f"{key} chunk {item.storage_index.offset}")
+            if plain:
+                planner.apply_tensor(item, dest)
+            else:
+                bounce.apply_after_copies(item, dest)
         elif plain:  # not checked here: verify=False, or another rank checks this chunk
             box = BoxGeometry(sizes, item.storage_offsets, item.lengths)
             if box.contiguous or (box.span - box.volume) * box.run * md.dtype.itemsize >= _SPAN_GAP_BYTES * box.volume:
