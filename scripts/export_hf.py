@@ -33,7 +33,7 @@ from _checkpoints import resolve_checkpoint
 from omegaconf import OmegaConf
 
 from hyper_parallel.checkpoint import CheckpointError, export_hf, read_checkpoint_metadata
-from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
+from hyper_parallel.utils.fileio import write_file_atomically
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from hyper_parallel.models.hf_llama import NATIVE_ARCHITECTURE, hf_config, to_hf
 from hyper_parallel.trainer.config import llama_config

@@ -9,7 +9,7 @@ from typing import Dict, NamedTuple, Optional
 
 from omegaconf import DictConfig
 
-from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
+from hyper_parallel.utils.fileio import write_file_atomically
 from hyper_parallel.data import load_tokenizer
 from hyper_parallel.data.prepare import read_sidecar
 from hyper_parallel.data.tokenizer import BYTES

@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.checkpoint import CheckpointError
-from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
+from hyper_parallel.utils.fileio import write_file_atomically
 from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations

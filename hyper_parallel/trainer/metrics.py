@@ -8,7 +8,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional, TextIO
 
-from hyper_parallel.core.distributed_checkpoint._fileio import open_regular
+from hyper_parallel.utils.fileio import open_regular
 from hyper_parallel.trainer.sinks import MetricsSink, TensorBoardSink, WandbSettings, WandbSink
 from hyper_parallel.utils.units import format_bytes
 

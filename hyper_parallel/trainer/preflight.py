@@ -18,7 +18,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from hyper_parallel._optional import MissingDependency, require
-from hyper_parallel.core.distributed_checkpoint._fileio import local_path, url_scheme
+from hyper_parallel.utils.fileio import url_scheme
 from hyper_parallel.core.distributed_checkpoint.manager import committed_steps
 from hyper_parallel.core.distributed_checkpoint.object_store import store
 from hyper_parallel.data import MarkovSource, load_tokenizer
@@ -61,10 +61,8 @@ def folder_problems(cfg: TrainConfig) -> List[str]:
     for key, path in (("output_dir", cfg.output_dir), ("checkpoint.folder", cfg.checkpoint.folder)):
         if key == "checkpoint.folder" and url_scheme(path):
             continue
-        try:
-            local_path(path)  # a URL would become a local folder named "s3:"
-        except ValueError as err:
-            problems.append(f"{key}: {err}")
+        if url_scheme(path):  # it would become a local folder named "s3:"
+            problems.append(f"{key}: {path!r} is a URL; {key} must be a local or mounted folder")
             continue
         try:
             os.makedirs(path, exist_ok=True)

@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional
 from omegaconf import DictConfig, OmegaConf
 
 from hyper_parallel._optional import install_hint
-from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
+from hyper_parallel.utils.fileio import write_file_atomically
 
 WANDB_RUN_ID_FILE = "wandb_run_id"  # in output_dir: a resumed job continues the same W&B run
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 import ctypes
 import errno
 import os
+import re
 import stat
 import uuid
+from typing import Optional
 
 
 def fsync_dir(path: str) -> None:
@@ -139,3 +141,12 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
     ``sync_file_range``; elsewhere a no-op and the final fsync does all the work)."""
     if _sync_file_range is not None:
         _sync_file_range(fd, offset, nbytes, _SYNC_FILE_RANGE_WRITE)
+
+
+_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def url_scheme(path) -> Optional[str]:
+    """The scheme of a ``<scheme>://`` URL (``s3``, ``memory``, ``file``), or None for a path."""
+    match = _URL.match(path) if isinstance(path, str) else None
+    return match.group("scheme") if match else None

@@ -142,3 +142,10 @@ def test_every_schema_key_is_in_the_config_files_and_every_data_kind_composes():
         assert set(cfg.data) == {"kind", *keys}
     for model in ("llama_debug", "llama_50m", "llama_1b", "llama_8b", "llama_70b"):
         validate_config(compose_config([f"model={model}", "training.seq_len=64"]), 8)
+
+
+def test_an_output_dir_url_is_refused_before_anything_is_created(check, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    code, _, err = check("output_dir=s3://bucket/run", f"checkpoint.folder={tmp_path}/ckpt")
+    one_line_error(code, err, "output_dir: 's3://bucket/run' is a URL; output_dir must be a local or mounted folder")
+    assert not (tmp_path / "s3:").exists()

@@ -136,12 +136,12 @@ def test_the_logging_keys_make_the_wandb_settings():
 
 
 def test_metrics_jsonl_is_never_written_through_a_symlink(tmp_path):
-    from hyper_parallel.checkpoint import CheckpointError
+    from hyper_parallel.utils.fileio import RefusedFileError
 
     victim = tmp_path / "victim"
     victim.write_text("precious")
     (tmp_path / "out").mkdir()
     os.symlink(victim, tmp_path / "out" / "metrics.jsonl")
-    with pytest.raises(CheckpointError, match="metrics.jsonl is a symbolic link"):
+    with pytest.raises(RefusedFileError, match="metrics.jsonl is a symbolic link"):
         MetricsLogger(str(tmp_path / "out"), total_steps=1, is_main=True)
     assert victim.read_text() == "precious"

@@ -9,15 +9,14 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import re
 import shutil
-from typing import Callable, Optional, TypeVar
+from typing import Callable, TypeVar
 
 import torch
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.utils import fileio
-from hyper_parallel.utils.fileio import fsync_dir
+from hyper_parallel.utils.fileio import fsync_dir, url_scheme  # noqa: F401  (re-exported)
 
 _Operation = TypeVar("_Operation", bound=Callable)
 
@@ -40,15 +39,6 @@ read_regular_file = _presented(fileio.read_regular_file)
 create_file = _presented(fileio.create_file)
 write_file = _presented(fileio.write_file)
 write_file_atomically = _presented(fileio.write_file_atomically)
-
-
-_URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def url_scheme(path) -> Optional[str]:
-    """The scheme of a ``<scheme>://`` URL (``s3``, ``memory``, ``file``), or None for a path."""
-    match = _URL.match(path) if isinstance(path, str) else None
-    return match.group("scheme") if match else None
 
 
 def local_path(path) -> str:
