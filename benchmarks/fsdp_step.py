@@ -182,6 +182,14 @@ def _use_mmap_for_large_blocks() -> None:
         raise SystemExit("mallopt(M_MMAP_THRESHOLD) failed; RSS would not follow freed tensors")
 
 
+def _trimmed_rss_bytes() -> int:
+    """``VmRSS`` after glibc returned its free heap pages to the OS (``malloc_trim``): a
+    baseline that does not depend on how much freed memory earlier work left in the heap for
+    the next allocations to reuse (which favoured whichever implementation was built first)."""
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    return _rss_bytes("VmRSS")
+
+
 def _rss_bytes(field_name: str) -> int:
     """``VmRSS`` (resident now) or ``VmHWM`` (peak resident since the last reset) of this process."""
     with open("/proc/self/status") as f:
@@ -221,7 +229,7 @@ def _build_impl(name: str, reference: torch.nn.Module, mesh, tokens, result: Imp
     existed: the peak during step 2 (all state exists by then) and what stays after it.
     """
     gc.collect()
-    before = _rss_bytes("VmRSS")
+    before = _trimmed_rss_bytes()
     model = _wrap(copy.deepcopy(reference), name, mesh, args)
     optimizer = _optimizer(model, name, args)
     result.losses.append(_over_ranks(_step(model, optimizer, tokens), dist.ReduceOp.AVG))

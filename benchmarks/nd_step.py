@@ -48,8 +48,8 @@ from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.parallelize import dp_mesh
 
 from fsdp_step import (IMPLS, ImplResult, _over_ranks, _reset_peak_rss, _rss_bytes, _timed_step,
-                       _use_mmap_for_large_blocks, print_ratios, print_table, run_and_report, step_ratios,
-                       write_json)
+                       _trimmed_rss_bytes, _use_mmap_for_large_blocks, print_ratios, print_table, run_and_report,
+                       step_ratios, write_json)
 from launch import launch
 
 _SHARD_FNS = {"torch": lambda: torch_fully_shard, "ours": lambda: hp.fully_shard}
@@ -185,7 +185,7 @@ def _build_impl(name: str, reference: torch.nn.Module, mesh, tokens, result: Imp
     """Copy + TP + fully_shard + steps 1 and 2, measuring memory growth as fsdp_step does."""
     platform = get_platform()
     gc.collect()
-    before = platform.device_module.memory_allocated() if platform.is_accelerator else _rss_bytes("VmRSS")
+    before = platform.device_module.memory_allocated() if platform.is_accelerator else _trimmed_rss_bytes()
     model = _wrap(copy.deepcopy(reference), name, mesh, args)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     result.losses.append(_over_ranks(_step(model, optimizer, tokens), dist.ReduceOp.AVG))

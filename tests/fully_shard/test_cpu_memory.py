@@ -1,6 +1,8 @@
-"""CPU memory of the reduce-scatter pipeline: an in-flight reduce-scatter does not keep its
+"""CPU memory of the collectives in flight: an in-flight reduce-scatter does not keep its
 input alive on CPU (gloo's Work reads a copy made at issue), yet still overlaps the next
-group's backward and gives the reference gradients."""
+group's backward and gives the reference gradients; all-gathers issued during backward (the
+prefetches) are not left in flight over the backward's compute, where gloo's receive buffer
+would add an unsharded group's size to the peak."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
+from hyper_parallel.core.fully_shard.hooks import in_backward
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 from hyper_parallel.platform import AcceleratorStreams, CpuStreams
 from tests.fully_shard._helpers import TOL, global_batch, lm_loss, shard_layers_and_root, tiny_llama
@@ -53,6 +56,41 @@ def _inputs_released_in_flight():
 
 def test_cpu_reduce_scatter_input_released_while_in_flight():
     assert all(run_on_ranks(2, _inputs_released_in_flight, timeout=120))
+
+
+def _backward_all_gathers_synchronous():
+    gathers = []  # (issued during backward, async_op) per all-gather
+    all_gather = collectives.all_gather
+
+    def record(output, shard, group, async_op):
+        gathers.append((in_backward(), async_op))
+        return all_gather(output, shard, group, async_op)
+
+    torch.manual_seed(0)
+    reference = tiny_llama(n_layers=3)
+    model = tiny_llama(n_layers=3)
+    model.load_state_dict(reference.state_dict())
+    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),))
+    shard_layers_and_root(model, mesh=mesh)
+    tokens = global_batch(0)
+    local = tokens.chunk(dist.get_world_size())[dist.get_rank()]
+    lm_loss(model, local).backward()  # step 1 sets the forward order that step 2 prefetches in
+    model.zero_grad()
+    with mock.patch.object(collectives, "all_gather", record):
+        lm_loss(model, local).backward()
+    backward = [async_op for during, async_op in gathers if during]
+    forward = [async_op for during, async_op in gathers if not during]
+    assert len(backward) == 3 and not any(backward), gathers  # blocks 2, 1, 0: sync
+    assert any(forward), gathers  # the forward prefetches still overlap compute
+    lm_loss(reference, tokens).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    diff = max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
+    assert diff < TOL, diff
+    return True
+
+
+def test_cpu_backward_all_gathers_complete_before_compute():
+    assert all(run_on_ranks(2, _backward_all_gathers_synchronous, timeout=120))
 
 
 def test_accelerator_streams_hold_the_input():

@@ -19,6 +19,7 @@ from hyper_parallel._torch_compat import disable_functorch_if_active, local_tens
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.extension_bucket import ExtensionBucket
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
+from hyper_parallel.core.fully_shard.hooks import in_backward
 from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingReduce, PostForwardShards
 from hyper_parallel.core.fully_shard.offload import GradOffload
 from hyper_parallel.core.fully_shard.mesh import DataParallelMesh
@@ -194,7 +195,11 @@ class HSDPParamGroup:
         """
         if self.state == ShardState.UNSHARDED and any(b.stale for b in self.buckets):
             self.reshard()
-        host_async = async_op and self._streams.async_collectives
+        # On CPU an all-gather issued while autograd runs (a backward prefetch) completes
+        # before this returns, as all of FSDP2's do on CPU: gloo receives into a temporary of
+        # the unsharded size that lives until the collective ends, which would otherwise sit
+        # on top of the backward's peak (measured in benchmarks/RESULTS.md, issue 18).
+        host_async = async_op and self._streams.async_collectives and not in_backward()
         if self.state == ShardState.SHARDED_POST_FORWARD:
             size, group = self.post_forward_group
             kept, self._post_forward = self._post_forward, None
