@@ -111,9 +111,13 @@ class ParallelConfig:
         """What pipeline parallelism cannot split: the blocks over the stages
         (``pp_layers_per_stage``), the per-rank micro-batch (``micro_batch`` samples, None when
         it is not a whole number) over ``pp_microbatches``, and tied embeddings (the embedding
-        is on the first stage, the output on the last)."""
-        if self.pp == 1:
-            return []
+        is on the first stage, the output on the last); with ``pp=1``, pipeline settings given
+        anyway."""
+        if self.pp == 1:  # a pipeline setting without a pipeline is a mistake, not a no-op
+            unused = [f"parallel.{k}={v}" for k, v in (("pp_microbatches", self.pp_microbatches),
+                                                       ("pp_layers_per_stage", self.pp_layers_per_stage)) if v is not None]
+            return [f"{', '.join(unused)} needs parallel.pp > 1 (it has no effect with parallel.pp=1); "
+                    "set parallel.pp or remove it"] if unused else []
         from hyper_parallel.pipeline import stage_layers
 
         pp, problems = f"parallel.pp={self.pp}", []

@@ -158,6 +158,8 @@ def test_dp_rank_and_pp_rank_are_the_row_major_coordinates():
     (["parallel.pp=2", "parallel.pp_microbatches=1"], "parallel.pp_microbatches=1 is fewer than parallel.pp=2"),
     (["parallel.pp=2", "parallel.pp_schedule=GPipe2"], "parallel.pp_schedule='GPipe2' must be one of 1F1B, GPipe"),
     (["parallel.pp=2", "training.float8=true"], "training.float8=true with parallel.pp=2 is not supported yet"),
+    (["parallel.pp_microbatches=4", "parallel.pp_layers_per_stage=[1,1]"],
+     "parallel.pp_microbatches=4, parallel.pp_layers_per_stage=[1, 1] needs parallel.pp > 1 (it has no effect"),
 ])
 def test_impossible_pipeline_layouts_are_refused_in_one_line(check, overrides, expected):
     one_line_error(*check(*overrides)[::2], expected)
