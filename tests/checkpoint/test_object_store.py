@@ -20,16 +20,6 @@ fsspec = pytest.importorskip("fsspec", reason="object storage needs fsspec (pip 
 T = 120
 
 
-@pytest.fixture
-def memory_url(request):
-    """A fresh memory:// prefix, removed afterwards (the memory file system is process-wide)."""
-    fs = fsspec.filesystem("memory")
-    root = f"/{request.node.name.replace('[', '-').replace(']', '')}"
-    yield f"memory://{root}/step-1"
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
-
-
 def _names(url):
     fs, path = fsspec.core.url_to_fs(url)
     fs.invalidate_cache(path)

@@ -21,15 +21,6 @@ from tests.checkpoint.helpers import full_state
 fsspec = pytest.importorskip("fsspec", reason="object storage needs fsspec (pip install 'hyper_parallel[s3]')")
 
 
-@pytest.fixture
-def memory_url(request):
-    fs = fsspec.filesystem("memory")
-    root = f"/{request.node.name.replace('[', '-').replace(']', '')}"
-    yield f"memory://{root}/step-1"
-    if fs.exists(root):
-        fs.rm(root, recursive=True)
-
-
 def test_waiting_rank_does_not_reread_the_replaced_metadata_while_others_write(memory_url, monkeypatch):
     hdcp.save(full_state(seed=1), checkpoint_id=memory_url, no_dist=True)  # the checkpoint being replaced
     fs, path = fsspec.core.url_to_fs(memory_url)

@@ -21,6 +21,24 @@ from tests.fully_shard._helpers import TOL, global_batch, lm_loss, shard_layers_
 from tests.multirank import run_on_ranks
 
 
+def _reference_and_sharded():
+    """A 3-block model, its FSDP-sharded copy over all ranks, and the global batch."""
+    torch.manual_seed(0)
+    reference = tiny_llama(n_layers=3)
+    model = tiny_llama(n_layers=3)
+    model.load_state_dict(reference.state_dict())
+    shard_layers_and_root(model, mesh=hp.init_device_mesh("cpu", (dist.get_world_size(),)))
+    return reference, model, global_batch(0)
+
+
+def _assert_grads_match(model, reference, tokens) -> None:
+    """The sharded model's gradients equal the reference's on the global batch."""
+    lm_loss(reference, tokens).backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    diff = max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
+    assert diff < TOL, diff
+
+
 def _inputs_released_in_flight():
     issued, seen_in_flight = [], []
     reduce_scatter, finish_scatter = collectives.reduce_scatter, HSDPParamGroup.finish_scatter
@@ -34,23 +52,14 @@ def _inputs_released_in_flight():
         seen_in_flight.append([ref() is None for ref in issued])
         return finish_scatter(group)
 
-    torch.manual_seed(0)
-    reference = tiny_llama(n_layers=3)
-    model = tiny_llama(n_layers=3)
-    model.load_state_dict(reference.state_dict())
-    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),))
-    shard_layers_and_root(model, mesh=mesh)
-    tokens = global_batch(0)
+    reference, model, tokens = _reference_and_sharded()
     with mock.patch.object(collectives, "reduce_scatter", record_input), \
             mock.patch.object(HSDPParamGroup, "finish_scatter", check_then_finish):
         lm_loss(model, tokens.chunk(dist.get_world_size())[dist.get_rank()]).backward()
     # 4 groups; the first three finish while a later group's backward runs, the root at the end.
     assert len(issued) == 4 and len(seen_in_flight) == 4, (len(issued), len(seen_in_flight))
     assert all(all(dead) for dead in seen_in_flight), seen_in_flight
-    lm_loss(reference, tokens).backward()
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    diff = max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
-    assert diff < TOL, diff
+    _assert_grads_match(model, reference, tokens)
     return True
 
 
@@ -66,13 +75,7 @@ def _backward_all_gathers_synchronous():
         gathers.append((in_backward(), async_op))
         return all_gather(output, shard, group, async_op)
 
-    torch.manual_seed(0)
-    reference = tiny_llama(n_layers=3)
-    model = tiny_llama(n_layers=3)
-    model.load_state_dict(reference.state_dict())
-    mesh = hp.init_device_mesh("cpu", (dist.get_world_size(),))
-    shard_layers_and_root(model, mesh=mesh)
-    tokens = global_batch(0)
+    reference, model, tokens = _reference_and_sharded()
     local = tokens.chunk(dist.get_world_size())[dist.get_rank()]
     lm_loss(model, local).backward()  # step 1 sets the forward order that step 2 prefetches in
     model.zero_grad()
@@ -82,10 +85,7 @@ def _backward_all_gathers_synchronous():
     forward = [async_op for during, async_op in gathers if not during]
     assert len(backward) == 3 and not any(backward), gathers  # blocks 2, 1, 0: sync
     assert any(forward), gathers  # the forward prefetches still overlap compute
-    lm_loss(reference, tokens).backward()
-    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
-    diff = max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
-    assert diff < TOL, diff
+    _assert_grads_match(model, reference, tokens)
     return True
 
 
