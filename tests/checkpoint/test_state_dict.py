@@ -6,13 +6,15 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from hyper_parallel.core.distributed_checkpoint.state_dict import (
+from hyper_parallel.core.distributed_checkpoint.optimizer_state_dict import (
     OptimizerState,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+from hyper_parallel.core.distributed_checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 from tests.checkpoint.helpers import full_model_state_dict, make_llama, seeded_grads_step, shard_params
 from tests.multirank import run_on_ranks

@@ -9,7 +9,8 @@ Map of the package (each layer imports only the layers below it; see ``docs/chec
 
     api.py            save, async_save, load: the planner and storage steps in order across ranks
     manager.py        CheckpointManager: step-N folders, retention, resume
-    state_dict.py     model/optimizer state dicts by FQN (ModelState, OptimizerState)
+    state_dict.py     model state dicts by FQN (ModelState), the options both halves share
+    optimizer_state_dict.py  optimizer state dicts by FQN (OptimizerState)
     stateful.py       the Stateful protocol
     hf.py, cli.py     Hugging Face export/load; ``python -m hyper_parallel.checkpoint``
     dcp_interop/      torch DCP / torchtitan checkpoints: reader, import-dcp, export-dcp
@@ -105,17 +106,19 @@ __all__ = [
     "AsyncSaveFuture",
 ]
 
-# --- state dict helpers, CheckpointManager and HF interop (state_dict.py, manager.py, hf.py) ---
+# --- state dict helpers, CheckpointManager and HF interop (state_dict.py, optimizer_state_dict.py, manager.py, hf.py) ---
 from hyper_parallel.core.distributed_checkpoint.hf import export_hf, load_hf
 from hyper_parallel.core.distributed_checkpoint.manager import CheckpointManager
+from hyper_parallel.core.distributed_checkpoint.optimizer_state_dict import (
+    OptimizerState,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
 from hyper_parallel.core.distributed_checkpoint.state_dict import (
     ModelState,
-    OptimizerState,
     StateDictOptions,
     get_model_state_dict,
-    get_optimizer_state_dict,
     set_model_state_dict,
-    set_optimizer_state_dict,
 )
 
 from hyper_parallel.core.distributed_checkpoint.dcp_interop import DcpReader, export_dcp, import_dcp
