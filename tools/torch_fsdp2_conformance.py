@@ -20,7 +20,7 @@ to the originals): older torch test files hard-code CUDA and are skipped whole o
 
 Example::
 
-    .venv/bin/python tools/torch_fsdp2_conformance.py /work/torch_fsdp_tests --cpu-port \\
+    .venv/bin/python tools/torch_fsdp2_conformance.py "$TORCH_FSDP_TESTS" --cpu-port \\
         --files test_fully_shard_init.py --json /tmp/conformance.json
 """
 
