@@ -1,0 +1,67 @@
+"""docs/contract.md names only what exists: every config key of its table is a key of the
+recipe's schema, every ``hp.``/``hdcp.`` name is exported, every CLI command is accepted."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+
+import pytest
+
+import hyper_parallel as hp
+from hyper_parallel import checkpoint as hdcp
+from hyper_parallel.core.distributed_checkpoint import cli
+from hyper_parallel.trainer.config_schema import TrainConfig
+
+DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "contract.md")
+
+
+def _doc() -> str:
+    with open(DOC) as f:
+        return f.read()
+
+
+def _schema_has(dotted: str) -> bool:
+    node = TrainConfig
+    for part in dotted.split("."):
+        names = {f.name: f for f in dataclasses.fields(node)}
+        if part not in names:
+            return False
+        default = names[part].default_factory() if names[part].default_factory is not dataclasses.MISSING else None
+        node = type(default) if dataclasses.is_dataclass(default) else None
+        if node is None:
+            return part == dotted.split(".")[-1]
+    return True
+
+
+def test_config_keys_exist_in_schema():
+    table = _doc().split("## Recipe", 1)[1]
+    keys = {k for k in re.findall(r"`([a-z_]+(?:\.[a-z0-9_]+)*)`", table)
+            if "." in k and not k.endswith((".py", ".yaml", ".jsonl", ".md"))}
+    keys |= {"output_dir"}
+    assert len(keys) > 15, keys
+    missing = sorted(k for k in keys if not _schema_has(k))
+    assert not missing, f"docs/contract.md names config keys the schema lacks: {missing}"
+
+
+def test_api_names_are_exported():
+    doc = _doc()
+    for prefix, module in (("hp", hp), ("hdcp", hdcp)):
+        names = set(re.findall(rf"\b{prefix}\.([A-Za-z_]\w*)", doc))
+        assert names, prefix
+        missing = sorted(n for n in names if not hasattr(module, n))
+        assert not missing, f"docs/contract.md names {prefix}.{missing}, which are not exported"
+
+
+def test_cli_commands_exist(capsys):
+    line = re.search(r"python -m hyper_parallel\.checkpoint ([\w|-]+)", _doc()).group(1)
+    commands = line.split("|")
+    assert len(commands) >= 5
+    for command in commands:
+        with pytest.raises(SystemExit) as exited:
+            cli.main([command, "--help"])
+        assert exited.value.code == 0, f"the CLI has no {command!r} command"
+    with pytest.raises(SystemExit) as exited:
+        cli.main(["no-such-command", "--help"])
+    assert exited.value.code != 0
