@@ -1,4 +1,4 @@
-"""The package-wide helpers of issue 17: layout (this rank's part of a full tensor, checked
+"""The package-wide helpers: layout (this rank's part of a full tensor, checked
 against torch's distribute_tensor), rank and world size, byte formatting, refused files."""
 
 import os

@@ -185,7 +185,7 @@ def test_next_load_into_the_same_tensors_waits_for_staging(tmp_path):
 
 def test_plain_tensor_changed_before_staging_still_commits_a_checkpoint_that_verifies(tmp_path, monkeypatch):
     # Misuse (no wait_for_staging() before the in-place update), but the committed checkpoint
-    # must hold what was written, with the checksum of those bytes (issue 16). The standard
+    # must hold what was written, with the checksum of those bytes. The standard
     # planner (its planning checksums of plain tensors) with staging held back DELAY s.
     produce = StagedSave.produce
 

@@ -1,4 +1,4 @@
-"""Issue 7: a peer that dies during ``async_save`` (ranks started without torchrun) is noticed
+"""A peer that dies during ``async_save`` (ranks started without torchrun) is noticed
 by the survivor within seconds (heartbeat markers), not after the 1800 s commit timeout."""
 
 from __future__ import annotations

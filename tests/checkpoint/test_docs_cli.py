@@ -1,4 +1,4 @@
-"""Issue 7 §5: the checkpoint docs' snippets run as written, ``inspect`` prints values, HF export
+"""The checkpoint docs' snippets run as written, ``inspect`` prints values, HF export
 files follow the umask."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Issue 16: what the checkpoint package opens and writes. The lock file is never written through a
+"""What the checkpoint package opens and writes. The lock file is never written through a
 symbolic link or a hard link; a FIFO, device or directory where a checkpoint file belongs is refused
 at once (no hang, no endless read); a metadata file beyond the size cap is refused unread; URLs
 are refused instead of becoming a local ``s3:`` folder."""

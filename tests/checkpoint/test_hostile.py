@@ -1,4 +1,4 @@
-"""Hostile checkpoints (issue 7): edited metadata, oversized lengths and headers, corruption
+"""Hostile checkpoints: edited metadata, oversized lengths and headers, corruption
 without asking for verification. ``load`` and the CLI ``verify`` refuse each one with
 ``CheckpointError`` naming the problem, before allocating anything sized by the file."""
 

@@ -1,4 +1,4 @@
-"""Issue 7: zero-element DTensors sharded on a non-empty dim save and load (sync and async)."""
+"""Zero-element DTensors sharded on a non-empty dim save and load (sync and async)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Issue 7: two jobs on one folder, a corrupt latest checkpoint on resume, failed async saves
+"""Two jobs on one folder, a corrupt latest checkpoint on resume, failed async saves
 leave no staging directory behind."""
 
 from __future__ import annotations

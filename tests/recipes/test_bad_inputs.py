@@ -1,6 +1,6 @@
 """Bad recipe inputs, through ``recipes/train.py --check`` in-process: one line, exit 2.
 
-The cases are the red team's (issue 7, section 7): inputs that gave a traceback wall or ran on
+The cases come from outside checks: inputs that gave a traceback wall or ran on
 nonsense with exit 0. ``--check`` runs what every rank runs before the process group starts.
 """
 

@@ -1,5 +1,5 @@
 """The data against the config before any rank starts (``recipes/train.py --check``), and the
-validation data checked before the first evaluation (issue 16)."""
+validation data checked before the first evaluation."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """scripts/plot_metrics.py on bad arguments and records, its panels (one colour per run,
 restarts and world-size changes marked), and every optional dependency's missing-package
-error naming the extra that installs it (issue 16)."""
+error naming the extra that installs it."""
 
 from __future__ import annotations
 

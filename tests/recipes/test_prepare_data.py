@@ -1,4 +1,4 @@
-"""scripts/prepare_data.py and the corpus readers on hostile or careless input (issue 16):
+"""scripts/prepare_data.py and the corpus readers on hostile or careless input:
 outputs that are inputs, token ids that do not fit the dtype, malformed files and sidecars."""
 
 from __future__ import annotations

@@ -198,7 +198,7 @@ class HSDPParamGroup:
         # On CPU an all-gather issued while autograd runs (a backward prefetch) completes
         # before this returns, as all of FSDP2's do on CPU: gloo receives into a temporary of
         # the unsharded size that lives until the collective ends, which would otherwise sit
-        # on top of the backward's peak (measured in benchmarks/RESULTS.md, issue 18).
+        # on top of the backward's peak (measured in benchmarks/RESULTS.md, "Peak step RSS").
         host_async = async_op and self._streams.async_collectives and not in_backward()
         if self.state == ShardState.SHARDED_POST_FORWARD:
             size, group = self.post_forward_group

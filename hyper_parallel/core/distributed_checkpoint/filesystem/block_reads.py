@@ -3,7 +3,7 @@
 - checked reads: a stored chunk read whole, in pieces of ``PIECE_BYTES``; each piece's crc32
   runs on the reading thread right after its read, while the bytes the kernel just copied are
   still in the core's cache, so the checksum is no second pass over memory (ISA-L's crc32 runs
-  at ~100 GB/s on cached bytes, ~15 GB/s from memory; ``benchmarks/RESULTS.md``, issue 20).
+  at ~100 GB/s on cached bytes, ~15 GB/s from memory; ``benchmarks/RESULTS.md``).
   A chunk is read either straight into its destination or, when the rank needs a box of it,
   into one reused block buffer of whole rows from which the box is copied out;
 - row reads: the rows of a chunk that a box with many small pieces lies in, read in a few
