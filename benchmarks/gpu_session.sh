@@ -12,8 +12,9 @@
 #
 # Logs go to $OUT (the device tool's output folder; default ./gpu_out): one log per run and
 # summary.txt with each command and its exit status. On the GPU machine the recipe's three
-# small wheels must travel with the checkout in .whl/ (see ../shared/gpu/README.md); they are
-# installed here first. Record what it measured in benchmarks/RESULTS.md by hand.
+# small wheels (hydra-core, omegaconf, antlr4-python3-runtime) must travel with the checkout in
+# .whl/ when that machine has no network; they are installed here
+# first. Record what it measured in benchmarks/RESULTS.md by hand.
 set -uo pipefail
 OUT=${OUT:-gpu_out}
 PY=${PYTHON:-python3}
