@@ -1,6 +1,6 @@
 """``python -m hyper_parallel.checkpoint inspect|verify|list|export-hf|import-dcp|export-dcp DIR ...``
 
-``inspect``, ``verify`` and ``list`` also take fsspec URLs (``s3://bucket/run``, ``memory://``)."""
+Every command also takes fsspec URLs (``s3://bucket/run``, ``memory://``) for its checkpoints."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import sys
 from typing import Any, Dict, List, Optional, TextIO, Tuple
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint._fileio import local_path
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.commands import add_dcp_commands, run_dcp_command
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.destination import DestinationRefused
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
 from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, committed_steps, resolve_checkpoint
@@ -128,7 +128,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
-    """Run the CLI; returns the exit code (1 on a bad or corrupt checkpoint)."""
+    """Run the CLI; returns the exit code (1 on a bad or corrupt checkpoint, 2 on a refused
+    destination)."""
     args = _parser().parse_args(argv)
     try:
         if run_dcp_command(args):
@@ -143,7 +144,7 @@ def main(argv: Optional[List[str]] = None) -> int:
         elif args.command == "list":
             list_steps(args.dir, sys.stdout)
         else:
-            index = export_hf(_checkpoint(args.dir)[0], local_path(args.out), max_shard_bytes=args.max_shard_bytes)
+            index = export_hf(_checkpoint(args.dir)[0], args.out, max_shard_bytes=args.max_shard_bytes)
             files = sorted(set(index["weight_map"].values()))
             print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']} bytes) "
                   f"to {args.out} in {len(files)} file(s)")
@@ -154,6 +155,9 @@ def main(argv: Optional[List[str]] = None) -> int:
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
         return 128 + signal.SIGPIPE
+    except DestinationRefused as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

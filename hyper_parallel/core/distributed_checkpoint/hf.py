@@ -13,6 +13,8 @@ import json
 import math
 import os
 import re
+import shutil
+import tempfile
 from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple, Union
 
 import torch
@@ -22,9 +24,8 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint._fileio import write_file_atomically
+from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme, write_file_atomically
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     MAX_DIMS,
@@ -39,6 +40,7 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
 
 from hyper_parallel.core.distributed_checkpoint.format.safetensors_format import DTYPE_BY_TAG, read_header
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata
+from hyper_parallel.core.distributed_checkpoint.object_store import store
 from hyper_parallel.core.distributed_checkpoint.state_dict import copy_into, get_model_state_dict
 
 __all__ = ["export_hf", "load_hf", "INDEX_FILE"]
@@ -92,7 +94,9 @@ def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.Pa
     shard's tensors are in memory at a time. Old ``model-*-of-*.safetensors`` files in
     ``out_dir`` that are not part of this export are removed. ``convert(name, tensor)`` may
     rename and transform each tensor, or return None to leave it out (e.g. the ``transformers``
-    Llama layout, :mod:`hyper_parallel.models.hf_llama`).
+    Llama layout, :mod:`hyper_parallel.models.hf_llama`). ``checkpoint_dir`` and ``out_dir`` may
+    be fsspec URLs (``s3://...``, ``memory://...``): each shard is then written to a local
+    temporary file, uploaded and removed before the next one.
 
     Returns:
         The index written to ``out_dir/model.safetensors.index.json``.
@@ -104,13 +108,28 @@ def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.Pa
     if not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive integer, got {max_shard_bytes!r}")
     checkpoint_dir, out_dir = os.fspath(checkpoint_dir), os.fspath(out_dir)
-    metadata = read_checkpoint_metadata(checkpoint_dir)
+    metadata = api.read_checkpoint_metadata(checkpoint_dir)
     names = dict(sorted(_exported_names(metadata).items()))
     if not names:
         raise CheckpointError(f"{checkpoint_dir} holds no tensors to export")
     stored = {name: metadata.state_dict_metadata[key] for name, key in names.items()}
     shards = _plan_shards({name: _nbytes(md) for name, md in stored.items()}, max_shard_bytes)
-    os.makedirs(out_dir, exist_ok=True)
+    remote = store.open_store(out_dir) if url_scheme(out_dir) else None
+    local_dir = tempfile.mkdtemp(prefix="hyper_parallel-export-hf-") if remote else out_dir
+    try:
+        index = _write_shards(checkpoint_dir, local_dir, remote, names, stored, shards, convert)
+    finally:
+        if remote:
+            shutil.rmtree(local_dir, ignore_errors=True)
+    return index
+
+
+def _write_shards(checkpoint_dir: str, local_dir: str, remote: Optional[Tuple[Any, str]], names: Dict[str, str],
+                  stored: Dict[str, TensorStorageMetadata], shards: List[List[str]],
+                  convert: Optional[Callable[[str, torch.Tensor], Optional[Tuple[str, torch.Tensor]]]],
+                  ) -> Dict[str, Any]:
+    """Write (and, for a ``remote`` (file system, path), upload) the shards and the index."""
+    os.makedirs(local_dir, exist_ok=True)
     umask = os.umask(0)
     os.umask(umask)
     files = [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
@@ -122,16 +141,28 @@ def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.Pa
         written = {name: tensors[names[name]] for name in shard}
         if convert is not None:
             written = dict(item for item in (convert(n, t) for n, t in written.items()) if item is not None)
-        save_file(written, os.path.join(out_dir, file), metadata={"format": "pt"})
-        os.chmod(os.path.join(out_dir, file), 0o666 & ~umask)  # save_file leaves its temp file's 0600
+        save_file(written, os.path.join(local_dir, file), metadata={"format": "pt"})
+        os.chmod(os.path.join(local_dir, file), 0o666 & ~umask)  # save_file leaves its temp file's 0600
+        if remote:
+            remote[0].put_file(os.path.join(local_dir, file), f"{remote[1]}/{file}")
+            os.remove(os.path.join(local_dir, file))
         weight_map.update({name: file for name in written})
         total_size += sum(t.numel() * t.element_size() for t in written.values())
         del tensors, written
     index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
-    write_file_atomically(os.path.join(out_dir, INDEX_FILE), json.dumps(index, indent=2).encode())
-    for stale in set(os.listdir(out_dir)) - set(files):
+    text = json.dumps(index, indent=2).encode()
+    if remote:
+        remote[0].pipe_file(f"{remote[1]}/{INDEX_FILE}", text)
+        present = store.list_names(*remote)
+    else:
+        write_file_atomically(os.path.join(local_dir, INDEX_FILE), text)
+        present = os.listdir(local_dir)
+    for stale in set(present) - set(files):
         if _SHARD_FILE.fullmatch(stale):
-            os.remove(os.path.join(out_dir, stale))
+            if remote:
+                remote[0].rm(f"{remote[1]}/{stale}")
+            else:
+                os.remove(os.path.join(local_dir, stale))
     return index
 
 

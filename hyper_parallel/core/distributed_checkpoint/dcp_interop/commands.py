@@ -32,10 +32,12 @@ def add_dcp_commands(sub: "argparse._SubParsersAction") -> None:
                         "every key)")
     p.add_argument("--exclude", action="append", default=[], metavar="PREFIX",
                    help="leave out keys starting with PREFIX (applied before --rename)")
+    p.add_argument("--force", action="store_true", help="replace DST if it is a checkpoint of ours")
     p = sub.add_parser("export-dcp", help="write a checkpoint as a torch DCP checkpoint (torch.distributed."
                                           "checkpoint.load reads it)")
     p.add_argument("src")
     p.add_argument("dst")
+    p.add_argument("--force", action="store_true", help="replace DST if it is a torch DCP checkpoint")
 
 
 def run_dcp_command(args: argparse.Namespace) -> bool:
@@ -44,19 +46,21 @@ def run_dcp_command(args: argparse.Namespace) -> bool:
     Raises:
         CheckpointError: ``inspect``/``verify`` of a torch DCP directory (it has no checksums
             to verify; ``import-dcp`` makes a checkpoint that has them).
+        DestinationRefused: ``import-dcp``/``export-dcp`` onto their source or a folder that
+            is not empty (the CLI exits 2).
     """
     if args.command in ("inspect", "verify") and is_dcp_checkpoint(args.dir):
         raise CheckpointError(f"{args.dir} is a torch DCP checkpoint, which has no checksums to verify and no "
                               f"metadata.json to inspect: `import-dcp {args.dir} DST` converts it into one that has")
     if args.command == "import-dcp":
-        metadata = import_dcp(args.src, args.dst, rename=args.rename, exclude=args.exclude)
+        metadata = import_dcp(args.src, args.dst, rename=args.rename, exclude=args.exclude, force=args.force)
         tensors = [md for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata)]
         nbytes = sum(math.prod(md.size) * md.dtype.itemsize for md in tensors)
         print(f"imported {len(tensors)} tensors ({nbytes} bytes) and "
               f"{len(metadata.state_dict_metadata) - len(tensors)} values from {args.src} into {args.dst}")
         return True
     if args.command == "export-dcp":
-        count = export_dcp(args.src, args.dst)
+        count = export_dcp(args.src, args.dst, force=args.force)
         print(f"exported {count} entries of {args.src} as a torch DCP checkpoint to {args.dst}")
         return True
     return False

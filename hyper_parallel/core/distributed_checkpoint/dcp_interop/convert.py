@@ -20,14 +20,19 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter as TorchFileSystemWriter
+from torch.distributed.checkpoint import FsspecWriter as TorchFsspecWriter
 from torch.distributed.checkpoint import save as torch_dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from hyper_parallel.core.distributed_checkpoint import api
+from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.destination import OutputKind, check_destination, staged_output
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpFiles, translate_metadata
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
 from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
+from hyper_parallel.core.distributed_checkpoint.object_store.reader import FsspecReader
+from hyper_parallel.core.distributed_checkpoint.object_store.writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint.planning.global_save_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.planning.load_planner import StandardLoadPlanner
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
@@ -124,19 +129,23 @@ class _DcpImportPlanner(SavePlanner):
 
 
 def import_dcp(src: str, dst: str, *, rename: Sequence[Tuple[str, str]] = (),
-               exclude: Sequence[str] = ()) -> Metadata:
+               exclude: Sequence[str] = (), force: bool = False) -> Metadata:
     """Convert the torch DCP checkpoint ``src`` into a checkpoint of ours at ``dst`` (committed
     atomically), chunk by chunk: host memory stays about one chunk, whatever the checkpoint's
-    size. Keys are kept, or mapped by ``rename``/``exclude`` (:func:`map_keys`).
+    size. Keys are kept, or mapped by ``rename``/``exclude`` (:func:`map_keys`). ``src`` and
+    ``dst`` may be fsspec URLs. An existing ``dst`` is replaced only if it is a checkpoint of
+    ours and ``force`` is given (:func:`~.destination.check_destination`).
 
     Raises:
+        DestinationRefused: ``dst`` is ``src``, or exists and is not empty (see above).
         CheckpointError: ``src`` is not a readable DCP checkpoint, refuses a class, holds a
             value that is not plain data or a dtype safetensors cannot store (names the key).
     """
     src, dst = os.fspath(src), os.fspath(dst)
+    check_destination(src, dst, OutputKind.OURS, force)
     metadata = translate_metadata(src)
     planner = _DcpImportPlanner(src, metadata, map_keys(list(metadata.state_dict_metadata), rename, exclude))
-    writer = FileSystemWriter(dst)
+    writer = FsspecWriter(dst) if url_scheme(dst) else FileSystemWriter(dst)
     writer.initialize_writer(dst)
     plan = None
     try:
@@ -176,19 +185,24 @@ class _LazyExportPlanner(DefaultSavePlanner):
         return tensor
 
 
-def export_dcp(src: str, dst: str, *, verify: bool = True) -> int:
+def export_dcp(src: str, dst: str, *, verify: bool = True, force: bool = False) -> int:
     """Write our checkpoint ``src`` as a torch DCP checkpoint at ``dst`` (flat keys, e.g.
     ``model.layers.0.attention.wq.weight``), readable by ``torch.distributed.checkpoint.load``
     into the same nested state dict; tensors are read one at a time (checked against their
     checksums with ``verify``). Values are written as DCP writes them (``torch.save``'d).
-    Returns the number of entries written.
+    Returns the number of entries written. ``src`` and ``dst`` may be fsspec URLs; a local
+    ``dst`` is written as a staging folder renamed into place (:func:`~.destination.staged_output`),
+    an existing one replaced only if it is a DCP checkpoint and ``force`` is given.
 
     Raises:
+        DestinationRefused: ``dst`` is ``src``, or exists and is not empty (see above).
         CheckpointError: ``src`` is not a committed checkpoint, or is corrupt (names the file).
     """
     src, dst = os.fspath(src), os.fspath(dst)
-    metadata = read_checkpoint_metadata(src)
-    reader = FileSystemReader(src, verify=verify)
+    check_destination(src, dst, OutputKind.DCP, force)
+    metadata = api.read_checkpoint_metadata(src)
+    reader = FsspecReader(src, verify=verify) if url_scheme(src) else FileSystemReader(src, verify=verify)
+    reader.initialize_reader(src)
     reader.configure_reader(metadata, True)
     state: Dict[str, Any] = {}
     values = {k: None for k, md in metadata.state_dict_metadata.items() if not isinstance(md, TensorStorageMetadata)}
@@ -200,6 +214,7 @@ def export_dcp(src: str, dst: str, *, verify: bool = True) -> int:
     for fqn, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             state[fqn] = torch.empty(md.size, dtype=md.dtype, device="meta")
-    torch_dcp_save(state, storage_writer=TorchFileSystemWriter(dst), planner=_LazyExportPlanner(reader, metadata),
-                   no_dist=True)
+    with staged_output(src, dst, OutputKind.DCP, force) as out:
+        writer = TorchFsspecWriter(out) if url_scheme(out) else TorchFileSystemWriter(out)
+        torch_dcp_save(state, storage_writer=writer, planner=_LazyExportPlanner(reader, metadata), no_dist=True)
     return len(state)

@@ -4,23 +4,22 @@
 DCP's metadata is translated into ours (:func:`translate_metadata`: same keys, dtypes, sizes
 and chunks, each stored item's file and byte range), so the standard load planner plans the
 reads. DCP writes each tensor chunk as a ``torch.save`` record and each value as a
-``torch.save``'d object; both are read with ``torch.load(weights_only=True)`` (torch's own
-restricted unpickler), values must be plain data (what our checkpoints store as JSON).
+``torch.save``'d object; both are read by ``records.py`` (checked against the metadata before
+anything is allocated), values must be plain data (what our checkpoints store as JSON).
 DCP has no checksums: a load with ``verify=True`` logs once that there is nothing to verify.
 """
 
 from __future__ import annotations
 
-import io
 import logging
 import os
-import re
-from typing import Any, Dict, Optional, Set
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
-from hyper_parallel.core.distributed_checkpoint._fileio import open_regular, read_exact
+from hyper_parallel.core.distributed_checkpoint._fileio import open_regular, url_scheme
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.records import ReadAt, read_record
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.unpickler import DCP_METADATA_FILE, read_dcp_metadata
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
@@ -29,22 +28,20 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     ChunkStorageMetadata,
     Metadata,
     MetadataIndex,
-    StorageInfo,
     StorageTable,
     TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_tiling
+from hyper_parallel.core.distributed_checkpoint.object_store import store
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from hyper_parallel.core.distributed_checkpoint.storage import StorageReader
 
-__all__ = ["DCP_ENCODING", "DcpFiles", "DcpReader", "is_dcp_checkpoint", "read_dcp_item", "translate_metadata"]
+__all__ = ["DCP_ENCODING", "DcpFiles", "DcpReader", "is_dcp_checkpoint", "translate_metadata"]
 
 DCP_ENCODING = "torch_save"
 """Encoding recorded for every item of a translated DCP checkpoint: a ``torch.save`` record."""
 
-_ZIP_MAGIC = b"PK\x03\x04"  # torch.save's zip format; DCP's other serialisations are refused
-_PLAIN = (type(None), bool, int, float, str)
 _log = logging.getLogger(__name__)
 _told_unverified: Set[str] = set()
 
@@ -67,7 +64,7 @@ def translate_metadata(directory: str) -> Metadata:
             an entry stored nowhere (names the key).
     """
     dcp = read_dcp_metadata(directory)
-    source = os.path.join(directory, DCP_METADATA_FILE)
+    source = f"{directory.rstrip('/')}/{DCP_METADATA_FILE}"
     entries: Dict[str, Any] = {}
     for fqn, md in dcp.state_dict_metadata.items():
         if isinstance(md, dcp_md.TensorStorageMetadata):
@@ -90,120 +87,50 @@ def translate_metadata(directory: str) -> Metadata:
     return Metadata(state_dict_metadata=entries, storage_data=storage, save_id="torch-dcp")
 
 
-class _FileSlice(io.RawIOBase):
-    """Bytes ``offset..offset+length`` of ``fd`` as a seekable read-only file (positional
-    reads: the descriptor's own position is never used)."""
-
-    def __init__(self, fd: int, offset: int, length: int) -> None:
-        super().__init__()
-        self._fd, self._start, self._length, self._at = fd, offset, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self._at
-
-    def seek(self, position: int, whence: int = io.SEEK_SET) -> int:
-        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._at, io.SEEK_END: self._length}[whence]
-        self._at = max(0, base + position)
-        return self._at
-
-    def readinto(self, buffer: Any) -> int:
-        view = memoryview(buffer).cast("B")
-        wanted = max(0, min(len(view), self._length - self._at))
-        done = os.preadv(self._fd, [view[:wanted]], self._start + self._at) if wanted else 0
-        self._at += done
-        return done
-
-
-def _plain(value: Any) -> bool:
-    if isinstance(value, _PLAIN):
-        return True
-    if isinstance(value, (list, tuple)):
-        return all(_plain(v) for v in value)
-    if isinstance(value, dict):
-        return all(isinstance(k, _PLAIN) and _plain(v) for k, v in value.items())
-    return False
-
-
-def read_dcp_item(fd: int, path: str, info: StorageInfo, index: MetadataIndex, md: Any) -> Any:
-    """One stored DCP item: the tensor chunk at ``index.offset`` (checked against ``md``, our
-    tensor metadata) or a plain value, read from its byte range of ``fd`` with
-    ``torch.load(weights_only=True)``.
-
-    Raises:
-        CheckpointError: a truncated file, not a ``torch.save`` record, a value that is not
-            plain data, or a chunk of another dtype/shape (names the key and the file).
-    """
-    key = index.fqn
-    end = os.fstat(fd).st_size
-    if info.offset + info.length > end:
-        raise CheckpointError(f"{path} is truncated: {key!r} needs bytes {info.offset}..{info.offset + info.length} "
-                              f"but the file ends at {end}")
-    magic = bytearray(min(len(_ZIP_MAGIC), info.length))
-    read_exact(fd, magic, info.offset, path)
-    if magic != _ZIP_MAGIC:
-        raise CheckpointError(f"{key!r} in {path} (bytes {info.offset}..{info.offset + info.length}) is not a "
-                              "torch.save record: only DCP's default serialization (torch_save) can be read")
-    try:  # straight from the file: no copy of the record's bytes is held besides the result
-        value = torch.load(_FileSlice(fd, info.offset, info.length), map_location="cpu", weights_only=True)
-    except Exception as exc:  # noqa: BLE001 - torch.load raises many kinds; all mean unreadable
-        refused = re.search(r"GLOBAL ([\w.]+)", str(exc))  # weights_only's refusal names the class
-        why = f"it holds a {refused.group(1)}" if refused else f"{type(exc).__name__}"
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointError(f"value {key!r} in {path} is not plain data ({why}, which "
-                                  "torch.load(weights_only=True) refuses): only plain data (numbers, strings, "
-                                  "lists, dicts) can be read; leave it out (import-dcp --exclude)") from None
-        raise CheckpointError(f"{key!r} chunk {index.offset} in {path} cannot be read with "
-                              f"torch.load(weights_only=True): {why}") from None
-    if isinstance(md, TensorStorageMetadata):
-        sizes = md.chunks.sizes_at(index.offset)
-        if not isinstance(value, torch.Tensor) or value.dtype != md.dtype or tuple(value.shape) != sizes:
-            raise CheckpointError(f"{key!r} chunk {index.offset} in {path} holds {_describe(value)}, the metadata "
-                                  f"says a {md.dtype} tensor of shape {tuple(sizes)}")
-        return value
-    if isinstance(value, torch.Tensor) or not _plain(value):
-        raise CheckpointError(f"value {key!r} in {path} is {_describe(value)}: only plain data (numbers, strings, "
-                              "lists, dicts) can be imported; leave it out (import-dcp --exclude)")
-    return value
-
-
-def _describe(value: Any) -> str:
-    if isinstance(value, torch.Tensor):
-        return f"a {value.dtype} tensor of shape {tuple(value.shape)}"
-    return f"a {type(value).__module__}.{type(value).__qualname__}"
-
-
 class DcpFiles:
-    """The stored items of a translated DCP checkpoint, read on demand (each data file
-    opened once, on first use; :meth:`close` closes them)."""
+    """The stored items of a translated DCP checkpoint (a directory or an fsspec URL), read on
+    demand (:func:`~.records.read_record`; each data file opened once, on first use;
+    :meth:`close` closes them)."""
 
     def __init__(self, directory: str, metadata: Metadata) -> None:
         self.directory, self.metadata = directory, metadata
-        self._fds: Dict[str, int] = {}
+        self._store = store.open_store(directory) if url_scheme(directory) else None
+        self._files: Dict[str, Tuple[ReadAt, int, Callable[[], None]]] = {}
+
+    def _open(self, name: str, path: str) -> Tuple[ReadAt, int, Callable[[], None]]:
+        if self._store is None:
+            try:
+                fd = open_regular(path)
+            except FileNotFoundError:
+                raise CheckpointError(f"{path} is missing: the DCP checkpoint is incomplete") from None
+            return (lambda offset, view: os.preadv(fd, [view], offset)), os.fstat(fd).st_size, lambda: os.close(fd)
+        fs, root = self._store
+        try:
+            f = fs.open(f"{root}/{name}", "rb")
+        except FileNotFoundError:
+            raise CheckpointError(f"{path} is missing: the DCP checkpoint is incomplete") from None
+
+        def read_at(offset: int, view: memoryview) -> int:
+            f.seek(offset)
+            return f.readinto(view)
+
+        return read_at, f.size, f.close
 
     def read(self, index: MetadataIndex) -> Any:
-        """The tensor chunk or value stored for ``index`` (see :func:`read_dcp_item`)."""
+        """The tensor chunk or value stored for ``index``."""
         info = self.metadata.storage_data.get(index)
         if info is None:
             raise CheckpointError(f"{self.directory}: no stored item for {index}")
-        path = os.path.join(self.directory, info.relative_path)
-        if info.relative_path not in self._fds:
-            try:
-                self._fds[info.relative_path] = open_regular(path)
-            except FileNotFoundError:
-                raise CheckpointError(f"{path} is missing: the DCP checkpoint is incomplete") from None
-        return read_dcp_item(self._fds[info.relative_path], path, info, index,
-                             self.metadata.state_dict_metadata[index.fqn])
+        path = f"{self.directory.rstrip('/')}/{info.relative_path}"
+        if info.relative_path not in self._files:
+            self._files[info.relative_path] = self._open(info.relative_path, path)
+        read_at, size, _ = self._files[info.relative_path]
+        return read_record(read_at, size, path, info, index, self.metadata.state_dict_metadata[index.fqn])
 
     def close(self) -> None:
-        for fd in self._fds.values():
-            os.close(fd)
-        self._fds.clear()
+        for _, _, close in self._files.values():
+            close()
+        self._files.clear()
 
 
 class DcpReader(StorageReader):

@@ -14,23 +14,30 @@ from __future__ import annotations
 
 import collections
 import io
-import os
+import math
 import pathlib
 import pickle
-from typing import Any, Callable, Dict, Tuple
+import reprlib
+from typing import Any, Callable, Dict, Optional, Set, Tuple
 
 import torch
 from torch.distributed.checkpoint import metadata as dcp_md
 
 from hyper_parallel._torch_compat import dcp_mem_format_encoding, dcp_storage_info, get_layout
-from hyper_parallel.core.distributed_checkpoint._fileio import read_regular_file
+from hyper_parallel.core.distributed_checkpoint._fileio import read_regular_file, url_scheme
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem.commit import MAX_METADATA_BYTES
-from hyper_parallel.core.distributed_checkpoint.format.metadata import check_relative_path
+from hyper_parallel.core.distributed_checkpoint.format.metadata import MAX_DIMS, check_relative_path
+from hyper_parallel.core.distributed_checkpoint.object_store import store
 
-__all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "unpickle_dcp_metadata"]
+__all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "torch_dtype", "unpickle_dcp_metadata"]
 
 DCP_METADATA_FILE = ".metadata"
+_MAX_INT = 2**63 - 1  # sizes, offsets and byte counts must fit int64 (what torch indexes with)
+_INTEGRAL = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                       torch.uint16, torch.uint32, torch.uint64})
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
 
 _ALLOWED: Dict[Tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.metadata", cls.__name__): cls
@@ -48,6 +55,12 @@ _ALLOWED.update({
     ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
     ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
 })
+
+
+def torch_dtype(name: str) -> Any:
+    """The dtype ``torch.<name>`` (as pickles reference dtypes), or None."""
+    value = getattr(torch, name, None)
+    return value if isinstance(value, torch.dtype) else None
 
 
 def _torch_attribute(name: str) -> Any:
@@ -99,60 +112,113 @@ def _check(ok: bool, source: str, what: Callable[[], str]) -> None:
         raise CheckpointError(f"{source} is malformed: {what()}")
 
 
-def _is_dims(value: Any) -> bool:
-    return isinstance(value, (tuple, list)) and all(type(v) is int and v >= 0 for v in value)
+def _short(value: Any) -> str:
+    """``value``'s repr for a message: cut short, and never recursing without bound (a hostile
+    pickle may nest thousands of levels deep)."""
+    try:
+        return _REPR.repr(value)[:200]
+    except (RecursionError, Exception):  # noqa: BLE001 - any repr may fail on hostile objects
+        return f"a {type(value).__name__}"
+
+
+def _is_dims(value: Any, ndim: Optional[int] = None) -> bool:
+    """A tuple of at most MAX_DIMS int64 sizes/offsets (``ndim`` of them, if given)."""
+    return (isinstance(value, (tuple, list)) and len(value) <= MAX_DIMS and (ndim is None or len(value) == ndim)
+            and all(type(v) is int and 0 <= v <= _MAX_INT for v in value))
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= _MAX_INT
+
+
+def _dense_dtype(dtype: Any) -> bool:
+    return isinstance(dtype, torch.dtype) and (dtype.is_floating_point or dtype.is_complex or dtype in _INTEGRAL)
 
 
 def _check_tensor(fqn: str, md: Any, source: str) -> None:
-    _check(isinstance(md.properties, dcp_md.TensorProperties) and isinstance(md.properties.dtype, torch.dtype),
-           source, lambda: f"{fqn!r} has no tensor dtype")
-    _check(_is_dims(md.size), source, lambda: f"{fqn!r} has size {md.size!r}")
-    _check(isinstance(md.chunks, list), source, lambda: f"{fqn!r} has chunks {md.chunks!r}")
-    for chunk in md.chunks:
-        _check(isinstance(chunk, dcp_md.ChunkStorageMetadata) and _is_dims(chunk.offsets) and _is_dims(chunk.sizes)
-               and len(chunk.offsets) == len(chunk.sizes) == len(md.size),
-               source, lambda: f"{fqn!r} has a chunk {chunk!r} that does not fit its size {tuple(md.size)}")
+    properties = md.properties
+    _check(isinstance(properties, dcp_md.TensorProperties) and _dense_dtype(properties.dtype), source,
+           lambda: f"{fqn!r} has no dense tensor dtype ({_short(properties)})")
+    _check(properties.layout == torch.strided, source,
+           lambda: f"{fqn!r} has layout {_short(properties.layout)}; only dense (strided) tensors can be read")
+    size = md.size
+    _check(_is_dims(size), source, lambda: f"{fqn!r} has size {_short(size)}")
+    _check(math.prod(size) * properties.dtype.itemsize <= _MAX_INT, source,
+           lambda: f"{fqn!r} of size {tuple(size)} has more than {_MAX_INT} bytes")
+    chunks = md.chunks
+    _check(isinstance(chunks, list), source, lambda: f"{fqn!r} has chunks {_short(chunks)}")
+    seen: Set[Tuple[int, ...]] = set()
+    for chunk in chunks:  # (a repeated chunk is refused at once: a pickle repeats one for 2 bytes)
+        _check(isinstance(chunk, dcp_md.ChunkStorageMetadata) and _is_dims(chunk.offsets, len(size))
+               and _is_dims(chunk.sizes, len(size)), source,
+               lambda: f"{fqn!r} has a chunk {_short(chunk)} that does not fit its size {tuple(size)}")
+        offsets = tuple(chunk.offsets)
+        _check(offsets not in seen, source, lambda: f"{fqn!r} lists its chunk at {offsets} more than once")
+        seen.add(offsets)
 
 
 def _check_storage(index: Any, info: Any, source: str) -> None:
-    _check(isinstance(index, dcp_md.MetadataIndex) and isinstance(index.fqn, str), source,
-           lambda: f"storage_data has key {index!r}")
-    _check(isinstance(info, dcp_storage_info) and type(info.offset) is int and type(info.length) is int
-           and info.offset >= 0 and info.length >= 0, source, lambda: f"storage of {index.fqn!r} is {info!r}")
+    _check(isinstance(index, dcp_md.MetadataIndex) and isinstance(index.fqn, str)
+           and (index.offset is None or _is_dims(index.offset)), source,
+           lambda: f"storage_data has key {_short(index)}")
+    _check(isinstance(info, dcp_storage_info) and _is_count(info.offset) and _is_count(info.length)
+           and info.offset + info.length <= _MAX_INT, source,
+           lambda: f"storage of {index.fqn!r} is {_short(info)}")
     check_relative_path(info.relative_path, source)
     transforms = info.transform_descriptors  # (the class default, None, when not pickled)
     if transforms:
         raise CheckpointError(
-            f"{source}: {index.fqn!r} is stored through the transforms {list(transforms)} (e.g. compression) "
+            f"{source}: {index.fqn!r} is stored through the transforms {_short(transforms)} (e.g. compression) "
             f"in {info.relative_path}; only untransformed DCP checkpoints can be read: save without them"
         )
 
 
-def read_dcp_metadata(directory: str) -> Any:
-    """The ``torch.distributed.checkpoint.metadata.Metadata`` of the DCP checkpoint in
-    ``directory``, unpickled with the restricted unpickler and checked: every entry a tensor
-    (dtype, size, chunks inside it) or a value, every stored item inside the directory and
-    without transforms (compression, which this reader does not undo).
-
-    Raises:
-        CheckpointError: no ``.metadata``, a refused class, or a malformed field (names the file).
-    """
-    source = os.path.join(directory, DCP_METADATA_FILE)
-    try:
-        data = read_regular_file(source, MAX_METADATA_BYTES, "DCP metadata")
-    except FileNotFoundError:
-        raise CheckpointError(f"{directory} is not a torch DCP checkpoint: it has no {DCP_METADATA_FILE}") from None
-    metadata = unpickle_dcp_metadata(data, source)
+def _check_metadata(metadata: Any, source: str) -> None:
     _check(isinstance(metadata, dcp_md.Metadata), source, lambda: f"it holds a {type(metadata).__name__}")
     _check(isinstance(metadata.state_dict_metadata, dict), source, lambda: "state_dict_metadata is not a dict")
     _check(isinstance(metadata.storage_data, dict), source,
            lambda: "storage_data is not a dict (not written by DCP's FileSystemWriter?)")
     for fqn, md in metadata.state_dict_metadata.items():
-        _check(isinstance(fqn, str), source, lambda: f"key {fqn!r} is not a string")
+        _check(isinstance(fqn, str), source, lambda: f"key {_short(fqn)} is not a string")
         if isinstance(md, dcp_md.TensorStorageMetadata):
             _check_tensor(fqn, md, source)
         else:
-            _check(isinstance(md, dcp_md.BytesStorageMetadata), source, lambda: f"{fqn!r} has metadata {md!r}")
+            _check(isinstance(md, dcp_md.BytesStorageMetadata), source, lambda: f"{fqn!r} has metadata {_short(md)}")
     for index, info in metadata.storage_data.items():
         _check_storage(index, info, source)
+
+
+def _read_metadata_file(directory: str, source: str) -> bytes:
+    """The bytes of ``source`` (``directory``'s ``.metadata``, local or an fsspec URL), refused
+    unread above MAX_METADATA_BYTES."""
+    try:
+        if not url_scheme(directory):
+            return read_regular_file(source, MAX_METADATA_BYTES, "DCP metadata")
+        fs, path = store.open_store(directory)
+        name = f"{path}/{DCP_METADATA_FILE}"
+        size = fs.size(name)
+        if size > MAX_METADATA_BYTES:
+            raise CheckpointError(f"{source} has {size} bytes, more than {MAX_METADATA_BYTES}; refused")
+        return fs.cat_file(name)
+    except FileNotFoundError:
+        raise CheckpointError(f"{directory} is not a torch DCP checkpoint: it has no {DCP_METADATA_FILE}") from None
+
+
+def read_dcp_metadata(directory: str) -> Any:
+    """The ``torch.distributed.checkpoint.metadata.Metadata`` of the DCP checkpoint in
+    ``directory`` (a directory or an fsspec URL), unpickled with the restricted unpickler and
+    checked: every entry a dense tensor (dtype, int64 size, distinct chunks inside it) or a
+    value, every stored item inside the directory and without transforms (compression, which
+    this reader does not undo).
+
+    Raises:
+        CheckpointError: no ``.metadata``, a refused class, or a malformed field (names the file).
+    """
+    source = f"{directory.rstrip('/')}/{DCP_METADATA_FILE}"
+    metadata = unpickle_dcp_metadata(_read_metadata_file(directory, source), source)
+    try:
+        _check_metadata(metadata, source)
+    except (AttributeError, TypeError, ValueError, OverflowError, RecursionError) as exc:
+        # (an object the pickle built without the fields its class declares, or of odd types)
+        raise CheckpointError(f"{source} is malformed: {type(exc).__name__}: {_short(str(exc))}") from None
     return metadata

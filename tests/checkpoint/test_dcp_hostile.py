@@ -1,0 +1,162 @@
+"""Hostile torch DCP input, crafted here: records whose storage would expand (stride 0) or inflate
+(deflate) far beyond what the metadata says, int64 overflow, deep nesting, sparse and meta
+tensors, a chunk referenced millions of times. Each is refused with a CheckpointError (one CLI
+line) before anything large is allocated."""
+
+import io
+import pickle
+import time
+import tracemalloc
+import zipfile
+
+import pytest
+import torch
+from torch.distributed.checkpoint import metadata as dcp_md
+
+from hyper_parallel import checkpoint as hdcp
+from hyper_parallel._torch_compat import dcp_storage_info
+from hyper_parallel.core.distributed_checkpoint.cli import main
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpFiles, translate_metadata
+from hyper_parallel.core.distributed_checkpoint.format.metadata import MetadataIndex
+
+_DATA = "__0_0.distcp"
+
+
+def _record(value) -> bytes:
+    buffer = io.BytesIO()
+    torch.save(value, buffer)
+    return buffer.getvalue()
+
+
+def _metadata(size, chunks=None, *, layout=torch.strided, dtype=torch.float32, length=0, md=None) -> bytes:
+    origin = tuple(0 for _ in size)
+    if md is None:
+        chunks = [dcp_md.ChunkStorageMetadata(origin, tuple(size))] if chunks is None else chunks
+        md = dcp_md.TensorStorageMetadata(dcp_md.TensorProperties(dtype=dtype, layout=layout), tuple(size), chunks)
+    return pickle.dumps(dcp_md.Metadata(state_dict_metadata={"w": md}, storage_data={
+        dcp_md.MetadataIndex("w", origin): dcp_storage_info(_DATA, 0, length)}))
+
+
+def _dcp_dir(tmp_path, name, metadata: bytes, record: bytes = b"") -> str:
+    path = tmp_path / name
+    path.mkdir()
+    (path / ".metadata").write_bytes(metadata)
+    (path / _DATA).write_bytes(record)
+    return str(path)
+
+
+def _refused_everywhere(path, match, capsys, tmp_path):
+    """load and import-dcp raise CheckpointError; the CLI prints one line and exits 1."""
+    with pytest.raises(hdcp.CheckpointError, match=match):
+        hdcp.load({"w": torch.zeros(4)}, checkpoint_id=path, no_dist=True, verify=False)
+    capsys.readouterr()
+    assert main(["import-dcp", path, str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: "), err
+    assert not (tmp_path / "out").exists()
+
+
+def _read_chunk(path):
+    metadata = translate_metadata(path)
+    files = DcpFiles(path, metadata)
+    try:
+        return files.read(MetadataIndex("w", (0,)))
+    finally:
+        files.close()
+
+
+def test_stride_zero_record_cannot_expand_past_its_storage(tmp_path, capsys):
+    huge = 1 << 33  # 32 GiB of float32 from a 4-byte storage
+    record = _record(torch.zeros(1).expand(huge))
+    assert len(record) < 2048
+    path = _dcp_dir(tmp_path, "stride0", _metadata((huge,), length=len(record)), record)
+    tracemalloc.start()
+    try:
+        with pytest.raises(hdcp.CheckpointError, match=r"declares a storage of 4 bytes .* has 34359738368"):
+            _read_chunk(path)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+    assert main(["import-dcp", path, str(tmp_path / "out")]) == 1
+    assert "declares a storage of 4 bytes" in capsys.readouterr().err
+
+
+def _deflated_record(declared: int) -> bytes:
+    """torch.save of a 4-element float tensor whose storage entry is replaced by ``declared``
+    zero bytes, deflate-compressed (about 1/1000 of that on disk)."""
+    original = zipfile.ZipFile(io.BytesIO(_record(torch.arange(4.0))))
+    out = io.BytesIO()
+    with zipfile.ZipFile(out, "w") as archive:
+        for name in original.namelist():
+            if name.endswith("/data/0"):
+                info = zipfile.ZipInfo(name)
+                info.compress_type = zipfile.ZIP_DEFLATED
+                with archive.open(info, "w", force_zip64=True) as f:
+                    block = bytes(1 << 20)
+                    for _ in range(declared >> 20):
+                        f.write(block)
+            else:
+                archive.writestr(name, original.read(name))
+    return out.getvalue()
+
+
+def test_deflated_record_is_refused_by_its_declared_size_before_inflating(tmp_path):
+    declared = 64 << 20
+    record = _deflated_record(declared)
+    assert len(record) < declared // 500
+    path = _dcp_dir(tmp_path, "deflate", _metadata((4,), length=len(record)), record)
+    tracemalloc.start()
+    try:
+        with pytest.raises(hdcp.CheckpointError, match=rf"declares {declared} bytes, more than the 16"):
+            _read_chunk(path)
+        assert tracemalloc.get_traced_memory()[1] < 1 << 20
+    finally:
+        tracemalloc.stop()
+
+
+@pytest.mark.parametrize("case", ["sparse", "meta"])
+def test_sparse_and_meta_records_are_refused(tmp_path, capsys, case):
+    value = torch.zeros(4).to_sparse() if case == "sparse" else torch.empty(4, device="meta")
+    record = _record(value)
+    path = _dcp_dir(tmp_path, case, _metadata((4,), length=len(record)), record)
+    _refused_everywhere(path, r"references torch\._utils\._rebuild_(sparse_tensor|meta_tensor_no_storage), which "
+                              r"is not part of a dense tensor", capsys, tmp_path)
+
+
+def test_sparse_layout_in_the_metadata_is_refused(tmp_path, capsys):
+    record = _record(torch.zeros(4))
+    path = _dcp_dir(tmp_path, "layout", _metadata((4,), layout=torch.sparse_coo, length=len(record)), record)
+    _refused_everywhere(path, r"'w' has layout torch.sparse_coo; only dense", capsys, tmp_path)
+
+
+def test_sizes_beyond_int64_are_refused(tmp_path, capsys):
+    path = _dcp_dir(tmp_path, "overflow", _metadata((2**64,), length=10))
+    _refused_everywhere(path, r"'w' has size \(18446744073709551616,\)", capsys, tmp_path)
+    path = _dcp_dir(tmp_path, "bytes", _metadata((2**62,), length=10))  # elements fit, bytes do not
+    _refused_everywhere(path, r"has more than 9223372036854775807 bytes", capsys, tmp_path)
+
+
+def _deep_list_pickle(depth: int) -> bytes:
+    """A pickle of a list nested ``depth`` deep (pickle.dumps itself would recurse)."""
+    return b"\x80\x02" + b"]" * depth + b"a" * (depth - 1) + b"."
+
+
+def test_deeply_nested_metadata_entry_is_refused_in_one_line(tmp_path, capsys):
+    placeholder = "P" * 16
+    whole = pickle.dumps(dcp_md.Metadata(state_dict_metadata={"w": placeholder}, storage_data={}), protocol=2)
+    text = pickle.dumps(placeholder, protocol=2)[2:-1]  # its BINUNICODE opcode (with BINPUT)
+    assert whole.count(text[:21]) == 1
+    deep = whole.replace(text[:21], _deep_list_pickle(200_000)[2:-1])
+    path = _dcp_dir(tmp_path, "deep", deep)
+    _refused_everywhere(path, r"'w' has metadata (\[\[\[|a list)", capsys, tmp_path)
+
+
+def test_a_chunk_referenced_millions_of_times_is_refused_at_once(tmp_path):
+    chunk = dcp_md.ChunkStorageMetadata((0,), (1,))
+    metadata = _metadata((1,), [chunk] * 2_000_000, length=10)  # memo references: ~2 bytes each
+    assert len(metadata) < 5 << 20
+    path = _dcp_dir(tmp_path, "refs", metadata)
+    started = time.monotonic()
+    with pytest.raises(hdcp.CheckpointError, match=r"'w' lists its chunk at \(0,\) more than once"):
+        translate_metadata(path)
+    assert time.monotonic() - started < 3  # (it took 90-100 s when every reference was compared)
