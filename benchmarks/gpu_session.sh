@@ -6,9 +6,13 @@
 # tests/accelerator covers (besides float64/bf16/inductor/post-optimizer-event training):
 # HSDP on a (1, 1) mesh (a real NCCL all-reduce on one GPU), CPU offload on CUDA, activation
 # checkpointing, async_save through a small staging budget, loads checked and unchecked with
-# 1 and 2 reader threads into strided device tensors, and release() unpinning the slabs.
+# 1 and 2 reader threads into strided device tensors, and release() unpinning the slabs;
+# tests/accelerator/test_accel_paths.py the paths the CPU suite checks with recording fakes
+# (16 KiB pinned slabs side by side, a host shard broadcast over NCCL through a device copy,
+# the HSDP all-reduce on its own stream). `accel` runs only that file, plain and sanitized
+# (a minute), for a session short of device time.
 #
-#   benchmarks/gpu_session.sh tests|step|checkpoint|all
+#   benchmarks/gpu_session.sh accel|tests|step|checkpoint|all
 #
 # Logs go to $OUT (the device tool's output folder; default ./gpu_out): one log per run and
 # summary.txt with each command and its exit status. On the GPU machine the recipe's three
@@ -47,6 +51,11 @@ step() {
 
 part=${1:-all}
 case $part in
+accel)
+    run accel_paths "$PY" -m pytest -q -p no:cacheprovider tests/accelerator/test_accel_paths.py
+    run accel_paths_sanitizer env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
+        tests/accelerator/test_accel_paths.py
+    ;;
 tests | all)
     nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
     "$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" \
@@ -71,7 +80,7 @@ checkpoint | all)
     ;;
 tests | step) ;;
 *)
-    echo "usage: $0 tests|step|checkpoint|all" >&2
+    echo "usage: $0 accel|tests|step|checkpoint|all" >&2
     exit 2
     ;;
 esac

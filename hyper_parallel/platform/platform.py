@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import ctypes
 import datetime
 import importlib
 import importlib.util
 import os
 import resource
 import socket
+import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 import torch.distributed as dist
@@ -112,6 +114,25 @@ class Platform:
             _STREAMS = AcceleratorStreams(self.device_module) if self.is_accelerator else CpuStreams()
         return _STREAMS
 
+    def collective_device(self, device: torch.device, group: Optional[dist.ProcessGroup]) -> torch.device:
+        """The device on which a collective over ``group`` (None: the default group) moves the
+        data of a tensor on ``device``: ``device`` itself where a backend of the group serves
+        its type (``cpu:gloo,cuda:nccl`` serves both), else this rank's accelerator, for a host
+        tensor over an NCCL / HCCL group (e.g. CPU-offloaded parameters): the caller copies it
+        there and back, as gradient-norm clipping does.
+
+        Raises:
+            ValueError: no backend of the group serves ``device`` or this rank's device.
+        """
+        config = str(dist.get_backend_config(group))
+        served = {entry.split(":", 1)[0] for entry in config.split(",")}
+        if device.type in served:
+            return device
+        if self.device_type in served:
+            return self.current_device()
+        raise ValueError(f"a tensor on {device} cannot take part in a collective over a process group "
+                         f"whose backends are {config!r} (this rank's device: {self.current_device()})")
+
     def pin_memory_available(self) -> bool:
         return self.is_accelerator
 
@@ -119,34 +140,72 @@ class Platform:
         """``nbytes`` of host memory (uint8) that the accelerator copies to and from without the
         host waiting, and whose pages go back to the system when its last reference is dropped.
 
-        CUDA: a plain CPU tensor page-locked with ``cudaHostRegister`` and unregistered when its
-        storage is freed (DCP's stager does the same); memory from ``pin_memory=True`` belongs
-        to torch's caching host allocator instead and stays locked for the life of the process.
-        Other accelerators: ``pin_memory=True`` (their caching allocator). CPU: plain memory.
+        CUDA: whole pages of a plain CPU tensor that belong to this buffer alone, page-locked
+        with ``cudaHostRegister`` and unregistered when its storage is freed (DCP's stager does
+        the same). The tensor is over-allocated by a page and the buffer is its page-aligned
+        part, so two small buffers never share a page (registering a page twice fails). Memory
+        from ``pin_memory=True`` belongs to torch's caching host allocator instead and stays
+        locked until :meth:`empty_host_cache`; a registration that fails falls back to it, with
+        a warning (:meth:`pinned_memory_cached` is then True). Other accelerators:
+        ``pin_memory=True`` (their caching allocator). CPU: plain memory.
         """
         if not self.pin_memory_available():
             return torch.empty(nbytes, dtype=torch.uint8)
         if self.device_type != "cuda":
-            return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        buffer = torch.empty(nbytes, dtype=torch.uint8)
-        if nbytes:
-            storage = buffer.untyped_storage()
-            self.host_register(storage.data_ptr(), nbytes)
-            # Unregistered once nothing (no view) holds the storage; not at exit, when the CUDA
-            # context may already be gone.
-            weakref.finalize(storage, self.host_unregister, storage.data_ptr()).atexit = False
-        return buffer
+            return self.cached_pinned_buffer(nbytes)
+        if not nbytes:
+            return torch.empty(0, dtype=torch.uint8)
+        span = -(-nbytes // _PAGE) * _PAGE
+        raw = torch.empty(span + _PAGE, dtype=torch.uint8)
+        start = -raw.data_ptr() % _PAGE
+        address = raw.data_ptr() + start
+        try:
+            self.host_register(address, span)
+        except RuntimeError as exc:
+            _note_cached_pinning()
+            warnings.warn(f"{exc}; using pinned memory of torch's caching host allocator instead "
+                          f"(kept until the host cache is emptied)", RuntimeWarning, stacklevel=2)
+            return self.cached_pinned_buffer(nbytes)
+        # Unregistered once nothing (no view) holds the storage; not at exit, when the CUDA
+        # context may already be gone.
+        weakref.finalize(raw.untyped_storage(), self.host_unregister, address).atexit = False
+        return raw[start:start + nbytes]
+
+    def cached_pinned_buffer(self, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of pinned host memory from the accelerator's caching host allocator
+        (``pin_memory=True``): kept by that cache once dropped, until :meth:`empty_host_cache`."""
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def pinned_memory_cached(self) -> bool:
+        """Whether buffers of :meth:`pinned_host_buffer` may stay with the caching host
+        allocator once dropped: on accelerators other than CUDA, and on CUDA once a
+        registration fell back to it. Whoever drops such buffers for good calls
+        :meth:`empty_host_cache` (``StagingBuffers.release``)."""
+        return self.is_accelerator and (self.device_type != "cuda" or _CACHED_PINNING)
+
+    def empty_host_cache(self) -> None:
+        """Give the pinned host memory that the caching host allocator holds and nothing uses
+        back to the system (``torch.accelerator.empty_host_cache``). No-op on CPU."""
+        if self.is_accelerator:
+            torch.accelerator.empty_host_cache()
 
     def host_register(self, address: int, nbytes: int) -> None:
-        """Page-lock host memory for the accelerator (CUDA: ``cudaHostRegister``, portable)."""
+        """Page-lock host memory for the accelerator (CUDA: ``cudaHostRegister``, portable).
+
+        Raises:
+            RuntimeError: the registration failed (its error is cleared first, so that it does
+                not surface at the next kernel launch).
+        """
         code = int(self.device_module.cudart().cudaHostRegister(address, nbytes, 1))
         if code != 0:
+            _clear_cuda_error()
             raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError {code}")
 
     def host_unregister(self, address: int) -> None:
         """Undo :meth:`host_register` (CUDA: ``cudaHostUnregister``)."""
         code = int(self.device_module.cudart().cudaHostUnregister(address))
         if code != 0:
+            _clear_cuda_error()
             raise RuntimeError(f"cudaHostUnregister failed with cudaError {code}")
 
     def reset_peak_memory(self) -> None:
@@ -162,6 +221,36 @@ class Platform:
 
 _PLATFORM: Optional[Platform] = None
 _STREAMS: Optional[Streams] = None
+_CACHED_PINNING = False  # a CUDA host registration fell back to the caching host allocator
+_PAGE = resource.getpagesize()
+
+
+def _note_cached_pinning() -> None:
+    global _CACHED_PINNING
+    _CACHED_PINNING = True
+
+
+def _clear_cuda_error() -> None:
+    """Reset the CUDA runtime's last error of this thread (``cudaGetLastError``). A failed
+    runtime call leaves it set, and torch's check after the next kernel launch would raise it
+    there. ``torch.cuda.cudart()`` does not bind it: call it in the runtime the process loaded
+    (its symbols are global once torch loaded it)."""
+    try:
+        ctypes.CDLL(None).cudaGetLastError()
+    except (AttributeError, OSError):
+        for path in _loaded_libraries("libcudart"):
+            ctypes.CDLL(path).cudaGetLastError()
+            return
+
+
+def _loaded_libraries(stem: str) -> List[str]:
+    """Paths of the shared libraries named ``stem*`` this process has mapped (Linux)."""
+    try:
+        with open("/proc/self/maps") as maps:
+            paths = {line.split()[-1] for line in maps if stem in line}
+    except OSError:
+        return []
+    return sorted(p for p in paths if os.path.basename(p).startswith(stem))
 
 
 def get_platform() -> Platform:
@@ -178,8 +267,9 @@ def get_platform() -> Platform:
 
 def reset_platform() -> None:
     """Forget the cached platform (tests that change ``HYPER_PARALLEL_DEVICE``)."""
-    global _PLATFORM, _STREAMS
+    global _PLATFORM, _STREAMS, _CACHED_PINNING
     _PLATFORM = _STREAMS = None
+    _CACHED_PINNING = False
 
 
 def init_distributed(timeout_s: float = 600.0) -> Platform:

@@ -1,8 +1,9 @@
 """Streams and events for overlapping collectives with compute, behind the platform layer.
 
-fully_shard issues its all-gathers on one side stream and its reduce-scatters / all-reduces
-on another, so that on an accelerator the next group's all-gather runs while the current
-group computes (the FSDP2 design). On CPU every operation here is a no-op: gloo collectives
+fully_shard issues its all-gathers on one side stream, its reduce-scatters on another and
+its HSDP all-reduces on a third, so that on an accelerator the next group's all-gather runs
+while the current group computes, and a group's all-reduce (inter-node, typically) while the
+next group's reduce-scatter (intra-node) runs (the FSDP2 design). On CPU every operation here is a no-op: gloo collectives
 and CPU kernels run in issue order, and the CPU path stays exactly as without streams.
 
 Ordering rules the callers follow (see docs/fully_shard.md, "Streams"):
@@ -34,11 +35,14 @@ class Streams(ABC):
 
     Attributes:
         all_gather: the stream all-gathers (and their copy-in casts) are issued on.
-        reduce_scatter: the stream reduce-scatters and HSDP all-reduces are issued on.
+        reduce_scatter: the stream reduce-scatters are issued on.
+        all_reduce: the stream HSDP all-reduces (and all-reduce hooks) are issued on, after
+            their group's reduce-scatter event: not behind the next group's reduce-scatter.
     """
 
     all_gather: Any
     reduce_scatter: Any
+    all_reduce: Any
     # True: collectives are issued with ``async_op=True`` and the host waits on their Work
     # later (CPU, gloo: the only way to overlap them with compute). False: issued in stream
     # order on the side stream (accelerators: the collective runs on the current stream, an
@@ -95,6 +99,7 @@ class CpuStreams(Streams):
 
     all_gather = None
     reduce_scatter = None
+    all_reduce = None
     async_collectives = True
 
     def use(self, stream: Any) -> ContextManager[None]:
@@ -134,8 +139,9 @@ class AcceleratorStreams(Streams):
 
     Args:
         device_module: the accelerator's torch module.
-        priority: of the side streams; FSDP2 gives its communication streams high priority
-            (-1) so their kernels are scheduled ahead of queued compute.
+        priority: of the all-gather and reduce-scatter streams; FSDP2 gives them high
+            priority (-1) so their kernels are scheduled ahead of queued compute. The all-reduce
+            stream has the default priority, as FSDP2's.
     """
 
     async_collectives = False
@@ -144,6 +150,7 @@ class AcceleratorStreams(Streams):
         self._module = device_module
         self.all_gather = device_module.Stream(priority=priority)
         self.reduce_scatter = device_module.Stream(priority=priority)
+        self.all_reduce = device_module.Stream()
         self._used: Dict[Any, List[Tuple[torch.Tensor, Any]]] = {}  # stream -> (tensor, event of its last use)
 
     def use(self, stream: Any) -> ContextManager[None]:

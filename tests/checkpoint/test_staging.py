@@ -11,8 +11,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
+import resource
 import threading
+import weakref
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -20,6 +23,8 @@ import torch
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import StagingBuffers
 from hyper_parallel.platform import Platform
+from hyper_parallel.platform import platform as platform_module
+from hyper_parallel.platform.platform import _clear_cuda_error
 from hyper_parallel.platform.copy_stream import CopyStream
 from tests.checkpoint.helpers import distribute_state, full_state, load_and_check
 from tests.checkpoint.helpers import FailingStagingPlanner, FullDiskWriter
@@ -224,22 +229,45 @@ def test_resharding_loads_through_bounce_slabs_on_2_ranks(tmp_path):
     assert all(run_on_ranks(2, _reshard_with_small_slabs, str(tmp_path / "ckpt"), timeout=120))
 
 
-class _RegisteringPlatform(Platform):
-    """A CUDA platform whose host registration is recorded instead of calling the CUDA runtime."""
+PAGE = resource.getpagesize()
 
-    def __init__(self) -> None:
-        super().__init__(device_type="cuda", backend="nccl")
+
+class _RegisteringPlatform(Platform):
+    """A CUDA platform whose host registration is recorded instead of calling the CUDA runtime,
+    and refused where the runtime would refuse it (a page registered twice, error 712) or where
+    the pages are not the buffer's own (page-aligned whole pages); with ``fail``, every
+    registration fails. Buffers of the caching host allocator and the emptying of its cache
+    are recorded too."""
+
+    def __init__(self, device_type: str = "cuda", fail: bool = False) -> None:
+        super().__init__(device_type=device_type, backend="nccl" if device_type == "cuda" else "hccl")
+        object.__setattr__(self, "fail", fail)
         object.__setattr__(self, "registered", {})  # address -> bytes, while registered
+        object.__setattr__(self, "cached", [])  # weak references to the caching allocator's buffers
+        object.__setattr__(self, "emptied", [])  # per emptying of the host cache: were they all freed
 
     def pin_memory_available(self) -> bool:
         return True
 
     def host_register(self, address: int, nbytes: int) -> None:
-        assert address not in self.registered
+        if self.fail:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} bytes failed with cudaError 2")
+        assert address % PAGE == 0 and nbytes % PAGE == 0 and nbytes > 0, (address, nbytes)
+        for other, size in self.registered.items():
+            assert address + nbytes <= other or other + size <= address, "a page registered twice (712)"
         self.registered[address] = nbytes
 
     def host_unregister(self, address: int) -> None:
         del self.registered[address]
+
+    def cached_pinned_buffer(self, nbytes: int) -> torch.Tensor:
+        buffer = torch.empty(nbytes, dtype=torch.uint8)
+        self.cached.append(weakref.ref(buffer))
+        return buffer
+
+    def empty_host_cache(self) -> None:
+        gc.collect()
+        self.emptied.append(all(ref() is None for ref in self.cached))
 
 
 def test_pinned_buffers_are_unregistered_when_their_memory_is_freed():
@@ -272,3 +300,75 @@ def test_released_slabs_give_their_pinned_pages_back(monkeypatch):
     pool.release()
     gc.collect()
     assert platform.registered == {} and pool.nbytes == 0
+    assert platform.emptied == []  # nothing came from the caching host allocator: no cache to empty
+
+
+def test_pinned_buffers_register_whole_pages_of_their_own():
+    """Small buffers (the 16 KiB slabs of the GPU test, a bounce buffer of a few bytes) each
+    register page-aligned whole pages inside their own allocation: two of them never share a
+    page, which the CUDA runtime would refuse (error 712)."""
+    platform = _RegisteringPlatform()
+    sizes = (1, 100, PAGE, PAGE + 1, 5000, 16 << 10, 16 << 10, 16 << 10, 3 * PAGE - 8)
+    buffers = [platform.pinned_host_buffer(n) for n in sizes]
+    assert len(platform.registered) == len(sizes)
+    for i, (buffer, n) in enumerate(zip(buffers, sizes)):
+        buffer.fill_(i)
+        size = platform.registered[buffer.data_ptr()]
+        assert buffer.numel() == n and size == -(-n // PAGE) * PAGE
+        storage = buffer.untyped_storage()
+        assert storage.data_ptr() <= buffer.data_ptr() and buffer.data_ptr() + size <= storage.data_ptr() + storage.nbytes()
+    assert [int(b[0]) for b in buffers] == list(range(len(sizes)))  # none overlaps another
+    del buffers, buffer, storage
+    gc.collect()
+    assert platform.registered == {}
+
+
+def test_a_failed_registration_falls_back_to_the_caching_allocator(monkeypatch):
+    monkeypatch.setattr(platform_module, "_CACHED_PINNING", False)
+    platform = _RegisteringPlatform(fail=True)
+    assert not platform.pinned_memory_cached()
+    with pytest.warns(RuntimeWarning, match="caching host allocator"):
+        buffer = platform.pinned_host_buffer(5000)
+    assert buffer.numel() == 5000 and len(platform.cached) == 1 and platform.registered == {}
+    assert platform.pinned_memory_cached()  # release() now empties the host cache
+
+
+class _FailingCudart:
+    def cudaHostRegister(self, address: int, nbytes: int, flags: int) -> int:
+        return 712
+
+
+def test_a_failed_cuda_registration_clears_the_runtime_error(monkeypatch):
+    """cudaHostRegister's error stays latched in the runtime (the next kernel launch would
+    raise it): host_register clears it before raising, and the buffer falls back."""
+    cleared = []
+    monkeypatch.setattr(platform_module, "_CACHED_PINNING", False)
+    monkeypatch.setattr(platform_module, "_clear_cuda_error", lambda: cleared.append(True))
+    platform = _RegisteringPlatform()
+    monkeypatch.setattr(_RegisteringPlatform, "device_module", property(lambda self: SimpleNamespace(cudart=_FailingCudart)))
+    monkeypatch.delattr(_RegisteringPlatform, "host_register")  # the real one, on the failing runtime
+    with pytest.warns(RuntimeWarning, match="cudaError 712"):
+        buffer = platform.pinned_host_buffer(100)
+    assert cleared == [True] and buffer.numel() == 100 and len(platform.cached) == 1
+    _clear_cuda_error()  # the real one: no CUDA runtime loaded here, nothing to clear
+
+
+def test_release_empties_the_host_cache_where_pinned_memory_is_cached(monkeypatch):
+    """NPU: pinned slabs come from the caching host allocator, which keeps them once dropped;
+    release() drops them, then empties that cache."""
+    platform = _RegisteringPlatform(device_type="npu")
+    assert platform.pinned_memory_cached()
+    monkeypatch.setattr(sys.modules[StagingBuffers.__module__], "get_platform", lambda: platform)
+    pool = StagingBuffers(slab_bytes=SLAB, budget_bytes=BUDGET, sync_window_bytes=WINDOW)
+    window = pool.window(snapshot=True)
+    slabs = [pool.acquire(window, lambda: None) for _ in range(BUDGET // SLAB)]
+    assert len(platform.cached) == BUDGET // SLAB and platform.registered == {}
+    for slab in slabs:
+        pool.give_back(window, slab)
+    del slabs, slab
+    assert platform.emptied == []  # free slabs are kept for the next save
+    pool.release()
+    assert platform.emptied == [True]  # once every slab was dropped
+    pool.release()  # nothing left to drop: no emptying
+    pool.configure(slab_bytes=SLAB, budget_bytes=BUDGET, sync_window_bytes=WINDOW)
+    assert platform.emptied == [True]

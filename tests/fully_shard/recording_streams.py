@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Any, ContextManager, List, Optional
+from typing import Any, ContextManager, Dict, List, Optional
 
 import torch
 
@@ -11,15 +11,19 @@ from hyper_parallel.platform import Streams
 
 
 class RecordingStreams(Streams):
-    """Logs every operation with the stream current at the time ("compute" outside use())."""
+    """Logs every operation with the stream current at the time ("compute" outside use()).
+    An event is ``("event", <stream>, <its record's index in the log + 1>)``; ``waited`` maps
+    the log index of each ``wait_event`` to the event waited for."""
 
     all_gather = "all_gather"
     reduce_scatter = "reduce_scatter"
+    all_reduce = "all_reduce"
     async_collectives = False  # as on accelerators
 
     def __init__(self):
         self.current = "compute"
         self.log: List[tuple] = []
+        self.waited: Dict[int, Any] = {}
 
     @contextlib.contextmanager
     def _use(self, stream):
@@ -40,6 +44,7 @@ class RecordingStreams(Streams):
         return ("event", self.current, len(self.log))
 
     def wait_event(self, event: Optional[Any]) -> None:
+        self.waited[len(self.log)] = event
         self.log.append(("wait_event", event[1] if event else None, self.current))
 
     def record_host_event(self) -> Optional[Any]:

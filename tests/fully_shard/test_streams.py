@@ -21,10 +21,11 @@ from tests.fully_shard.recording_streams import RecordingStreams
 from tests.multirank import run_on_ranks
 
 
-def _recorded(hsdp: bool, run, reshard_after_forward=None):
-    """Shard a tiny llama (root + 2 blocks) with a recording Streams and collectives that log
-    the stream they are issued on, and return the log of ``run(model, batch)``."""
-    streams = RecordingStreams()
+def _recorded(hsdp: bool, run, reshard_after_forward=None, recorder=None, **shard_kwargs):
+    """Shard a tiny llama (root + 2 blocks) with a recording Streams (``recorder``, else a new
+    one) and collectives that log the stream they are issued on, and return the log of
+    ``run(model, batch)``."""
+    streams = recorder or RecordingStreams()
     originals = {name: getattr(collectives, name) for name in ("all_gather", "reduce_scatter", "all_reduce")}
 
     def logged(name):
@@ -43,8 +44,8 @@ def _recorded(hsdp: bool, run, reshard_after_forward=None):
         torch.manual_seed(0)
         model = tiny_llama()
         for block in model.layers.values():
-            hp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward)
-        hp.fully_shard(model, mesh=mesh)
+            hp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, **shard_kwargs)
+        hp.fully_shard(model, mesh=mesh, **shard_kwargs)
         run(model, global_batch(0).chunk(dist.get_world_size())[dist.get_rank()])
     return streams.log
 
@@ -54,14 +55,15 @@ def _train_step(model, batch):
 
 
 def _check(log, hsdp: bool):
-    kinds = {"all_gather": "all_gather", "reduce_scatter": "reduce_scatter", "all_reduce": "reduce_scatter"}
     counts = {}
     for i, entry in enumerate(log):
-        if entry[0] not in kinds:
+        if entry[0] not in ("all_gather", "reduce_scatter", "all_reduce"):
             continue
         counts[entry[0]] = counts.get(entry[0], 0) + 1
-        stream = kinds[entry[0]]
+        stream = entry[0]
         assert entry[1] == stream, f"{entry[0]} issued on {entry[1]}, not its own stream: {log}"
+        if stream == "all_reduce":  # it waits for its reduce-scatter instead (test below)
+            continue
         # The side stream waited for the compute stream before this collective was issued.
         waits = [e for e in log[:i] if e[0] == "wait_for_current" and e[1] == stream]
         assert waits and waits[-1][2] == "compute", log
@@ -69,12 +71,12 @@ def _check(log, hsdp: bool):
     assert counts == {"all_gather": 5, "reduce_scatter": 3, **({"all_reduce": 3} if hsdp else {})}, counts
     # The all-gather stream waits for the compute stream once, at the root's pre-forward before
     # the first all-gather; the step's other all-gathers add no wait (no false dependency on
-    # the compute queued since). Each reduce-scatter / all-reduce waits (its input was just
-    # written on the compute stream).
+    # the compute queued since). Each reduce-scatter waits (its input was just written on the
+    # compute stream).
     ag_waits = [i for i, e in enumerate(log) if e[0] == "wait_for_current" and e[1] == "all_gather"]
     first_ag = next(i for i, e in enumerate(log) if e[0] == "all_gather")
     assert len(ag_waits) == 1 and ag_waits[0] < first_ag, log
-    assert sum(e[0] == "wait_for_current" and e[1] == "reduce_scatter" for e in log) == (6 if hsdp else 3), log
+    assert sum(e[0] == "wait_for_current" and e[1] == "reduce_scatter" for e in log) == 3, log
     # Each all-gather is issued in stream order (no host-async Work whose process-group stream
     # the events would not cover) and followed by an event on its stream that the compute
     # stream waits for before the copy-out; the gathered buffer is then handed back to the
@@ -88,13 +90,14 @@ def _check(log, hsdp: bool):
         if entry[0] == "all_gather":
             assert ("reclaim", "all_gather", "all_gather") in log[max(0, i - 3):i], (i, log)
     # Reduce-scatters and all-reduces are issued in stream order too (NCCL would otherwise run
-    # them on the process group's own normal-priority stream), each followed by an event on the
-    # reduce-scatter stream that the compute stream waits for before it reads the result.
+    # them on the process group's own normal-priority stream), each followed by an event on its
+    # stream that the compute stream waits for before it reads the result.
     reductions = [i for i, e in enumerate(log) if e[0] in ("reduce_scatter", "all_reduce")]
     assert all(log[i][2] == "stream ordered" for i in reductions), log
-    assert all(log[i + 1] == ("record_event", "reduce_scatter") for i in reductions), log
-    rs_waits = [e for e in log if e[0] == "wait_event" and e[1] == "reduce_scatter"]
-    assert len(rs_waits) == len(reductions) and all(e[2] == "compute" for e in rs_waits), log
+    assert all(log[i + 1] == ("record_event", log[i][0]) for i in reductions), log
+    compute_waits = [e for e in log if e[0] == "wait_event" and e[1] in ("reduce_scatter", "all_reduce")
+                     and e[2] == "compute"]
+    assert len(compute_waits) == len(reductions), log
     return True
 
 
@@ -112,6 +115,68 @@ def test_collectives_on_side_streams_fsdp():
 
 def test_collectives_on_side_streams_hsdp():
     assert all(run_on_ranks(4, _hsdp, timeout=120))
+
+
+def _hsdp_all_reduce_stream(offload: bool):
+    streams = RecordingStreams()
+    policy = {"offload_policy": hp.CPUOffloadPolicy()} if offload else {}
+    log = _recorded(True, _train_step, recorder=streams, **policy)
+    scatters = [i for i, e in enumerate(log) if e[0] == "reduce_scatter"]
+    all_reduces = [i for i, e in enumerate(log) if e[0] == "all_reduce"]
+    assert len(scatters) == len(all_reduces) == 3, log
+    waits_on = {i: streams.waited[i] for i, e in enumerate(log) if e[0] == "wait_event"}
+    host_copies = [i for i, e in enumerate(log)  # (not the end of backward's event, which the host waits for)
+                   if e == ("record_host_event", "reduce_scatter") and log[i + 1][0] != "synchronize"]
+    assert len(host_copies) == (3 if offload else 0), log
+    for j, (rs, ar) in enumerate(zip(scatters, all_reduces)):
+        rs_event, ar_event = ("event", "reduce_scatter", rs + 2), ("event", "all_reduce", ar + 2)
+        assert log[ar][1] == "all_reduce" and log[rs + 1] == ("record_event", "reduce_scatter"), log
+        # The all-reduce stream was ordered after its group's reduce-scatter event, and only that.
+        ordering = [i for i, e in enumerate(log[rs:ar], rs)
+                    if (e[0] == "wait_event" and e[2] == "all_reduce") or e[:2] == ("wait_for_current", "all_reduce")]
+        assert [waits_on.get(i) for i in ordering] == [rs_event], (j, ordering, log)
+        # The gradient consumers (the compute stream, then the optimizer) wait for the all-reduce,
+        # once; the next group's reduce-scatter is issued before that wait, so its stream (which
+        # waits for the compute stream) is not ordered after this all-reduce.
+        consumed = [i for i, event in waits_on.items() if event == ar_event]
+        assert len(consumed) == 1 and log[consumed[0]][2] == "compute", (j, log)
+        if j + 1 < len(scatters):
+            assert scatters[j + 1] < consumed[0], (j, log)
+        if offload:  # the copy to host memory follows the all-reduce
+            copy = host_copies[j]
+            assert consumed[0] < copy and ("wait_for_current", "reduce_scatter", "compute") in log[consumed[0]:copy]
+    return True
+
+
+def _hsdp_all_reduce_after_a_partial_sum():
+    """A backward without all-reduce leaves partial sums, added to the next reduce-scatter's
+    result on the compute stream: that all-reduce waits for the compute stream instead."""
+    streams = RecordingStreams()
+
+    def run(model, batch):
+        model.set_requires_all_reduce(False)
+        _train_step(model, batch)
+        model.set_requires_all_reduce(True)
+        streams.log.clear()
+        _train_step(model, batch)
+    log = _recorded(True, run, recorder=streams)
+    scatters = [i for i, e in enumerate(log) if e[0] == "reduce_scatter"]
+    all_reduces = [i for i, e in enumerate(log) if e[0] == "all_reduce"]
+    assert len(scatters) == len(all_reduces) == 3, log
+    for rs, ar in zip(scatters, all_reduces):
+        ordering = [e for e in log[rs:ar] if e[:2] == ("wait_for_current", "all_reduce") or e[-1] == "all_reduce"]
+        assert ordering == [("wait_for_current", "all_reduce", "compute")], (ordering, log)
+    return True
+
+
+def test_hsdp_all_reduce_on_its_own_stream_after_its_reduce_scatter():
+    """The HSDP all-reduce runs on the all-reduce stream, ordered after its group's
+    reduce-scatter event: the next group's reduce-scatter (intra-node) overlaps it
+    (inter-node), as FSDP2's separate all-reduce stream allows; gradient consumers and CPU
+    offload copies wait for it."""
+    assert all(run_on_ranks(4, _hsdp_all_reduce_stream, False, timeout=120))
+    assert all(run_on_ranks(4, _hsdp_all_reduce_stream, True, timeout=120))
+    assert all(run_on_ranks(4, _hsdp_all_reduce_after_a_partial_sum, timeout=120))
 
 
 def _ordering_of_each_step(log):

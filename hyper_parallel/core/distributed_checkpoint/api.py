@@ -33,6 +33,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
     StorageReader,
     StorageWriter,
 )
+from hyper_parallel.platform import get_platform
 from hyper_parallel.utils.ranks import dist_ready, rank_and_world
 
 __all__ = ["save", "async_save", "load", "is_checkpoint", "read_checkpoint_metadata", "verify_checkpoint"]
@@ -246,10 +247,21 @@ def staging_buffers() -> StagingBuffers:
 # -------------------------------------------------------------------------------- load
 
 def _broadcast_replicas(planner: LoadPlanner) -> None:
+    """Fill the replicas' shards from the rank of their group that read them
+    (``planner.broadcasts()``). A shard the group's backends cannot move where it lives (host
+    memory over NCCL / HCCL: CPU-offloaded parameters under HSDP or TP) is broadcast through
+    a copy on this rank's device (``Platform.collective_device``)."""
+    platform, rank = get_platform(), dist.get_rank()
     for tensor, src, group in planner.broadcasts():
-        buffer = tensor if tensor.is_contiguous() else tensor.contiguous()
+        device = platform.collective_device(tensor.device, group)
+        if device == tensor.device and tensor.is_contiguous():
+            dist.broadcast(tensor, src=src, group=group)
+            continue
+        buffer = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        if rank == src:
+            buffer.copy_(tensor)
         dist.broadcast(buffer, src=src, group=group)
-        if buffer is not tensor:
+        if rank != src:
             with torch.no_grad():
                 tensor.copy_(buffer)
 

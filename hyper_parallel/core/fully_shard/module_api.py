@@ -140,7 +140,7 @@ class FSDPModule:
         Args:
             hook: ``hook(reduce_output: torch.Tensor) -> None``.
             stream: accelerator stream to run the hook on (FSDP only; default: the
-                reduce-scatter stream).
+                all-reduce stream).
 
         Raises:
             ValueError: ``stream`` given with HSDP.

@@ -2,7 +2,7 @@
 
 Parameters are bucketed by dtype (``flat_bucket.py``: the flat buffers and their layout). Per
 bucket the group issues one all-gather and, after backward, one reduce-scatter and, for HSDP,
-one all-reduce over the replicate dim, on the platform's side streams; it owns the sharded /
+one all-reduce over the replicate dim, each on its own side stream of the platform; it owns the sharded /
 unsharded state machine and the reductions in flight.
 """
 
@@ -92,7 +92,7 @@ class HSDPParamGroup:
         self._initialized = False
         self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
         self._all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
-        self._all_reduce_hook_stream: Optional[Any] = None  # None: the reduce-scatter stream
+        self._all_reduce_hook_stream: Optional[Any] = None  # None: the all-reduce stream
         self._sharded_slots: List[ParamSlot] = []
         self._unsharded_slots: List[UnshardedSlot] = []
         override = mp_policy.param_dtype_override_fn  # sees the parameters before sharding
@@ -349,14 +349,20 @@ class HSDPParamGroup:
             if not self.dp.is_hsdp:
                 self._set_grads(bucket, reduced)
                 continue
+            # On its own stream, after this group's reduce-scatter (FSDP2): not behind the next group's
+            # reduce-scatter. A partial sum, or an input no reduce-scatter wrote, is the compute stream's.
+            on_compute = bucket.partial_grad is not None or item.event is None
             if bucket.partial_grad is not None:
                 reduced += bucket.partial_grad
                 bucket.partial_grad = None
             if not self.requires_all_reduce:
                 bucket.partial_grad = reduced
                 continue
-            streams.wait_for_current(streams.reduce_scatter)  # the partial sum was added here
-            with self._range("all_reduce"), streams.use(streams.reduce_scatter):
+            if on_compute:
+                streams.wait_for_current(streams.all_reduce)
+            with self._range("all_reduce"), streams.use(streams.all_reduce):
+                if not on_compute:
+                    streams.wait_event(item.event)
                 work = collectives.all_reduce(reduced, self.dp.replicate_group, async_op=streams.async_collectives)
                 event = streams.record_event()
             self._all_reducing.append(PendingReduce(bucket, work, event, None, reduced))
@@ -378,7 +384,7 @@ class HSDPParamGroup:
 
     def _run_all_reduce_hook(self, reduced: torch.Tensor) -> None:
         streams = self._streams
-        stream = self._all_reduce_hook_stream or streams.reduce_scatter
+        stream = self._all_reduce_hook_stream or streams.all_reduce
         streams.wait_for_current(stream)  # the gradient was divided on the compute stream
         with self._range("all_reduce_hook"), streams.use(stream):
             self._all_reduce_hook(reduced)

@@ -1,7 +1,8 @@
 """The process's pool of host staging memory: slabs (pinned on accelerators) allocated on
 first use, lent to saves (snapshot.py) and loads (bounce.py) within a window each, reused
 across them, and released on request: a released slab's pages are unlocked and given back
-to the system (``Platform.pinned_host_buffer``), not kept by torch's caching host allocator.
+to the system (``Platform.pinned_host_buffer``); where they came from the caching host
+allocator (NPU), that cache is emptied once they are dropped.
 """
 
 from __future__ import annotations
@@ -69,9 +70,9 @@ class StagingBuffers:
                              f"budget_bytes; got slab_bytes={slab_bytes}, sync_window_bytes={sync_window_bytes}, "
                              f"budget_bytes={budget_bytes}")
         with self._cond:
-            if slab_bytes != self.slab_bytes:
-                self._drop_free()
+            dropped = self._drop_free() if slab_bytes != self.slab_bytes else 0
             self.slab_bytes, self.budget_bytes, self.sync_window_bytes = slab_bytes, budget_bytes, sync_window_bytes
+        _return_host_memory(dropped)
 
     @property
     def nbytes(self) -> int:
@@ -85,13 +86,18 @@ class StagingBuffers:
             return self._allocated - len(self._free)
 
     def release(self) -> None:
-        """Free every slab not in use (call after the last save; the next one allocates again)."""
+        """Free every slab not in use (call after the last save; the next one allocates again)
+        and give its memory back to the system."""
         with self._cond:
-            self._drop_free()
+            dropped = self._drop_free()
+        _return_host_memory(dropped)
 
-    def _drop_free(self) -> None:
-        self._allocated -= len(self._free)
+    def _drop_free(self) -> int:
+        """Under ``_cond``: drop the free slabs; returns how many."""
+        dropped = len(self._free)
+        self._allocated -= dropped
         self._free = []
+        return dropped
 
     def window(self, snapshot: bool) -> SlabWindow:
         """A new save's or load's share: the whole budget for a snapshot, else the sync window."""
@@ -177,6 +183,15 @@ class StagingBuffers:
             if window.error is None:
                 window.error = error
             self._cond.notify_all()
+
+
+def _return_host_memory(dropped: int) -> None:
+    """After ``dropped`` slabs were dropped: where pinned buffers stay with the caching host
+    allocator once dropped (NPU's ``pin_memory=True``), empty that cache, or ``release()``
+    would give nothing back."""
+    platform = get_platform()
+    if dropped and platform.pinned_memory_cached():
+        platform.empty_host_cache()
 
 
 def check_copy_device(stream: CopyStream, tensor: torch.Tensor, key: str) -> None:
