@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as torch_dcp
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict, get_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 from torch.distributed.tensor import DTensor, Shard
@@ -38,16 +38,22 @@ def _full(value):
     return value.full_tensor() if isinstance(value, DTensor) else value.clone()
 
 
-def _save_with_torch_dcp(path):
-    """torch's fully_shard on every rank, one AdamW step, then torch's dcp.save."""
+def _torch_fully_shard_after_one_adamw_step(**adamw):
+    """torch's fully_shard on every rank, then one AdamW step."""
     model = make_llama(seed=SEED)
     for layer in model.layers.values():
         torch_fully_shard(layer)
     torch_fully_shard(model)
-    optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    optim = torch.optim.AdamW(model.parameters(), **{"lr": 1e-2, **adamw})
     torch.manual_seed(SEED)
     model(torch.randint(0, 100, (2, 8))).sum().backward()
     optim.step()
+    return model, optim
+
+
+def _save_with_torch_dcp(path):
+    """torch's fully_shard and one AdamW step, then torch's dcp.save in torchtitan's layout."""
+    model, optim = _torch_fully_shard_after_one_adamw_step()
     msd, osd = get_state_dict(model, optim, options=StateDictOptions(flatten_optimizer_state_dict=True))
     state = {**msd, "optimizer": osd, "lr_scheduler": {"last_epoch": 1, "base_lrs": [0.01]},
              "train_state": {"step": 7}}
@@ -98,6 +104,57 @@ def test_import_dcp_then_load_into_hp_fully_shard_on_another_world_size(dcp_chec
         assert torch.equal(loaded[_ours(key)], expected), key
     imported = hdcp.read_checkpoint_metadata(dst).state_dict_metadata
     assert not any(k.startswith(("model.optimizer", "model.lr_scheduler", "model.train_state")) for k in imported)
+
+
+# torch's get_optimizer_state_dict layout: {"state": {fqn: {...}}, "param_groups": [{..., "params": [fqn]}]},
+# which DCP flattens to optim.param_groups.0.lr, ...; the hyper-parameters differ from the loader's.
+ADAMW = {"lr": 0.0123, "betas": (0.8, 0.9), "weight_decay": 0.05, "eps": 1e-7}
+
+
+def _save_model_and_optim_with_torch_dcp(path):
+    model, optim = _torch_fully_shard_after_one_adamw_step(**ADAMW)
+    state = {"model": model.state_dict(), "optim": get_optimizer_state_dict(model, optim)}
+    torch_dcp.save(state, checkpoint_id=path)
+    flat, _ = hdcp.flatten_state_dict(state)
+    return {k: _full(v) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+
+
+def _load_model_and_optim_into_hp(path):
+    """hp.fully_shard on a 2x2 HSDP mesh with 4 ranks, a plain model in one process; then
+    the full state: parameters, optimizer state and param groups, flat."""
+    model = make_llama(seed=SEED + 1)
+    if dist.is_initialized():
+        mesh = init_device_mesh("cpu", (2, dist.get_world_size() // 2), mesh_dim_names=("replicate", "shard"))
+        for layer in model.layers.values():
+            hp.fully_shard(layer, mesh=mesh)
+        hp.fully_shard(model, mesh=mesh)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    hdcp.load({"model": hdcp.ModelState(model), "optim": hdcp.OptimizerState(model, optim)}, checkpoint_id=path,
+              no_dist=not dist.is_initialized())
+    state = {"model": hdcp.get_model_state_dict(model), "optim": hdcp.get_optimizer_state_dict(model, optim)}
+    flat, _ = hdcp.flatten_state_dict(state)
+    return {k: _full(v) if isinstance(v, torch.Tensor) else v for k, v in flat.items()}
+
+
+def _assert_same_state(loaded, saved):
+    assert loaded.keys() == saved.keys()
+    for key, expected in saved.items():
+        if isinstance(expected, torch.Tensor):
+            assert torch.equal(loaded[key], expected), key
+    groups, expected = loaded["optim.param_groups"], saved["optim.param_groups"]
+    assert [dict(g, betas=tuple(g["betas"])) for g in groups] == expected
+    assert expected[0]["lr"] == ADAMW["lr"] and expected[0]["betas"] == ADAMW["betas"]
+
+
+def test_torch_get_optimizer_state_dict_checkpoint_imports_into_hsdp_and_one_process(tmp_path):
+    src, dst = str(tmp_path / "dcp"), str(tmp_path / "ours")
+    saved = run_on_ranks(2, _save_model_and_optim_with_torch_dcp, src, timeout=120)[0]
+    assert "optim.param_groups.0.lr" in read_dcp_metadata(src).state_dict_metadata  # DCP's flattening
+    assert main(["import-dcp", src, dst]) == 0
+    assert main(["verify", dst]) == 0
+    for loaded in run_on_ranks(4, _load_model_and_optim_into_hp, dst, timeout=120):
+        _assert_same_state(loaded, saved)
+    _assert_same_state(_load_model_and_optim_into_hp(dst), saved)
 
 
 def test_torchtitan_weights_reach_model_init_from_through_export_hf(dcp_checkpoint, tmp_path):

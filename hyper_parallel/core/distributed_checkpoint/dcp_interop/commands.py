@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Tuple
 
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.convert import export_dcp, import_dcp
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.fused_split import FusedSplit
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.key_mapping import RenameRule
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import is_dcp_checkpoint
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import TensorStorageMetadata
@@ -15,11 +16,18 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import TensorSto
 __all__ = ["add_dcp_commands", "run_dcp_command"]
 
 
-def _rename_rule(text: str) -> Tuple[str, str]:
-    old, sep, new = text.partition("=")
-    if not sep:
-        raise argparse.ArgumentTypeError(f"--rename takes OLD=NEW (a key prefix and its replacement), not {text!r}")
-    return old, new
+def _rename_rule(text: str) -> RenameRule:
+    try:
+        return RenameRule.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _fused_split(text: str) -> FusedSplit:
+    try:
+        return FusedSplit.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_dcp_commands(sub: "argparse._SubParsersAction") -> None:
@@ -29,9 +37,15 @@ def add_dcp_commands(sub: "argparse._SubParsersAction") -> None:
     p.add_argument("dst")
     p.add_argument("--rename", action="append", default=[], type=_rename_rule, metavar="OLD=NEW",
                    help="replace key prefix OLD by NEW (the first matching rule applies; '=model.' prefixes "
-                        "every key)")
+                        "every key; '*' matches one dotted component, each '*' of NEW is what its "
+                        "counterpart in OLD matched: 'layers.*.attention.qkv_linear.=model.layers.*.attention.')")
     p.add_argument("--exclude", action="append", default=[], metavar="PREFIX",
-                   help="leave out keys starting with PREFIX (applied before --rename)")
+                   help="leave out keys starting with PREFIX ('*': one dotted component; applied first)")
+    p.add_argument("--split-fused", action="append", default=[], type=_fused_split,
+                   metavar="FUSED=Q,K,V:N_HEADS:N_KV_HEADS[:grouped|concat]",
+                   help="cut keys with the component FUSED (a fused attention projection and its optimizer "
+                        "state) into Q, K, V along dim 0; layout 'grouped' (torchtitan's fused wqkv, the "
+                        "default) or 'concat' ([q;k;v]); applied before --rename")
     p.add_argument("--force", action="store_true", help="replace DST if it is a checkpoint of ours")
     p = sub.add_parser("export-dcp", help="write a checkpoint as a torch DCP checkpoint (torch.distributed."
                                           "checkpoint.load reads it)")
@@ -53,7 +67,8 @@ def run_dcp_command(args: argparse.Namespace) -> bool:
         raise CheckpointError(f"{args.dir} is a torch DCP checkpoint, which has no checksums to verify and no "
                               f"metadata.json to inspect: `import-dcp {args.dir} DST` converts it into one that has")
     if args.command == "import-dcp":
-        metadata = import_dcp(args.src, args.dst, rename=args.rename, exclude=args.exclude, force=args.force)
+        metadata = import_dcp(args.src, args.dst, rename=args.rename, exclude=args.exclude,
+                              split=args.split_fused, force=args.force)
         tensors = [md for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata)]
         nbytes = sum(math.prod(md.size) * md.dtype.itemsize for md in tensors)
         print(f"imported {len(tensors)} tensors ({nbytes} bytes) and "

@@ -1,10 +1,11 @@
 """``import_dcp`` (torch DCP -> ours) and ``export_dcp`` (ours -> torch DCP), both run in a
 plain process (no process group) and both stream one stored chunk at a time.
 
-import: each DCP chunk becomes one chunk of ours (same global offsets), read when the writer
-asks for it and written before the next is read, so host memory holds about one chunk (at
-most the largest tensor), never the checkpoint. Values are read at planning time (they are
-small) and stored as JSON.
+import: each DCP chunk becomes one chunk of ours (same global offsets; a chunk of a split
+fused tensor one chunk of each part), read when the writer asks for it and written before the
+next is read, so host memory holds about one chunk (at most the largest tensor), never the
+checkpoint. Values are read at planning time (they are small) and stored as JSON. What is
+written under which name: :mod:`key_mapping`.
 
 export: torch's own ``FileSystemWriter`` writes the DCP checkpoint (so torch reads it back
 by construction); its planner asks for each tensor when it writes it, and the tensor is then
@@ -27,6 +28,15 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.destination import OutputKind, check_destination, staged_output
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.fused_split import FusedSplit, part_chunks, part_sizes
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.key_mapping import (
+    Made,
+    Rule,
+    Source,
+    SplitRows,
+    map_keys,
+    plan_import,
+)
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpFiles, translate_metadata
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
@@ -56,58 +66,72 @@ from hyper_parallel.core.distributed_checkpoint.format.values import encode_valu
 __all__ = ["export_dcp", "import_dcp", "map_keys"]
 
 
-def map_keys(keys: Sequence[str], rename: Sequence[Tuple[str, str]] = (),
-             exclude: Sequence[str] = ()) -> Dict[str, str]:
-    """{new key: DCP key}: keys starting with a prefix in ``exclude`` are left out; the first
-    ``(old, new)`` of ``rename`` whose ``old`` prefixes a key replaces that prefix by ``new``
-    (``("", "model.")`` prefixes every key left).
-
-    Raises:
-        CheckpointError: two keys map to one name (names both).
-    """
-    mapped: Dict[str, str] = {}
-    for key in keys:
-        if any(key.startswith(prefix) for prefix in exclude):
-            continue
-        new = next((to + key[len(old):] for old, to in rename if key.startswith(old)), key)
-        if new in mapped:
-            raise CheckpointError(f"DCP keys {mapped[new]!r} and {key!r} both map to {new!r}: change --rename")
-        mapped[new] = key
-    return mapped
+def _stored_key(source: Source) -> str:
+    return "" if isinstance(source, Made) else source.key
 
 
 class _DcpImportPlanner(SavePlanner):
-    """Plans the writes of a DCP checkpoint's items (under their new names) and serves each
-    chunk from the DCP files when the writer asks for it."""
+    """Plans the writes of a DCP checkpoint's items under their new names (what each is made
+    of: :func:`plan_import` with ``mapping``, its keyword arguments) and serves each chunk from
+    the DCP files when the writer asks for it."""
 
-    def __init__(self, src: str, metadata: Metadata, names: Dict[str, str]) -> None:
-        self.src, self.metadata, self.names = src, metadata, names
+    def __init__(self, src: str, metadata: Metadata, mapping: Dict[str, Any]) -> None:
+        self.src, self.metadata, self.mapping = src, metadata, mapping
+        self.sources: Dict[str, Source] = {}
         self._values: Dict[str, bytes] = {}
+        # per written chunk: the stored DCP chunk it is read from, and the rows it takes of it (None: all)
+        self._reads: Dict[MetadataIndex, Tuple[MetadataIndex, Optional[Tuple[Tuple[int, int], ...]]]] = {}
         self._files = DcpFiles(src, metadata)
+        self._last: Tuple[Optional[MetadataIndex], Any] = (None, None)
 
     def configure_planner(self, state_dict: Dict[str, Any], **kwargs: Any) -> None:
         """The state comes from the DCP checkpoint, not from ``state_dict``."""
 
-    def _read(self, old: str, offsets: Optional[Tuple[int, ...]]) -> Any:
-        return self._files.read(MetadataIndex(old, offsets))
+    def _read(self, index: MetadataIndex) -> Any:
+        """A stored item; the last chunk read is kept, as the parts of a split read it in turn."""
+        if self._last[0] != index:
+            self._last = (None, None)
+            self._last = (index, self._files.read(index))
+        return self._last[1]
+
+    def _value_item(self, new: str, value: Any) -> WriteItem:
+        self._values[new], encoding = encode_value(value, new, allow_pickle=False)
+        return WriteItem(MetadataIndex(new), WriteItemType.BYTE_IO,
+                         bytes_io_data=BytesIOWriteData(len(self._values[new]), encoding))
+
+    def _tensor_items(self, new: str, source: Source) -> List[WriteItem]:
+        md = self.metadata.state_dict_metadata[source.key]
+        if md.dtype not in DTYPE_TO_SAFETENSORS:
+            raise CheckpointError(f"DCP tensor {source.key!r} has dtype {md.dtype}, which safetensors cannot store; "
+                                  "leave it out (--exclude)")
+        stored = [c for c in md.chunks if math.prod(c.sizes)]
+        if isinstance(source, SplitRows):
+            size = part_sizes(source.rows, md.size)
+            pieces = [(p.chunk, p.source_offsets, p.rows) for p in part_chunks(source.rows, stored)]
+        else:
+            size = tuple(md.size)
+            pieces = [(c, c.offsets, None) for c in stored]
+        if not math.prod(size):
+            pieces = [(ChunkStorageMetadata((0,) * len(size), size), None, None)]
+        items = []
+        for chunk, offsets, rows in sorted(pieces, key=lambda p: p[0].offsets):
+            index = MetadataIndex(new, chunk.offsets)
+            self._reads[index] = (MetadataIndex(source.key, offsets), rows)
+            items.append(WriteItem(index, WriteItemType.TENSOR, TensorWriteData(chunk, md.dtype, size)))
+        return items
 
     def build_local_plan(self) -> SavePlan:
+        self.sources = plan_import(self.metadata, lambda key: self._read(MetadataIndex(key)), **self.mapping)
         items: List[WriteItem] = []
-        for new in sorted(self.names):
-            old = self.names[new]
-            md = self.metadata.state_dict_metadata[old]
-            if not isinstance(md, TensorStorageMetadata):
-                self._values[new], encoding = encode_value(self._read(old, None), new, allow_pickle=False)
-                items.append(WriteItem(MetadataIndex(new), WriteItemType.BYTE_IO,
-                                       bytes_io_data=BytesIOWriteData(len(self._values[new]), encoding)))
-                continue
-            if md.dtype not in DTYPE_TO_SAFETENSORS:
-                raise CheckpointError(f"DCP tensor {old!r} has dtype {md.dtype}, which safetensors cannot store; "
-                                      "leave it out (--exclude)")
-            chunks = [c for c in md.chunks if math.prod(c.sizes)] or [ChunkStorageMetadata((0,) * len(md.size), md.size)]
-            for chunk in chunks:
-                items.append(WriteItem(MetadataIndex(new, chunk.offsets), WriteItemType.TENSOR,
-                                       TensorWriteData(chunk, md.dtype, md.size)))
+        # Ordered by the stored item read, so the parts of a split chunk are written one after another.
+        for new in sorted(self.sources, key=lambda n: (_stored_key(self.sources[n]), n)):
+            source = self.sources[new]
+            if isinstance(source, Made):
+                items.append(self._value_item(new, source.value))
+            elif not isinstance(self.metadata.state_dict_metadata[source.key], TensorStorageMetadata):
+                items.append(self._value_item(new, self._read(MetadataIndex(source.key))))
+            else:
+                items.extend(self._tensor_items(new, source))
         return SavePlan(items)
 
     def build_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
@@ -119,32 +143,39 @@ class _DcpImportPlanner(SavePlanner):
     def get_data(self, item: WriteItem) -> Any:
         if item.type == WriteItemType.BYTE_IO:
             return self._values[item.index.fqn]
-        old, td = self.names[item.index.fqn], item.tensor_data
+        td = item.tensor_data
+        stored, rows = self._reads[item.index]
         if not math.prod(td.size):
             return torch.empty(td.size, dtype=td.dtype)
-        return self._read(old, td.chunk.offsets).contiguous()
+        chunk = self._read(stored)
+        if rows is None:
+            return chunk.contiguous()
+        return torch.cat([chunk.narrow(0, start, length) for start, length in rows])
 
     def close(self) -> None:
+        self._last = (None, None)
         self._files.close()
 
 
-def import_dcp(src: str, dst: str, *, rename: Sequence[Tuple[str, str]] = (),
-               exclude: Sequence[str] = (), force: bool = False) -> Metadata:
+def import_dcp(src: str, dst: str, *, rename: Sequence[Rule] = (), exclude: Sequence[str] = (),
+               split: Sequence[FusedSplit] = (), force: bool = False) -> Metadata:
     """Convert the torch DCP checkpoint ``src`` into a checkpoint of ours at ``dst`` (committed
     atomically), chunk by chunk: host memory stays about one chunk, whatever the checkpoint's
-    size. Keys are kept, or mapped by ``rename``/``exclude`` (:func:`map_keys`). ``src`` and
+    size. Keys are kept, or mapped by ``exclude``, ``rename`` and ``split``, and optimizer
+    param groups are regrouped into ours (:func:`~.key_mapping.plan_import`). ``src`` and
     ``dst`` may be fsspec URLs. An existing ``dst`` is replaced only if it is a checkpoint of
     ours and ``force`` is given (:func:`~.destination.check_destination`).
 
     Raises:
         DestinationRefused: ``dst`` is ``src``, or exists and is not empty (see above).
         CheckpointError: ``src`` is not a readable DCP checkpoint, refuses a class, holds a
-            value that is not plain data or a dtype safetensors cannot store (names the key).
+            value that is not plain data or a dtype safetensors cannot store, or a key mapping
+            that :func:`~.key_mapping.plan_import` refuses (names the key).
     """
     src, dst = os.fspath(src), os.fspath(dst)
     check_destination(src, dst, OutputKind.OURS, force)
     metadata = translate_metadata(src)
-    planner = _DcpImportPlanner(src, metadata, map_keys(list(metadata.state_dict_metadata), rename, exclude))
+    planner = _DcpImportPlanner(src, metadata, {"rename": rename, "exclude": exclude, "split": split})
     writer = FsspecWriter(dst) if url_scheme(dst) else FileSystemWriter(dst)
     writer.initialize_writer(dst)
     plan = None
