@@ -6,7 +6,8 @@
 # tests/accelerator covers (besides float64/bf16/inductor/post-optimizer-event training):
 # HSDP on a (1, 1) mesh (a real NCCL all-reduce on one GPU), CPU offload on CUDA, activation
 # checkpointing, async_save through a small staging budget, loads checked and unchecked with
-# 1 and 2 reader threads into strided device tensors, and release() unpinning the slabs.
+# 1 and 2 reader threads into strided device tensors, and release() unpinning the slabs; then
+# object-store loads into device memory (tests/checkpoint/test_object_store_failures.py).
 #
 #   benchmarks/gpu_session.sh tests|step|checkpoint|all
 #
@@ -55,6 +56,14 @@ tests | all)
     # between them (stream-order bugs the plain run may not show); the ranks inherit it.
     run accelerator_tests_sanitizer env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
         tests/accelerator
+    # Object-store loads (needs fsspec; the module skips without it): destinations in GPU memory
+    # through the pinned slabs and the copy stream, plain and under the sanitizer; its 2-rank
+    # tests (a failing rank, forwarded pieces) run on gloo ranks on CPU beside them (NCCL needs
+    # one GPU per rank).
+    run object_store_tests env HP_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
+        tests/checkpoint/test_object_store_failures.py
+    run object_store_tests_sanitizer env HP_TEST_DEVICE=cuda TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q \
+        -p no:cacheprovider tests/checkpoint/test_object_store_failures.py -k "filled"
     ;;&
 step | all)
     step eager
