@@ -10,7 +10,8 @@
 # tests/accelerator/test_accel_paths.py the paths the CPU suite checks with recording fakes
 # (16 KiB pinned slabs side by side, a host shard broadcast over NCCL through a device copy,
 # the HSDP all-reduce on its own stream). `accel` runs only that file, plain and sanitized
-# (a minute), for a session short of device time.
+# (a minute), for a session short of device time. `tests` then runs the object-store loads
+# into device memory (tests/checkpoint/test_object_store_failures.py).
 #
 #   benchmarks/gpu_session.sh accel|tests|step|checkpoint|all
 #
@@ -65,6 +66,14 @@ tests | all)
     # between them (stream-order bugs the plain run may not show); the ranks inherit it.
     run accelerator_tests_sanitizer env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
         tests/accelerator
+    # Object-store loads (needs fsspec; the module skips without it): destinations in GPU memory
+    # through the pinned slabs and the copy stream, plain and under the sanitizer; its 2-rank
+    # tests (a failing rank, forwarded pieces) run on gloo ranks on CPU beside them (NCCL needs
+    # one GPU per rank).
+    run object_store_tests env HP_TEST_DEVICE=cuda "$PY" -m pytest -q -p no:cacheprovider \
+        tests/checkpoint/test_object_store_failures.py
+    run object_store_tests_sanitizer env HP_TEST_DEVICE=cuda TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q \
+        -p no:cacheprovider tests/checkpoint/test_object_store_failures.py -k "filled"
     ;;&
 step | all)
     step eager

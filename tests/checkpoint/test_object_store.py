@@ -113,11 +113,11 @@ def _counted_reads(url, layouts):
     fetched = {}
     original = object_reader.FsspecReader._run
 
-    def run(self, batch, planner, duties):
+    def run(self, batch, *args):
         for fetch in batch:
             key = (fetch.info.relative_path, fetch.info.offset)
             fetched[key] = fetched.get(key, 0) + fetch.end - fetch.start
-        return original(self, batch, planner, duties)
+        return original(self, batch, *args)
 
     object_reader.FsspecReader._run = run
     try:

@@ -115,6 +115,11 @@ class BounceReads:
                 target[first:first + per_slab].copy_(staged, non_blocking=True)
             self._copies.append(_Copy(self._stream.record(), slab, buffer, None, target))
 
+    def after_current_work(self) -> None:
+        """Order the copies issued from now on after the work queued so far on the calling
+        thread's current stream (e.g. a send still reading the memory they overwrite)."""
+        self._stream.after_current_work()
+
     def apply_after_copies(self, item: ReadItem, dest: torch.Tensor) -> None:
         """``apply_tensor(item, dest)`` once the copies issued so far have completed."""
         self._copies.append(_Copy(self._stream.record(), None, None, item, dest))

@@ -5,6 +5,10 @@ otherwise only the rows of the chunk its box lies in; the ranges of a batch go o
 (``cat_ranges``: concurrent GETs on s3fs), adjacent ranges of one object merged into one GET
 of up to ``SPAN_BYTES``. A chunk several ranks need part of is fetched by one of them and
 forwarded to the others (``forwarding.py``): every stored byte is fetched once in all.
+
+Fetched bytes land in host memory; a destination that is not plain host memory of the stored
+dtype (device memory above all) gets them through the staging pool's pinned slabs on the copy
+stream (``filesystem/bounce.py``), the path of local loads.
 """
 
 from __future__ import annotations
@@ -12,16 +16,23 @@ from __future__ import annotations
 import math
 import warnings
 from collections import defaultdict
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Set, Tuple
 
 import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.filesystem.bounce import BounceReads
 from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow
-from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, StorageInfo, TensorStorageMetadata
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+)
 from hyper_parallel.core.distributed_checkpoint.format.validation import decode_stored_value
+from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import process_staging_buffers
 from hyper_parallel.core.distributed_checkpoint.object_store import forwarding, store
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import VerifyingReader, duties_of, reads_whole
@@ -107,57 +118,90 @@ class FsspecReader(VerifyingReader):
         plans = super().optimize_global_plan(plans)
         if not self.forward or len(plans) < 2:
             return plans
-        return forwarding.plan_forwards(plans, lambda index: self._storage(index).length, BATCH_BYTES)
+        return forwarding.plan_forwards(plans, lambda index: self._storage(index).length, BATCH_BYTES,
+                                        forwarding.PIECE_BYTES)
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
-        forwards: Tuple[forwarding.Forward, ...] = ()
-        if isinstance(plan.storage_data, forwarding.ForwardingPlan):
-            forwards = plan.storage_data.forwards
-            plan = LoadPlan(plan.items, plan.storage_data.verification, plan.planner_data)
+        """Fetch and apply every item of ``plan``; destinations not filled in place (device
+        memory, strided views, another dtype) get their bytes through the staging pool's
+        pinned slabs on the copy stream (``filesystem/bounce.py``), as local loads do."""
+        exchange = plan.storage_data if isinstance(plan.storage_data, forwarding.ForwardingPlan) else None
+        if exchange is not None:
+            plan = LoadPlan(plan.items, exchange.verification, plan.planner_data)
+        # The caller's device and stream: the copy stream is ordered after its queued work.
+        pool, device = process_staging_buffers(), get_platform().current_device()
+        bounce = BounceReads(pool, pool.window(snapshot=False), planner, device)
+        try:
+            if exchange is None:
+                self._fetch(self._prepare(plan, set()), planner, bounce)
+            else:
+                self._read_and_forward(plan, exchange, planner, bounce, device)
+        finally:
+            bounce.finish()
+        bounce.make_current_wait()  # the caller's later work follows the copies
+
+    def _prepare(self, plan: LoadPlan, received: Set[MetadataIndex],
+                 shared: FrozenSet[MetadataIndex] = frozenset()) -> List[_Fetch]:
+        """This rank's fetches (whole for ``shared`` chunks), after checking the objects it
+        fetches from (one request each); the chunks in ``received`` come from other ranks."""
         duties = duties_of(plan)
-        rank = dist.get_rank() if forwards else 0
-        sourced = {f.index for f in forwards if f.source == rank}
-        shared = {f.index for f in forwards}
         fetches = [self._plan_fetch(self._storage(item.storage_index), item, duties,
                                     whole=item.storage_index in shared) for item in plan.items]
-        received: Dict[Any, List[_Fetch]] = defaultdict(list)
-        mine: Dict[Any, List[_Fetch]] = defaultdict(list)
-        for fetch in fetches:
-            index = fetch.item.storage_index
-            if index in shared:
-                (mine if index in sourced else received)[index].append(fetch)
         for name in sorted({f.info.relative_path for f in fetches if f.item.storage_index not in received}):
-            store.check_object(self.fs, self.path, self.url, name, self.metadata)  # one request each
-        direct = [f for f in fetches if f.item.storage_index not in shared]
-        if not forwards:
-            self._fetch(direct, planner)
-            return
+            store.check_object(self.fs, self.path, self.url, name, self.metadata)
+        return fetches
+
+    def _read_and_forward(self, plan: LoadPlan, exchange: forwarding.ForwardingPlan, planner: LoadPlanner,
+                          bounce: BounceReads, device: torch.device) -> None:
+        """The fetches of a load with forwarded chunks, in the order of ``forwarding.py``: agree
+        that every rank is ready, fetch the rest, then the rounds; raises the first failure."""
+        rank, forwards = dist.get_rank(), exchange.forwards
+        try:
+            forwarder, mine, direct = self._plan_exchange(plan, exchange, rank, planner, bounce, device)
+        except Exception as exc:  # noqa: BLE001 (every rank hears of it before anyone waits on a peer)
+            forwarding.agree(exc, device)  # raises (on every rank)
+            raise
+        forwarding.agree(None, device)  # raises if another rank failed
         failure: Optional[BaseException] = None
         try:
-            self._fetch(direct, planner)
+            self._fetch(direct, planner, bounce)
         except Exception as exc:  # noqa: BLE001 (raised after the exchange: the others must not wait forever)
             failure = exc
-        device = get_platform().current_device()
-        reported = None
         for group in forwarding.rounds(forwards):
-            held: Dict[Any, memoryview] = {}
+            held: Dict[MetadataIndex, memoryview] = {}
             if failure is None:
                 try:
-                    self._fetch([f for forward in group for f in mine.get(forward.index, [])], planner, held)
+                    self._fetch([f for forward in group for f in mine.get(forward.index, [])], planner, bounce, held)
                 except Exception as exc:  # noqa: BLE001 (as above)
                     failure = exc
-
-            def receive(forward: forwarding.Forward, data: memoryview) -> None:
-                for fetch in received[forward.index]:
-                    self._apply(fetch, data, planner)
-
-            reported = forwarding.exchange(group, rank, held, failure, device, receive) or reported
+            failure = forwarder.exchange(group, held, failure)
         if failure is not None:
             raise failure
-        if reported is not None:
-            raise reported
 
-    def _fetch(self, fetches: List[_Fetch], planner: LoadPlanner,
+    def _plan_exchange(self, plan: LoadPlan, exchange: forwarding.ForwardingPlan, rank: int, planner: LoadPlanner,
+                       bounce: BounceReads, device: torch.device
+                       ) -> Tuple[forwarding.Forwarder, Dict[MetadataIndex, List[_Fetch]], List[_Fetch]]:
+        """(this rank's side of the exchange, its fetches of the chunks it forwards by chunk, its
+        other fetches), the objects it fetches from checked."""
+        forwards = exchange.forwards
+        sourced = {f.index for f in forwards if f.source == rank}
+        received = {f.index for f in forwards} - sourced
+        mine: Dict[MetadataIndex, List[_Fetch]] = defaultdict(list)
+        theirs: Dict[MetadataIndex, List[ReadItem]] = defaultdict(list)
+        direct: List[_Fetch] = []
+        for fetch in self._prepare(plan, received, frozenset(f.index for f in forwards)):
+            index = fetch.item.storage_index
+            if index in sourced:
+                mine[index].append(fetch)
+            elif index in received:
+                theirs[index].append(fetch.item)
+            else:
+                direct.append(fetch)
+        forwarder = forwarding.Forwarder(forwards, rank, self.metadata, planner, bounce, exchange.piece_bytes,
+                                         device, theirs)
+        return forwarder, mine, direct
+
+    def _fetch(self, fetches: List[_Fetch], planner: LoadPlanner, bounce: BounceReads,
                keep: Optional[Dict[Any, memoryview]] = None) -> None:
         """Fetch and apply ``fetches`` in batches of ``BATCH_BYTES``; whole chunks into ``keep``."""
         fetches = sorted(fetches, key=lambda f: (f.info.relative_path, f.start))
@@ -165,14 +209,15 @@ class FsspecReader(VerifyingReader):
         held = 0
         for fetch in fetches:
             if batch and held + fetch.end - fetch.start > BATCH_BYTES:
-                self._run(batch, planner, keep)
+                self._run(batch, planner, bounce, keep)
                 batch, held = [], 0
             batch.append(fetch)
             held += fetch.end - fetch.start
         if batch:
-            self._run(batch, planner, keep)
+            self._run(batch, planner, bounce, keep)
 
-    def _run(self, batch: List[_Fetch], planner: LoadPlanner, keep: Optional[Dict[Any, memoryview]]) -> None:
+    def _run(self, batch: List[_Fetch], planner: LoadPlanner, bounce: BounceReads,
+             keep: Optional[Dict[Any, memoryview]]) -> None:
         spans = _spans(batch)  # batch is sorted by object and offset
         blobs = self.fs.cat_ranges([f"{self.path}/{span[0].info.relative_path}" for span in spans],
                                    [span[0].start for span in spans], [span[-1].end for span in spans],
@@ -188,11 +233,11 @@ class FsspecReader(VerifyingReader):
                 if len(piece) != fetch.end - fetch.start:
                     raise CheckpointError(f"{self.url}/{fetch.info.relative_path} is truncated: needed bytes "
                                           f"{fetch.start}..{fetch.end}, got {len(piece)}")
-                self._apply(fetch, piece, planner)
+                self._apply(fetch, piece, planner, bounce)
                 if keep is not None:
                     keep[fetch.item.storage_index] = piece
 
-    def _apply(self, fetch: _Fetch, data: memoryview, planner: LoadPlanner) -> None:
+    def _apply(self, fetch: _Fetch, data: memoryview, planner: LoadPlanner, bounce: BounceReads) -> None:
         item, info = fetch.item, fetch.info
         key = item.storage_index.fqn
         if item.type == LoadItemType.BYTE_IO:
@@ -213,9 +258,16 @@ class FsspecReader(VerifyingReader):
             stored = raw.view(md.dtype).reshape((item.lengths[0], *fetch.sizes[1:]))
             offsets[0] = 0
         dest = planner.acquire_tensor(item)
-        with torch.no_grad():
-            dest.copy_(narrow(stored, offsets, item.lengths))
-        planner.apply_tensor(item, dest)
+        box = narrow(stored, offsets, item.lengths)
+        if dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == md.dtype:
+            with torch.no_grad():  # plain memory: one copy from the fetched bytes
+                dest.copy_(box)
+            planner.apply_tensor(item, dest)
+            return
+        # Device memory, strided views, other dtypes: as a local load's, through the slabs on
+        # the copy stream (a scalar as one row); applied once the copies have run.
+        bounce.copy(box.reshape(1) if box.dim() == 0 else box, dest.reshape(1) if dest.dim() == 0 else dest, key)
+        bounce.apply_after_copies(item, dest)
 
 
 def _spans(batch: List[_Fetch]) -> List[List[_Fetch]]:
