@@ -199,6 +199,18 @@ class ShardedPipelineStage(PipelineStage):
         finally:
             self._set_gradient_sync(False)
 
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        # A wrapped stage module is a torch FSDPModule: torch's stage then turns gradient sync
+        # off for every backward and reduces here, which torch 2.13 does through torch's FSDP
+        # state; ours does it through the FSDPModule methods (what torch 2.15 calls).
+        if isinstance(self.submod, FSDPModule) and self.has_backward:
+            self.submod.set_requires_gradient_sync(True)
+            self.submod.set_reshard_after_backward(True)
+            self.submod.set_is_last_backward(True)
+            self.submod.finalize_backward()
+        if grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)
+
 
 class _ScaledLoss:
     """``loss_fn(output, target) / (n_microbatches * grad_accum)`` in training, divided by

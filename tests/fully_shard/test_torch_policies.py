@@ -40,6 +40,8 @@ def _train_with(mp_policy) -> dict:
     model = tiny_llama()
     if mp_policy is not None:
         shard_layers_and_root(model, mp_policy=mp_policy)
+        # converted, not used by duck typing (torch 2.13's policy lacks param_dtype_override_fn)
+        assert type(model._state.mp_policy) is hp.MixedPrecisionPolicy
     else:
         shard_layers_and_root(model)
     train(model, [global_batch(step).chunk(world)[rank] for step in range(2)])
