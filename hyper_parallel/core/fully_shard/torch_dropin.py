@@ -51,10 +51,8 @@ class TorchFSDPPatch:
 def patch_torch_fsdp() -> TorchFSDPPatch:
     """Make torch's FSDP2 names hyper_parallel's: ``fully_shard``, ``FSDPModule``,
     ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy`` and
-    ``register_fsdp_forward_method`` in ``torch.distributed.fsdp`` and in the private modules
-    that also export them (``torch.distributed.fsdp._fully_shard``,
-    ``torch.distributed.fsdp._fully_shard._fully_shard``, ``..._fsdp_api``,
-    ``torch.distributed._composable.fsdp``). Code importing these names afterwards (at module
+    ``register_fsdp_forward_method`` in ``torch.distributed.fsdp`` and in the private torch modules
+    that also export them (``_torch_compat.fsdp2_export_modules``). Code importing these names afterwards (at module
     import or inside functions, as accelerate does) gets ours; names a module bound before the
     call stay torch's, so patch before importing the client's training code.
 
