@@ -157,7 +157,8 @@ def _fsdp_modules(module: nn.Module) -> List[FSDPModule]:
 
 class ShardedPipelineStage(PipelineStage):
     """torch's :class:`~torch.distributed.pipelining.PipelineStage` for a stage module wrapped
-    with ``hyper_parallel.fully_shard`` (torch's stage special-cases only torch's FSDP).
+    with ``hyper_parallel.fully_shard`` (a torch ``FSDPModule``: where torch's stage would reach
+    into torch's FSDP state to reduce, this one calls the ``FSDPModule`` methods).
 
     As torch's stage does for its FSDP: the backward of every microbatch but the stage's last
     in a schedule step accumulates unsharded gradients without reducing them and keeps the
