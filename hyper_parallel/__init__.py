@@ -22,6 +22,7 @@ _LAZY = {
     "OffloadPolicy": "hyper_parallel.core.fully_shard",
     "CPUOffloadPolicy": "hyper_parallel.core.fully_shard",
     "register_fsdp_forward_method": "hyper_parallel.core.fully_shard",
+    "patch_torch_fsdp": "hyper_parallel.core.fully_shard",
     "clip_grad_norm_": "hyper_parallel.core.grad_norm",
     "checkpoint": "hyper_parallel.checkpoint",
     "models": "hyper_parallel.models",

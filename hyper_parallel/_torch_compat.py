@@ -34,6 +34,7 @@ __all__ = [
     "dtensor_spec",
     "dump_cuda_memory_snapshot",
     "foreach_mul_",
+    "fsdp2_export_modules",
     "get_layout",
     "init_fake_process_group",
     "local_tensor",
@@ -148,3 +149,32 @@ def dcp_fsspec_storage() -> Tuple[type, type]:
     except ImportError:
         from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader, FsspecWriter
     return FsspecWriter, FsspecReader
+
+
+# The modules through which torch exports FSDP2's public names (fully_shard, FSDPModule, the
+# policies, register_fsdp_forward_method): the public one and the private ones programs also
+# import from (patch_torch_fsdp replaces the names in each that torch of this version has).
+_FSDP2_EXPORT_MODULES = (
+    "torch.distributed.fsdp",
+    "torch.distributed.fsdp._fully_shard",
+    "torch.distributed.fsdp._fully_shard._fully_shard",
+    "torch.distributed.fsdp._fully_shard._fsdp_api",
+    "torch.distributed._composable.fsdp",
+    "torch.distributed._composable.fsdp.fully_shard",
+)
+
+
+def fsdp2_export_modules() -> list:
+    """The imported modules of :data:`_FSDP2_EXPORT_MODULES` this torch has."""
+    import importlib
+    import warnings
+
+    modules = []
+    for name in _FSDP2_EXPORT_MODULES:
+        try:
+            with warnings.catch_warnings():  # (torch.distributed._composable.fsdp: deprecated path)
+                warnings.simplefilter("ignore")
+                modules.append(importlib.import_module(name))
+        except ImportError:
+            continue
+    return modules

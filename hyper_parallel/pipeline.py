@@ -157,7 +157,8 @@ def _fsdp_modules(module: nn.Module) -> List[FSDPModule]:
 
 class ShardedPipelineStage(PipelineStage):
     """torch's :class:`~torch.distributed.pipelining.PipelineStage` for a stage module wrapped
-    with ``hyper_parallel.fully_shard`` (torch's stage special-cases only torch's FSDP).
+    with ``hyper_parallel.fully_shard`` (a torch ``FSDPModule``: where torch's stage would reach
+    into torch's FSDP state to reduce, this one calls the ``FSDPModule`` methods).
 
     As torch's stage does for its FSDP: the backward of every microbatch but the stage's last
     in a schedule step accumulates unsharded gradients without reducing them and keeps the
@@ -198,6 +199,18 @@ class ShardedPipelineStage(PipelineStage):
             return super().backward_maybe_with_nosync(backward_type, bwd_kwargs, last_backward=last_backward)
         finally:
             self._set_gradient_sync(False)
+
+    def perform_reduce_grad(self, grad_scale_factor: int) -> None:
+        # A wrapped stage module is a torch FSDPModule: torch's stage then turns gradient sync
+        # off for every backward and reduces here, which torch 2.13 does through torch's FSDP
+        # state; ours does it through the FSDPModule methods (what torch 2.15 calls).
+        if isinstance(self.submod, FSDPModule) and self.has_backward:
+            self.submod.set_requires_gradient_sync(True)
+            self.submod.set_reshard_after_backward(True)
+            self.submod.set_is_last_backward(True)
+            self.submod.finalize_backward()
+        if grad_scale_factor != 1:
+            self.scale_grads(grad_scale_factor)
 
 
 class _ScaledLoss:

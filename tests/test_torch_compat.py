@@ -60,6 +60,15 @@ def test_dcp_fsspec_storage():
     assert issubclass(writer, StorageWriter) and issubclass(reader, StorageReader)
 
 
+def test_fsdp2_export_modules():
+    from torch.distributed import fsdp
+
+    modules = compat.fsdp2_export_modules()
+    assert modules[0] is fsdp
+    assert all(vars(m).get("fully_shard", fsdp.fully_shard) is fsdp.fully_shard for m in modules)
+    assert {m.__name__ for m in modules} >= {"torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard._fully_shard"}
+
+
 def test_chunk_cat():
     a, b = torch.arange(4.0).view(2, 2), torch.arange(4.0, 6.0).view(2, 1)
     # rank-major chunks: rank 0 gets row 0 of each tensor, rank 1 row 1

@@ -16,7 +16,8 @@ from hyper_parallel.core.fully_shard.mesh import DataParallelMesh, resolve_mesh
 from hyper_parallel.core.fully_shard.param import HSDPParam
 from hyper_parallel.core.fully_shard.module_api import FSDPModule
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
-from hyper_parallel.core.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from hyper_parallel.core.fully_shard.policy import (CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, as_mp_policy,
+                                                   as_offload_policy)
 from hyper_parallel.core.fully_shard.state import HSDPState
 
 # id(original or sharded parameter) -> the state owning its group, to keep tied parameters
@@ -149,6 +150,7 @@ def fully_shard(
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
+    dp_mesh_dims: None = None,
 ) -> Union[nn.Module, List[nn.Module]]:
     """Shard ``module``'s parameters (those not already managed by a wrapped submodule) as one
     parameter group over ``mesh``.
@@ -164,21 +166,31 @@ def fully_shard(
             shard world size keeps the parameters sharded over groups of ``k`` ranks after
             forward, so backward all-gathers only within them (e.g. within a node).
         shard_placement_fn: ``param -> Shard(d)`` (any dim, uneven sizes padded) or None (dim 0).
-        mp_policy: mixed-precision dtypes (:class:`MixedPrecisionPolicy`).
-        offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on CPU.
+        mp_policy: mixed-precision dtypes (:class:`MixedPrecisionPolicy`; torch's
+            ``torch.distributed.fsdp.MixedPrecisionPolicy`` is converted to it).
+        offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on CPU (torch's
+            ``OffloadPolicy`` / ``CPUOffloadPolicy`` are converted).
         ignored_params: parameters left untouched (not sharded, not reduced).
+        dp_mesh_dims: torch's full-SPMD-mesh form; not supported (must be None): pass the
+            data-parallel sub-mesh as ``mesh`` instead (see Raises).
 
     Returns:
         ``module`` (same object).
 
     Raises:
-        TypeError: ``module`` is not an ``nn.Module`` or a non-empty list of them.
+        TypeError: ``module`` is not an ``nn.Module`` or a non-empty list of them, or a policy
+            is neither ours nor torch's.
         RuntimeError: no process group is initialised.
         ValueError: the module is already wrapped or is a ModuleList/ModuleDict without forward, the mesh is not 1-D/2-D or on another device
             type, a parameter is on the wrong device, ``shard_placement_fn`` returned a
             non-``Shard`` placement, or ``reshard_after_forward`` is not a bool, None or a
-            divisor of the shard world size.
+            divisor of the shard world size, or ``dp_mesh_dims`` is given.
     """
+    if dp_mesh_dims is not None:
+        raise ValueError(f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}) is not supported: pass the data-parallel "
+                         "sub-mesh instead, mesh=full_mesh[\"dp_shard\"] (FSDP) or "
+                         "mesh=full_mesh[\"dp_replicate\", \"dp_shard\"] (HSDP), after tensor parallelism")
+    mp_policy, offload_policy = as_mp_policy(mp_policy), as_offload_policy(offload_policy)
     modules = _root_modules(module)
     if reshard_after_forward is not None and not isinstance(reshard_after_forward, int):
         raise ValueError("reshard_after_forward must be a bool, an int or None, "

@@ -8,14 +8,19 @@ one all-gather / reduce-scatter / all-reduce per pass, and so are the bytes each
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections import Counter
-from typing import Dict, Optional, Tuple
+from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 _COUNTS: Counter = Counter()
 _BYTES: Counter = Counter()
+# A custom all-gather (torch's ``AllGather`` protocol, ``FSDPModule.set_custom_all_gather``) of
+# the group issuing its gathers now; per context, so that thread-simulated ranks do not mix.
+_ALL_GATHER_COMM: contextvars.ContextVar[Optional[Any]] = contextvars.ContextVar("all_gather_comm", default=None)
 # The torch.distributed functions are looked up at call time (not bound at import) so that
 # instrumentation patching them (e.g. torch.testing's patch_all_gather) sees these calls.
 
@@ -47,17 +52,33 @@ def profiler_label(name: str, module_fqn: str) -> str:
     return f"hp::{name} ({module_fqn})" if module_fqn else f"hp::{name}"
 
 
+@contextlib.contextmanager
+def custom_all_gather(comm: Optional[Any]) -> Iterator[None]:
+    """:func:`all_gather` calls inside run ``comm(output, input, group, async_op)`` (None: torch's)."""
+    token = _ALL_GATHER_COMM.set(comm)
+    try:
+        yield
+    finally:
+        _ALL_GATHER_COMM.reset(token)
+
+
 def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGroup,
                async_op: bool) -> Optional[dist.Work]:
     """Gather every rank's flat ``shard`` into the flat ``output`` (rank-major)."""
     _count("all_gather", shard)
+    comm = _ALL_GATHER_COMM.get()
+    if comm is not None:
+        return comm(output, shard, group, async_op)
     return dist.all_gather_single(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
-                   async_op: bool) -> Optional[dist.Work]:
-    """Sum the flat ``full`` (rank-major chunks) over ``group``; this rank's chunk into ``output``."""
+                   async_op: bool, comm: Optional[Any] = None) -> Optional[dist.Work]:
+    """Sum the flat ``full`` (rank-major chunks) over ``group``; this rank's chunk into ``output``
+    (through ``comm(output, input, group, op, async_op)``: torch's ``ReduceScatter`` protocol)."""
     _count("reduce_scatter", full)
+    if comm is not None:
+        return comm(output, full, group, dist.ReduceOp.SUM, async_op)
     return dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
                                       async_op=async_op)
 

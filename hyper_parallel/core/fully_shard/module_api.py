@@ -8,18 +8,21 @@ from typing import Any, Callable, Iterable, List, Optional
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from hyper_parallel.core.fully_shard.param_group import UnshardHandle
 from hyper_parallel.core.fully_shard.state import HSDPState
+from hyper_parallel.core.fully_shard.torch_methods import TorchFSDPMethods, _check_bool, refuse_unknown_torch_methods
 
 
-def _check_bool(name: str, value: Any) -> None:
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be a bool, got {value!r}")
-
-
-class FSDPModule:
+class FSDPModule(TorchFSDPMethods, TorchFSDPModule):
     """Mixin added to the class of every module passed to :func:`fully_shard`.
+
+    A subclass of torch's ``torch.distributed.fsdp.FSDPModule``: code written for torch's
+    FSDP2 that tests ``isinstance(module, FSDPModule)`` with torch's class (torchtitan,
+    accelerate, torch's pipelining) applies its settings to our modules. Every method torch's
+    class defines is overridden (here and in :class:`TorchFSDPMethods`), so torch's
+    implementation never runs on our state.
 
     Setters marked *recurse* apply to every ``fully_shard`` module in the subtree by default
     (``recurse=False``: this module's group only); the others apply to this module's group.
@@ -161,9 +164,10 @@ class FSDPModule:
         # .to() / .double() / to_empty() convert the registered parameters: make those the
         # sharded ones; the group re-binds its buffers to the new tensors at the next unshard.
         self.reshard()
-        return super()._apply(*args, **kwargs)
+        return super(TorchFSDPModule, self)._apply(*args, **kwargs)  # nn.Module's, never torch FSDP's
 
 
+refuse_unknown_torch_methods(FSDPModule)
 HSDPModule = FSDPModule
 
 

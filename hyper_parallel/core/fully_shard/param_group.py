@@ -93,6 +93,11 @@ class HSDPParamGroup:
         self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
         self._all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
         self._all_reduce_hook_stream: Optional[Any] = None  # None: the all-reduce stream
+        # torch's AllGather / ReduceScatter comms (set_custom_*; None: torch.distributed's), and
+        # the process group of the reduce-scatters (set_separate_reduce_scatter_group).
+        self.all_gather_comm: Optional[Any] = None
+        self.reduce_scatter_comm: Optional[Any] = None
+        self.reduce_scatter_group: dist.ProcessGroup = dp.shard_group
         self._sharded_slots: List[ParamSlot] = []
         self._unsharded_slots: List[UnshardedSlot] = []
         override = mp_policy.param_dtype_override_fn  # sees the parameters before sharding
@@ -228,7 +233,8 @@ class HSDPParamGroup:
             streams.reclaim(streams.all_gather)  # earlier results: reused after their copy-outs
             if after is not None:
                 streams.wait_event(after)
-            issued = [(b, *gather(b, x), x) for b, x in zip(self.buckets, inputs)]
+            with collectives.custom_all_gather(self.all_gather_comm):
+                issued = [(b, *gather(b, x), x) for b, x in zip(self.buckets, inputs)]
             event = streams.record_event()
         self._gathers = [InFlightGather(b, work, gathered, event, x) for b, work, gathered, x in issued]
         self.state = ShardState.UNSHARDING
@@ -308,6 +314,11 @@ class HSDPParamGroup:
         for bucket in self.buckets:
             bucket.accumulate_unreduced_grads()
 
+    def has_unreduced_grads(self) -> bool:
+        """A backward without gradient sync left unsharded gradients to reduce."""
+        return any(p.accumulated_grad is not None or (p.unsharded_param is not None and p.unsharded_param.grad is not None)
+                   for p in self.params)
+
     def reduce_grads(self) -> None:
         """Issue the reduce-scatter of every bucket's unsharded gradients on the reduce-scatter
         stream: of every bucket with trainable parameters, also one without gradients on this
@@ -325,8 +336,8 @@ class HSDPParamGroup:
             output = torch.empty(bucket.reduced_numel, dtype=bucket.reduce_dtype, device=grad_input.device)
             streams.wait_for_current(streams.reduce_scatter)  # the copy-in ran on the compute stream
             with self._range("reduce_scatter"), streams.use(streams.reduce_scatter):
-                work = collectives.reduce_scatter(output, grad_input, self.dp.shard_group,
-                                                  async_op=streams.async_collectives)
+                work = collectives.reduce_scatter(output, grad_input, self.reduce_scatter_group,
+                                                  async_op=streams.async_collectives, comm=self.reduce_scatter_comm)
                 event = streams.record_event()
             self._pending.append(PendingReduce(bucket, work, event, streams.hold_for_collective(grad_input), output))
 

@@ -64,6 +64,8 @@ class _RootContext:
         self.callback_queued = False  # the end-of-backward callback, queued once per backward
         # False: the end of backward leaves the last reductions in flight (set_is_last_backward).
         self.is_last_backward = True
+        # True: the end of backward leaves its reductions to finalize_backward (set_manual_backward_finalization).
+        self.manual_finalization = False
         # The user's event recorded after the optimizer step (set_post_optim_event), used once.
         self.post_optim_event: Optional[Any] = None
         # True from the root's pre-forward until the step ends: the all-gather stream is
@@ -129,15 +131,20 @@ class _RootContext:
         for state in self.states:  # (a group whose modules' backward started: rank-consistent)
             if state.phase is not StepPhase.REDUCED and state.backward.started:
                 state.post_backward()
-        if self.is_last_backward:
+        if self.is_last_backward and not self.manual_finalization:
             self.finish_reductions()
+        self.finish_backward()
+        for state in self.states:
+            state.reset_backward()
+        self.callback_queued = False
+        self.all_gathers_ordered = False  # the optimizer step may write the shards next
+
+    def finish_backward(self) -> None:
+        """Host-wait for offloaded gradients; reshard per ``reshard_after_backward``."""
         finish_offloads([state.group.offloads for state in self.states])  # CPU offload: the host waits once
         for state in self.states:
             if state.group.reshard_after_backward:
                 state.group.reshard()
-            state.reset_backward()
-        self.callback_queued = False
-        self.all_gathers_ordered = False  # the optimizer step may write the shards next
 
     def end_no_grad_forward(self) -> None:
         """No backward follows: drop prefetched leftovers; the step is over."""
@@ -185,6 +192,7 @@ class HSDPState:
         self.to_run: Set[nn.Module] = set()  # modules of this group yet to run in this forward
         self.unshard_in_backward = True
         self.is_last_backward = True  # copied to the root context at lazy init
+        self.manual_finalization = False  # likewise
         self.post_optim_event: Optional[Any] = None  # likewise
         # Every entry point called by nn.Module or autograd, wrapped once (see hooks.eager);
         # pre_forward_hook/post_forward_hook also run custom forward methods.
@@ -211,7 +219,7 @@ class HSDPState:
         fqns = {param: name for name, param in self.modules[0].named_parameters(remove_duplicate=False)}
         module_fqns = {module: name for name, module in self.modules[0].named_modules()}
         ctx = _RootContext(states)
-        ctx.is_last_backward = self.is_last_backward
+        ctx.is_last_backward, ctx.manual_finalization = self.is_last_backward, self.manual_finalization
         ctx.post_optim_event = next((s.post_optim_event for s in states if s.post_optim_event is not None), None)
         for state in states:
             state.ctx, state.is_root = ctx, state is self
@@ -251,6 +259,11 @@ class HSDPState:
         self.is_last_backward = value
         if self.ctx is not None:
             self.ctx.is_last_backward = value
+
+    def set_manual_finalization(self, value: bool) -> None:
+        self.manual_finalization = value
+        if self.ctx is not None:
+            self.ctx.manual_finalization = value
 
     def set_post_optim_event(self, event: Any) -> None:
         if self.ctx is None:
