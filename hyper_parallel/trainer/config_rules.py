@@ -2,8 +2,8 @@
 
 A schema field is ``name: <type> = key(default, <range>)``: the type comes from the annotation
 (``int``, ``float``, ``bool``, ``str``, ``Optional[...]``, ``List[...]``, ``Union[str,
-List[str]]``, ``Optional[<dataclass>]``: null or a mapping of its keys), the range from :func:`key`'s arguments. :func:`value_problem` judges one value
-against both and says what a valid value is, e.g. ``training.steps=-5 must be a positive
+List[str]]``, ``Optional[<dataclass>]``: null or a mapping of its keys), the range from
+:func:`key`'s arguments. :func:`value_problem` judges one value against both and says what a valid value is, e.g. ``training.steps=-5 must be a positive
 integer``. Values are judged here, after composition, not by OmegaConf while composing, so that
 every bad value is reported together with every other problem.
 """
