@@ -4,7 +4,15 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: install train test test-torch bench clean
+.PHONY: install extras train test test-torch bench clean
+
+# A pip constraint holding the environment's installed torch (torch==<its version>, e.g.
+# 2.13.0+cpu), passed to every pip install of this package's extras: pyproject.toml's torch
+# range (>=2.13,<2.16) lets pip's resolver, when it backtracks (the test extra's
+# s3fs/aiobotocore/fsspec chain makes it), replace the installed torch by the newest one the range
+# allows, a multi-GB CUDA build.
+TORCH_PIN := $(VENV)/torch-constraint.txt
+WRITE_TORCH_PIN = $(PY) -c 'from importlib.metadata import version; print("torch==" + version("torch"))' > $(TORCH_PIN)
 
 install: $(VENV)/.installed
 
@@ -13,8 +21,18 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# Pinned: the CPU build of torch. A loose requirement pulls a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(WRITE_TORCH_PIN)
+	$(PY) -m pip install -q -c $(TORCH_PIN) -e '.[test]'
 	touch $@
+
+# Optional dependencies (pyproject.toml's extras) into an environment, keeping its torch:
+#   make extras EXTRAS=recipes        (or EXTRAS=recipes,s3; VENV=<env> for another environment)
+# An environment without bin/python is made first with `make install`.
+extras:
+	@test -n "$(EXTRAS)" || { echo "usage: make extras EXTRAS=recipes[,s3,...] [VENV=<env>]"; exit 2; }
+	test -x $(PY) || $(MAKE) install
+	$(WRITE_TORCH_PIN)
+	$(PY) -m pip install -q -c $(TORCH_PIN) -e '.[$(EXTRAS)]'
 
 # Through scripts/train.sh: the config is checked before torchrun starts, SIGTERM saves and exits 0.
 train: install

@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 import hyper_parallel as hp
 import hyper_parallel.checkpoint as hdcp
+from hyper_parallel.core.distributed_checkpoint.format.checksum import describe_crc32
 from hyper_parallel.models import build_llama
 from hyper_parallel.platform import get_platform
 
@@ -111,7 +112,7 @@ def _report(args: argparse.Namespace, model: torch.nn.Module, times: Dict[str, L
     print(f"\nmodel {args.model} ({params / 1e6:.1f} M parameters; checkpoint ~{params * 12 / 1e9:.2f} GB of "
           f"fp32 params + AdamW moments), batch {args.batch} x seq {args.seq}, {dist.get_world_size()} "
           f"{args.device} ranks, torch {torch.__version__}, a save every step, "
-          f"{args.rounds} rounds x {args.steps} steps per mode; load average "
+          f"{args.rounds} rounds x {args.steps} steps per mode, checksums: {describe_crc32()}; load average "
           + " ".join(f"{x:.1f}" for x in os.getloadavg()) + "\n")
     print("| mode | step s, median (runs) | per checkpoint vs no checkpoint | CPU s per step, all ranks and "
           "threads (median) |")

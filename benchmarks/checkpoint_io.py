@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 import hyper_parallel.checkpoint as hdcp
+from hyper_parallel.core.distributed_checkpoint.format.checksum import describe_crc32
 from hyper_parallel.utils.fileio import start_writeback
 from hyper_parallel.platform import free_port, get_platform, reset_platform
 
@@ -347,7 +348,7 @@ def _report(args, total, cold, times, read_bytes, load_cpu, reshard, async_resul
           + (f", {torch.cuda.get_device_name(0)}" if args.device == "cuda" else "")
           + ", load average at the end {:.1f} {:.1f} {:.1f}".format(*os.getloadavg()))
     print(f"state: {gb:.3f} GB of fp32 DTensors (params + exp_avg + exp_avg_sq) in {args.device} memory, "
-          f"Shard(0) over {args.world} rank(s)")
+          f"Shard(0) over {args.world} rank(s); our checksums: {describe_crc32()}")
     print(f"saves and loads start {'COLD (synced, page cache dropped before each)' if cold else 'WARM (drop_caches not permitted)'}")
     print(f"disk ceiling (same file system, both ranks, fsync, best of before/after and of two write methods): "
           f"write {write_gbs:.2f} GB/s, "

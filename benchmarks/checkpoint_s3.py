@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import hyper_parallel.checkpoint as hdcp  # noqa: E402
+from hyper_parallel.core.distributed_checkpoint.format.checksum import describe_crc32  # noqa: E402
 from benchmarks.launch import launch  # noqa: E402
 from hyper_parallel._torch_compat import dcp_fsspec_storage  # noqa: E402
 from hyper_parallel.platform import free_port  # noqa: E402
@@ -184,7 +185,7 @@ def _report(args, n, world, times, fetched, stored) -> None:
     print(f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, torch {torch.__version__}, "
           f"{host_platform.machine()} with {os.cpu_count()} cores, {world} gloo ranks, state "
           f"{state_bytes / 1e9:.3f} GB ({3 * n} fp32 tensors of {ROWS}x{COLS}), {args.reps} repetitions "
-          "(medians; order alternating)\n")
+          f"(medians; order alternating), our checksums: {describe_crc32()}\n")
     print("| | ours (s) | DCP (s) | DCP / ours | ours GB/s | DCP GB/s |")
     print("|---|---|---|---|---|---|")
     for op, label in (("save", "save"), ("load", "resharding load (Shard(0) -> Shard(1))")):

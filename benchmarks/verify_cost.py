@@ -100,8 +100,8 @@ def main() -> None:
     threads = _two_threads(state["w0"].numpy().tobytes())
     shutil.rmtree(args.dir, ignore_errors=True)
     print(f"host {platform.node()}, {os.cpu_count()} CPUs, torch {torch.__version__}, state {nbytes / 1e6:.0f} MB "
-          f"in {n} tensors, {args.reps} reps (median, GB/s = state bytes / load time), checksum by "
-          f"{checksum.CRC32_IMPLEMENTATION}, load average at the end "
+          f"in {n} tensors, {args.reps} reps (median, GB/s = state bytes / load time), checksums: "
+          f"{checksum.describe_crc32()}, load average at the end "
           + " ".join(f"{x:.1f}" for x in os.getloadavg()))
     print("| page cache | verify=True | verify=False | verification cost |")
     print("|---|---|---|---|")

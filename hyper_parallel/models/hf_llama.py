@@ -8,6 +8,7 @@ each head accordingly (the permutation of Meta's ``convert_llama_weights_to_hf.p
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -19,7 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.layout import local_part
-from hyper_parallel.models.llama import LlamaConfig
+from hyper_parallel.models.llama import LlamaConfig, RopeScaling
 
 CONFIG_FILE = "config.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -81,14 +82,17 @@ def to_hf(name: str, tensor: torch.Tensor, cfg: LlamaConfig) -> Optional[Tuple[s
 
 
 def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> Dict[str, Any]:
-    """``config.json`` for ``transformers.LlamaForCausalLM``."""
+    """``config.json`` for ``transformers.LlamaForCausalLM``; RoPE scaling as both
+    ``rope_scaling`` (Llama 3.1's own configs, transformers 4) and ``rope_parameters`` (transformers 5)."""
+    scaling = None if cfg.rope_scaling is None else {"rope_type": "llama3", **dataclasses.asdict(cfg.rope_scaling)}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "vocab_size": cfg.vocab_size, "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_hidden_dim,
         "num_hidden_layers": cfg.n_layers, "num_attention_heads": cfg.n_heads,
         "num_key_value_heads": cfg.n_kv_heads, "head_dim": cfg.dim // cfg.n_heads,
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps,
-        "rope_theta": cfg.rope_theta, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
+        "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
+        "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
         "mlp_bias": False, "torch_dtype": _DTYPE_NAMES[dtype],
     }
@@ -107,9 +111,10 @@ _CHECKED = {
     Layout.TRANSFORMERS: (("hidden_size", "dim"), ("num_hidden_layers", "n_layers"),
                           ("num_attention_heads", "n_heads"), ("num_key_value_heads", "n_kv_heads"),
                           ("vocab_size", "vocab_size"), ("intermediate_size", "ffn_hidden_dim"),
-                          ("rope_theta", "rope_theta"), ("tie_word_embeddings", "tie_embeddings")),
+                          ("rope_theta", "rope_theta"), ("rope_scaling", "rope_scaling"),
+                          ("tie_word_embeddings", "tie_embeddings")),
     Layout.NATIVE: tuple((f, f) for f in ("dim", "n_layers", "n_heads", "n_kv_heads", "vocab_size",
-                                          "ffn_hidden_dim", "rope_theta", "tie_embeddings")),
+                                          "ffn_hidden_dim", "rope_theta", "rope_scaling", "tie_embeddings")),
 }
 _MISSING = object()
 
@@ -133,8 +138,36 @@ def read_config(path: str) -> Optional[Dict[str, Any]]:
     return config
 
 
+def hf_rope_scaling(config: Dict[str, Any]) -> Optional[RopeScaling]:
+    """The RoPE scaling a ``transformers`` Llama ``config.json`` describes (None: plain RoPE), read
+    as transformers does: ``rope_scaling``, else ``rope_parameters``; ``rope_type`` (or the older
+    ``type``) ``default`` or ``llama3``.
+
+    Raises:
+        ValueError: another rope type, or a llama3 entry without its keys.
+    """
+    params = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if not isinstance(params, dict):
+        raise ValueError(f"rope_scaling {params!r} is not an object")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type == "default":
+        return None
+    if rope_type != "llama3":
+        raise ValueError(f"rope_type {rope_type!r} is not supported (only 'default' and 'llama3')")
+    values = {"original_max_position_embeddings": config.get("max_position_embeddings"), **params}
+    missing = [f.name for f in dataclasses.fields(RopeScaling) if values.get(f.name) is None]
+    if missing:
+        raise ValueError(f"rope_scaling of rope_type 'llama3' lacks {', '.join(missing)}")
+    return RopeScaling(**{f.name: values[f.name] for f in dataclasses.fields(RopeScaling)})
+
+
 def _config_value(config: Dict[str, Any], key: str, layout: Layout) -> Any:
     """``config[key]``, with transformers' defaults for the keys a Llama config may leave out."""
+    if key == "rope_scaling":  # missing: plain RoPE (an export from before the key existed)
+        stored = config.get(key)
+        if layout is Layout.TRANSFORMERS:
+            return hf_rope_scaling(config)
+        return RopeScaling.from_mapping(stored) if isinstance(stored, dict) else stored
     if layout is Layout.TRANSFORMERS:
         if key == "num_key_value_heads" and config.get(key) is None:
             return config.get("num_attention_heads", _MISSING)
@@ -146,6 +179,8 @@ def _config_value(config: Dict[str, Any], key: str, layout: Layout) -> Any:
 
 
 def _same(stored: Any, ours: Any) -> bool:
+    if isinstance(ours, RopeScaling) or isinstance(stored, RopeScaling) or stored is None:
+        return stored == ours
     if isinstance(ours, bool) or isinstance(stored, bool):
         return stored is ours
     if isinstance(stored, (int, float)):
@@ -175,7 +210,10 @@ def check_config(path: str, cfg: LlamaConfig) -> Layout:
                          f"{config.get('model_type')!r}) nor a {NATIVE_ARCHITECTURE} export")
     differences = []
     for key, field in _CHECKED[layout]:
-        stored, ours = _config_value(config, key, layout), getattr(cfg, field)
+        try:
+            stored, ours = _config_value(config, key, layout), getattr(cfg, field)
+        except ValueError as err:
+            raise ValueError(f"{file}: {err}") from None
         if not _same(stored, ours):
             shown = "missing" if stored is _MISSING else repr(stored)
             differences.append(f"{key} {shown} vs model.{field}={ours!r}")

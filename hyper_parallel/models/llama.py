@@ -9,9 +9,10 @@ only its blocks under the full model's parameter names.
 from __future__ import annotations
 
 import math
+import numbers
 import zlib
-from dataclasses import dataclass
-from typing import Callable, Optional
+from dataclasses import dataclass, fields
+from typing import Any, Callable, List, Mapping, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -19,6 +20,64 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.layout import local_part
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """Llama 3.1's frequency-dependent RoPE scaling (``rope_type: llama3`` in ``transformers``).
+
+    Rotary wavelengths longer than ``original_max_position_embeddings / low_freq_factor`` are
+    stretched by ``factor``, those shorter than ``original_max_position_embeddings /
+    high_freq_factor`` are kept, and those between are interpolated smoothly. The defaults are
+    Llama 3.1's (Llama 3.2 uses ``factor=32``). The field names are ``transformers``' keys.
+    """
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position_embeddings: int = 8192
+
+    @classmethod
+    def from_mapping(cls, values: Mapping[str, Any]) -> "RopeScaling":
+        """From a mapping of (some of) the field names, e.g. a ``config.json`` entry.
+
+        Raises:
+            ValueError: a key that is not a field.
+        """
+        names = [f.name for f in fields(cls)]
+        unknown = sorted(str(k) for k in values if k not in names)
+        if unknown:
+            raise ValueError(f"rope_scaling has unknown key(s) {', '.join(unknown)}; known: {', '.join(names)}")
+        return cls(**{str(k): v for k, v in values.items()})
+
+    def problems(self) -> List[str]:
+        """What is wrong with the values (empty: nothing)."""
+        def real(value: Any) -> bool:
+            return isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+
+        found = [f"rope_scaling.{name}={getattr(self, name)!r} must be a finite number > 0"
+                 for name in ("factor", "low_freq_factor", "high_freq_factor")
+                 if not real(getattr(self, name)) or getattr(self, name) <= 0]
+        original = self.original_max_position_embeddings
+        if not isinstance(original, numbers.Integral) or isinstance(original, bool) or original < 1:
+            found.append(f"rope_scaling.original_max_position_embeddings={original!r} must be a positive integer")
+        if found:
+            return found
+        if self.factor < 1:
+            found.append(f"rope_scaling.factor={self.factor!r} must be >= 1 (it stretches wavelengths)")
+        if self.low_freq_factor >= self.high_freq_factor:
+            found.append(f"rope_scaling.low_freq_factor={self.low_freq_factor!r} must be below "
+                         f"rope_scaling.high_freq_factor={self.high_freq_factor!r}")
+        return found
+
+    def scale(self, inv_freq: torch.Tensor) -> torch.Tensor:
+        """The scaled inverse frequencies (the computation of Meta's and ``transformers``' Llama 3.1)."""
+        wavelen = 2 * math.pi / inv_freq
+        original = self.original_max_position_embeddings
+        smooth = (original / wavelen - self.low_freq_factor) / (self.high_freq_factor - self.low_freq_factor)
+        smoothed = (1 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        stretched = torch.where(wavelen > original / self.low_freq_factor, inv_freq / self.factor, smoothed)
+        return torch.where(wavelen < original / self.high_freq_factor, inv_freq, stretched)
 
 
 @dataclass
@@ -34,8 +93,18 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 256
     tie_embeddings: bool = False
+    # None: plain RoPE. A mapping of RopeScaling's fields (e.g. from a JSON or YAML config) is converted.
+    rope_scaling: Optional[RopeScaling] = None
 
     def __post_init__(self) -> None:
+        scaling: Union[RopeScaling, Mapping[str, Any], None] = self.rope_scaling
+        if isinstance(scaling, Mapping):
+            self.rope_scaling = scaling = RopeScaling.from_mapping(scaling)
+        if scaling is not None and not isinstance(scaling, RopeScaling):
+            raise ValueError(f"rope_scaling={scaling!r} must be null or a mapping of RopeScaling's fields")
+        problems = scaling.problems() if scaling is not None else []
+        if problems:
+            raise ValueError("; ".join(problems))
         if self.n_kv_heads is None:
             self.n_kv_heads = self.n_heads
         if self.dim % self.n_heads:
@@ -86,9 +155,12 @@ class RMSNorm(nn.Module):
         nn.init.ones_(self.weight)
 
 
-def rope_tables(head_dim: int, seq_len: int, theta: float, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables of shape (seq_len, head_dim // 2)."""
+def rope_tables(head_dim: int, seq_len: int, theta: float, device=None,
+                scaling: Optional[RopeScaling] = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables of shape (seq_len, head_dim // 2); ``scaling``: Llama 3.1's, if any."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    if scaling is not None:
+        inv_freq = scaling.scale(inv_freq)
     angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float32), inv_freq)
     return angles.cos(), angles.sin()
 
@@ -182,7 +254,7 @@ class Transformer(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def _rope_tables(self, device) -> tuple[torch.Tensor, torch.Tensor]:
-        return rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device)
+        return rope_tables(self.cfg.head_dim, self.cfg.max_seq_len, self.cfg.rope_theta, device, self.cfg.rope_scaling)
 
     @torch.no_grad()
     def init_weights(self, seed: Optional[int] = None) -> None:
@@ -242,7 +314,8 @@ CONFIGS = {
     "llama_debug": dict(vocab_size=256, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, max_seq_len=256),
     "llama_50m": dict(vocab_size=8192, dim=576, n_layers=10, n_heads=9, max_seq_len=256),
     "llama_1b": dict(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
-                     ffn_hidden_dim=8192, rope_theta=500000.0, max_seq_len=4096, tie_embeddings=True),
+                     ffn_hidden_dim=8192, rope_theta=500000.0, max_seq_len=4096, tie_embeddings=True,
+                     rope_scaling=RopeScaling(factor=32.0)),
     "llama_8b": dict(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
                      ffn_hidden_dim=14336, rope_theta=500000.0, max_seq_len=8192),
     "llama_70b": dict(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,

@@ -127,6 +127,10 @@ def compose_config(overrides: Sequence[str], config_dir: str = CONFIG_DIR,
         OmegaConf.resolve(cfg)
     except (HydraException, OmegaConfBaseException) as err:
         unknown = _UNKNOWN_OVERRIDE.match(str(err))
+        if unknown and unknown.group(1) in all_keys():  # a nested key of a mapping that is null here
+            name, parent = unknown.group(1), unknown.group(1).rsplit(".", 1)[0]
+            raise ConfigError(f"{name} cannot be set while {parent} is null: set the whole mapping, "
+                              f"e.g. {parent}={{{name.rsplit('.', 1)[1]}:...}}") from None
         if unknown:  # Hydra's own hint ("use +key=...") leads to a key nothing reads
             raise ConfigError(unknown_key_message(unknown.group(1), all_keys())) from None
         cause = f"\n{str(err.__cause__).splitlines()[0]}" if err.__cause__ else ""

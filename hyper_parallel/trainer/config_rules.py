@@ -2,8 +2,8 @@
 
 A schema field is ``name: <type> = key(default, <range>)``: the type comes from the annotation
 (``int``, ``float``, ``bool``, ``str``, ``Optional[...]``, ``List[...]``, ``Union[str,
-List[str]]``), the range from :func:`key`'s arguments. :func:`value_problem` judges one value
-against both and says what a valid value is, e.g. ``training.steps=-5 must be a positive
+List[str]]``, ``Optional[<dataclass>]``: null or a mapping of its keys), the range from
+:func:`key`'s arguments. :func:`value_problem` judges one value against both and says what a valid value is, e.g. ``training.steps=-5 must be a positive
 integer``. Values are judged here, after composition, not by OmegaConf while composing, so that
 every bad value is reported together with every other problem.
 """
@@ -47,11 +47,31 @@ def key(default: Any = MISSING, **range_: Any) -> Any:
     return dataclasses.field(default=default, metadata=meta)
 
 
+def optional_dataclass(hint: Any) -> Optional[type]:
+    """``D`` of a field typed ``Optional[D]`` with ``D`` a dataclass (a key that is null or a
+    mapping of ``D``'s fields, e.g. ``model.rope_scaling``); None for any other type."""
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) is Union and len(args) == 2 and _NONE in args:
+        inner = args[0] if args[1] is _NONE else args[1]
+        return inner if dataclasses.is_dataclass(inner) else None
+    return None
+
+
 def field_rules(cls: type) -> Dict[str, Tuple[Any, Range]]:
-    """``name -> (type annotation, Range)`` of a schema dataclass's plain (non-dataclass) fields."""
+    """``name -> (type annotation, Range)`` of a schema dataclass's plain (non-dataclass) fields;
+    an ``Optional[dataclass]`` field has its own rule (null) and one per nested key
+    (``name.key``)."""
     hints = typing.get_type_hints(cls)
-    return {f.name: (hints[f.name], f.metadata.get("range", Range())) for f in dataclasses.fields(cls)
-            if not dataclasses.is_dataclass(hints[f.name])}
+    rules = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if dataclasses.is_dataclass(hint):
+            continue
+        rules[f.name] = (hint, f.metadata.get("range", Range()))
+        nested = optional_dataclass(hint)
+        if nested is not None:
+            rules.update({f"{f.name}.{name}": rule for name, rule in field_rules(nested).items()})
+    return rules
 
 
 def _is_int(value: Any) -> bool:
@@ -77,6 +97,8 @@ def _in_range(value: float, r: Range) -> bool:
 def accepts(hint: Any, r: Range, value: Any) -> bool:
     """Whether ``value`` is of type ``hint`` and in range ``r``."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return False  # a mapping's keys are judged one by one (leaves); any other value is wrong
     if origin is Union:
         return any(accepts(arg, r, value) if arg is not _NONE else value is None for arg in args)
     if origin in (list, List):
@@ -99,6 +121,8 @@ def accepts(hint: Any, r: Range, value: Any) -> bool:
 def describe(hint: Any, r: Range) -> str:
     """What a valid value is, completing "must be ..."."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
+    if dataclasses.is_dataclass(hint):
+        return "a mapping of " + ", ".join(f.name for f in dataclasses.fields(hint))
     if origin is Union:
         described = [describe(arg, r) for arg in args if arg is not _NONE]
         return ("null or " if _NONE in args else "") + ", or ".join(described)
@@ -145,5 +169,7 @@ def build(cls: type, values: Dict[str, Any], pick: Optional[Any] = None) -> Any:
             if sub is None or not isinstance(value, dict):
                 continue
             value = build(sub, value, pick)
+        elif optional_dataclass(hint) is not None and isinstance(value, dict):
+            value = build(optional_dataclass(hint), value, pick)
         kwargs[f.name] = value
     return cls(**kwargs)

@@ -14,13 +14,15 @@ key passed its own type and range check (a check reads only keys that did).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Callable, ClassVar, Dict, List, Optional, Tuple, Type, Union
 
+from omegaconf import DictConfig, OmegaConf
+
 from hyper_parallel._optional import available, install_hint
-from hyper_parallel.models.llama import LlamaConfig
+from hyper_parallel.models.llama import LlamaConfig, RopeScaling
 from hyper_parallel.trainer.config_parallel import ParallelConfig, ParallelDims
-from hyper_parallel.trainer.config_rules import defaults, key
+from hyper_parallel.trainer.config_rules import defaults, field_rules, key
 
 SEED_MAX = 2**32 - 1  # numpy's and the loader's seed range
 # Training-state entries that checkpoint.exclude may name (the model is always loaded).
@@ -107,6 +109,9 @@ class ModelConfig:
     max_seq_len: int = key(256, min=1)
     rope_theta: float = key(10000.0, min=0, min_open=True)
     tie_embeddings: bool = key(False)
+    # null: plain RoPE. Llama 3.1/3.2's scaling: {factor, low_freq_factor, high_freq_factor,
+    # original_max_position_embeddings} (a key left out takes Llama 3.1's value, see RopeScaling).
+    rope_scaling: Optional[RopeScaling] = key(None)
     activation_checkpointing: bool = key(False)          # recompute each block's activations in backward
     init_from: Optional[str] = key(None, path=True)      # HF-style safetensors directory to initialise from
 
@@ -114,7 +119,7 @@ class ModelConfig:
     RECIPE_KEYS: ClassVar[Tuple[str, ...]] = ("name", "activation_checkpointing", "init_from")
 
     def problems(self, ok: Ok) -> List[str]:
-        if not all(ok(f.name) for f in fields(self)):
+        if not all(ok(name) for name in field_rules(ModelConfig)):
             return []
         try:
             llama = llama_config(self)
@@ -133,8 +138,16 @@ def llama_config(model: ModelConfig) -> LlamaConfig:
 
 
 def shape(model: ModelConfig) -> Dict[str, object]:
-    """The model keys that are ``LlamaConfig`` fields, with their values."""
-    return {f.name: getattr(model, f.name) for f in fields(ModelConfig) if f.name not in ModelConfig.RECIPE_KEYS}
+    """The model keys that are ``LlamaConfig`` fields, with their values as plain data (a nested
+    key as a dict; a key the (saved) config lacks at the schema's default). ``model`` may also
+    be the ``model`` node of a composed or saved config."""
+    def plain(value: object) -> object:
+        if is_dataclass(value):
+            return asdict(value)
+        return OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
+
+    return {f.name: plain(getattr(model, f.name, f.default)) for f in fields(ModelConfig)
+            if f.name not in ModelConfig.RECIPE_KEYS}
 
 
 @dataclass
@@ -276,7 +289,7 @@ class TrainConfig:
                 micro_batch = t.global_batch_size // ranks_x_accum
         problems += m.problems(within("model"))
         llama = None
-        if all(ok(f"model.{f.name}") for f in fields(m)):
+        if all(ok(f"model.{name}") for name in field_rules(ModelConfig)):
             try:
                 llama = llama_config(m)
             except (ValueError, TypeError):

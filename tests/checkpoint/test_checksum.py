@@ -1,6 +1,10 @@
-"""The checkpoint checksum: ISA-L's crc32 when installed, zlib's otherwise, same values."""
+"""The checkpoint checksum: ISA-L's crc32 when installed, zlib's otherwise (said once in the
+log), same values."""
 
+import importlib
+import logging
 import os
+import sys
 import zlib
 
 import pytest
@@ -55,3 +59,37 @@ def test_checkpoints_written_with_either_verify_with_the_other(tmp_path, monkeyp
     expected = _mixed_state()
     assert torch.equal(target["w"], expected["w"]) and torch.equal(target["b"], expected["b"])
     assert (target["step"], target["name"]) == (7, "x")
+
+
+@pytest.fixture
+def without_isal(monkeypatch):
+    """The checksum module as imported where ``isal`` is not importable; the real one afterwards."""
+    monkeypatch.setitem(sys.modules, "isal", None)  # None in sys.modules: the import raises ImportError
+    monkeypatch.setitem(sys.modules, "isal.isal_zlib", None)
+    yield importlib.reload(checksum)
+    monkeypatch.undo()
+    importlib.reload(checksum)
+    assert checksum.CRC32_IMPLEMENTATION == "isal"
+
+
+def test_without_isal_zlib_gives_the_same_values_and_says_so_once(tmp_path, caplog, without_isal):
+    assert without_isal.CRC32_IMPLEMENTATION == "zlib" and "crc32 by zlib" in without_isal.describe_crc32()
+    caplog.set_level(logging.WARNING)
+    data = os.urandom(100_003)
+    for start in (0, 1, 0xDEADBEEF):
+        assert without_isal.crc32(memoryview(data), start) == isal_zlib.crc32(data, start)
+    path = str(tmp_path / "ckpt")  # and the checksums of a save and a verified load
+    hdcp.save(_mixed_state(), checkpoint_id=path, no_dist=True)
+    target = {"w": torch.zeros(37, 11), "b": torch.zeros(5, dtype=torch.bfloat16), "step": 0, "name": ""}
+    hdcp.load(target, checkpoint_id=path, no_dist=True, verify=True)
+    assert torch.equal(target["w"], _mixed_state()["w"])
+    warnings = [r for r in caplog.records if r.name == checksum.__name__ and r.levelno == logging.WARNING]
+    assert len(warnings) == 1, [r.getMessage() for r in warnings]
+    assert "'isal'" in warnings[0].getMessage() and "zlib" in warnings[0].getMessage()
+
+
+def test_with_isal_nothing_is_logged(caplog):
+    caplog.set_level(logging.WARNING)
+    crc32(os.urandom(1000))
+    assert checksum.describe_crc32() == "crc32 by isal"
+    assert not [r for r in caplog.records if r.name == checksum.__name__]

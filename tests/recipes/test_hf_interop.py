@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from hyper_parallel.checkpoint import save
 from hyper_parallel.data import prepare_tokens
 from hyper_parallel.models import hf_llama
-from hyper_parallel.models.llama import Transformer
+from hyper_parallel.models.llama import LlamaConfig, RopeScaling, Transformer
 from hyper_parallel.trainer import compose_config
 from hyper_parallel.trainer.config import ConfigError, llama_config
 from hyper_parallel.trainer.parallelize import build_model
@@ -84,6 +84,57 @@ def test_an_unreadable_or_foreign_config_json_is_an_error_naming_it(tmp_path, te
     _export(tmp_path / "hf", [], layout=hf_llama.Layout.TRANSFORMERS)
     (tmp_path / "hf" / "config.json").write_text(text)
     with pytest.raises(ConfigError, match=f"{tmp_path / 'hf' / 'config.json'} {problem}"):
+        _build([f"model.init_from={tmp_path / 'hf'}"])
+
+
+SCALED = ["model.rope_scaling={factor:8.0,low_freq_factor:1.0,high_freq_factor:4.0,"
+          "original_max_position_embeddings:32}"]
+
+
+@pytest.mark.parametrize("layout", list(hf_llama.Layout))
+def test_rope_scaling_round_trips_through_config_json(tmp_path, layout):
+    source = _export(tmp_path / "hf", SCALED, layout=layout)
+    config = hf_llama.read_config(str(tmp_path / "hf"))
+    if layout is hf_llama.Layout.TRANSFORMERS:
+        assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                          "high_freq_factor": 4.0, "original_max_position_embeddings": 32}
+        assert hf_llama.hf_rope_scaling(config) == source.cfg.rope_scaling
+        transformers = pytest.importorskip("transformers")
+        read = transformers.LlamaConfig.from_pretrained(str(tmp_path / "hf"), local_files_only=True)
+        assert {**read.rope_parameters, "rope_theta": None} == {**config["rope_scaling"], "rope_theta": None}
+    else:
+        assert LlamaConfig(**{k: v for k, v in config.items() if k != "architectures"}) == source.cfg
+    loaded = _build([f"model.init_from={tmp_path / 'hf'}", *SCALED])
+    assert loaded.cfg.rope_scaling == source.cfg.rope_scaling
+    for (name, expected), actual in zip(source.state_dict().items(), loaded.state_dict().values()):
+        torch.testing.assert_close(actual, expected, rtol=0, atol=0, msg=name)
+    with pytest.raises(ConfigError, match=r"rope_scaling RopeScaling\(factor=8\.0, .*"
+                                          r"original_max_position_embeddings=32\) vs model\.rope_scaling=None"):
+        _build([f"model.init_from={tmp_path / 'hf'}"])  # a model without the scaling is refused
+
+
+LLAMA_3_1 = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("config, expected", [
+    ({"rope_scaling": {**LLAMA_3_1, "rope_type": "llama3"}, "rope_theta": 500000.0}, RopeScaling()),  # Llama 3.1's own
+    ({"rope_scaling": {**LLAMA_3_1, "type": "llama3"}}, RopeScaling()),  # the older key
+    ({"rope_parameters": {**LLAMA_3_1, "rope_type": "llama3", "rope_theta": 5e5}}, RopeScaling()),  # transformers 5
+    ({"rope_scaling": {"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0},
+      "max_position_embeddings": 2048}, RopeScaling(factor=32.0, original_max_position_embeddings=2048)),
+    ({"rope_scaling": None, "rope_theta": 500000.0}, None),  # Llama 3
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4}}, None),
+])
+def test_transformers_rope_scaling_entries_are_read_as_transformers_reads_them(config, expected):
+    assert hf_llama.hf_rope_scaling(config) == expected
+
+
+def test_an_unsupported_rope_type_is_an_error_naming_the_file(tmp_path):
+    _export(tmp_path / "hf", [], layout=hf_llama.Layout.TRANSFORMERS)
+    config = json.loads((tmp_path / "hf" / "config.json").read_text())
+    config["rope_scaling"] = {"rope_type": "yarn", "factor": 4.0}
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ConfigError, match=f"{tmp_path / 'hf' / 'config.json'}: rope_type 'yarn' is not supported"):
         _build([f"model.init_from={tmp_path / 'hf'}"])
 
 
