@@ -43,9 +43,9 @@ def _inputs_released_in_flight():
     issued, seen_in_flight = [], []
     reduce_scatter, finish_scatter = collectives.reduce_scatter, HSDPParamGroup.finish_scatter
 
-    def record_input(output, full, group, async_op):
+    def record_input(output, full, group, async_op, comm=None):
         issued.append(weakref.ref(full))
-        return reduce_scatter(output, full, group, async_op)
+        return reduce_scatter(output, full, group, async_op, comm)
 
     def check_then_finish(group):
         # Called one group later (the overlap): the collective is still in flight here.
