@@ -27,8 +27,12 @@ RUN if [ -n "${TORCH_SPEC}" ]; then \
     fi
 COPY pyproject.toml README.md ./
 COPY hyper_parallel ./hyper_parallel
-# Editable: the recipes find configs/ next to the package.
-RUN python -m pip install -e ".${EXTRAS}"
+# Editable: the recipes find configs/ next to the package. The constraint keeps the torch installed
+# above (or the base image's): pyproject's torch range would let pip's resolver, when it backtracks
+# through the extras, replace it by the newest release in the range (a multi-GB CUDA build).
+RUN python -c "from importlib.metadata import version; print('torch==' + version('torch'))" \
+        > /tmp/torch-constraint.txt \
+    && python -m pip install -c /tmp/torch-constraint.txt -e ".${EXTRAS}"
 COPY configs ./configs
 COPY recipes ./recipes
 COPY scripts ./scripts

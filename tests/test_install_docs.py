@@ -82,3 +82,10 @@ def test_the_makefiles_installs_pin_the_installed_torch(tmp_path, target, extras
     installs = [shlex.split(c) for c in commands if f".[{extras}]" in c]
     assert len(installs) == 1 and installs[0][installs[0].index("-c") + 1] == str(pin), commands
     assert commands.index(writes[0]) < [shlex.split(c) for c in commands].index(installs[0])
+
+
+def test_the_dockerfile_install_pins_the_installed_torch():
+    with open(os.path.join(REPO, "Dockerfile")) as f:
+        runs = " ".join(f.read().replace("\\\n", " ").split()).split("RUN ")
+    installs = [r for r in runs if EXTRAS_INSTALL.search(r.replace('".${EXTRAS}"', ".[x]"))]
+    assert len(installs) == 1 and PINNED.search(installs[0]), installs
