@@ -7,14 +7,39 @@ Resumes from the latest complete checkpoint in ``checkpoint.folder`` (on any mes
 machine (folders, earlier checkpoints, memory) for WORLD_SIZE ranks, LOCAL_WORLD_SIZE of
 them on this machine (defaults 1), without starting training; scripts/train.sh runs it
 before torchrun. ``--help`` shows this text. Exit codes: 0 done (also after a SIGTERM stop
-with its final checkpoint), 2 a problem reported in one line.
+with its final checkpoint), 2 a problem reported in one line (under torchrun by every rank that
+meets it, as ``error: (rank R of N) ...``).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+
+# [Note: SIGTERM during the start-up checks] torchrun stops every rank with SIGTERM as soon as
+# one rank exits. A rank that meets a config or preflight problem prints its line and exits 2;
+# the other ranks, still importing or checking, would die before printing theirs, and a rank
+# that met a problem of its own would take it along. So until the checks are done a SIGTERM is
+# held: a rank with a problem still prints it and exits 2, one without dies of the SIGTERM then.
+_held_signals: list[int] = []
+
+
+def _hold_sigterm(signum: int, frame: object) -> None:
+    _held_signals.append(signum)
+
+
+def _release_sigterm() -> None:
+    """SIGTERM's default action back; one held meanwhile ends the process now, as it would have."""
+    if signal.getsignal(signal.SIGTERM) is _hold_sigterm:
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        if _held_signals:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+if __name__ == "__main__":  # (before the slow imports; not when a test imports main)
+    signal.signal(signal.SIGTERM, _hold_sigterm)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Run from a checkout whether or not (or however) the package is installed.
@@ -45,15 +70,16 @@ def main(argv: list[str]) -> int:
     try:
         cfg = compose_config([a for a in argv if a not in FLAGS], config_dir=CONFIG_DIR)
         dims = validate_config(cfg, world_size)
-        if "--cfg" in argv:
-            print(OmegaConf.to_yaml(cfg))
-            return 0
-        check_environment(typed_config(cfg), dims, ranks_per_node=_env_int("LOCAL_WORLD_SIZE"))
+        if "--cfg" not in argv:
+            check_environment(typed_config(cfg), dims, ranks_per_node=_env_int("LOCAL_WORLD_SIZE"))
     except ConfigError as err:
-        # The same on every rank (a function of the config and the machine): rank 0 reports.
-        if int(os.environ.get("RANK", 0)) == 0:
-            print(f"error: {err}", file=sys.stderr, flush=True)
+        # Every rank that meets it says it (torchrun may stop the others before they do).
+        print(f"error: {_rank_prefix(argv, world_size)}{err}", file=sys.stderr, flush=True)
         return EXIT_PROBLEM
+    _release_sigterm()
+    if "--cfg" in argv:
+        print(OmegaConf.to_yaml(cfg))
+        return 0
     if "--check" in argv:
         print(f"config OK for {world_size} rank(s)")
         return 0
@@ -74,6 +100,13 @@ def main(argv: list[str]) -> int:
     # and the rank aborts ("terminate called without an active exception", exit -6) after a
     # successful run. Everything the job writes is closed and flushed by now.
     _exit_now(0)
+
+
+def _rank_prefix(argv: list[str], world_size: int) -> str:
+    """``(rank R of N) `` for a rank of a job of several ranks, else nothing (``--check``)."""
+    if "--check" in argv or world_size == 1:
+        return ""
+    return f"(rank {os.environ.get('RANK', 0)} of {world_size}) "
 
 
 def _exit_now(code: int) -> None:

@@ -4,13 +4,14 @@ tensor-parallel ranks, and what each degree cannot split."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 from hyper_parallel.models.llama import LlamaConfig
 from hyper_parallel.trainer.config_rules import key
 
 # torch.distributed.pipelining's schedules, by the names the config takes.
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
+DEFAULT_PP_SCHEDULE = "1F1B"  # parallel.pp_schedule=null
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,14 @@ class ParallelDims:
         """The pipeline index of global ``rank``."""
         return rank // (self.dp_size * self.tp)
 
+    @property
+    def mesh_shape(self) -> Dict[str, int]:
+        """The device mesh's dims, name -> size in mesh order ``pp, replicate, shard, tp``, each
+        present when its degree is above 1 (``shard`` always): ``{"shard": 8}`` for FSDP,
+        ``{"replicate": 2, "shard": 4}`` for HSDP, ``{"pp": 2, "shard": 4}`` for PP x FSDP."""
+        degrees = (("pp", self.pp), ("replicate", self.replicate), ("shard", self.shard), ("tp", self.tp))
+        return {name: size for name, size in degrees if size > 1 or name == "shard"}
+
 
 @dataclass
 class ParallelConfig:
@@ -56,7 +65,7 @@ class ParallelConfig:
     dp_shard: int = key(-1, min=-1)                 # -1: the rest of the world (world_size / (pp x dp_replicate x tp))
     tp: int = key(1, min=1)                         # tensor-parallel degree (Megatron-style plan, within a node)
     pp: int = key(1, min=1)                         # pipeline-parallel degree (stages of consecutive blocks)
-    pp_schedule: str = key("1F1B", choices=PP_SCHEDULES)  # torch's schedule (Interleaved1F1B: 2 stages per rank)
+    pp_schedule: Optional[str] = key(None, choices=PP_SCHEDULES)  # null: 1F1B; Interleaved1F1B: 2 stages per rank
     pp_microbatches: Optional[int] = key(None, min=1)  # pipeline micro-batches per grad-accum step (null: 2 x stages)
     pp_layers_per_stage: Optional[List[int]] = key(None, min=1)  # blocks of each stage, in order (null: an even split)
     mixed_precision: str = key("fp32", choices=("fp32", "bf16"))  # bf16: bf16 compute, fp32 master weights and reduction
@@ -96,11 +105,16 @@ class ParallelConfig:
                 f"over the tp ranks; pick a tp that divides {them})"]
 
     @property
+    def schedule(self) -> str:
+        """The pipeline schedule's name: ``pp_schedule``, by default 1F1B."""
+        return self.pp_schedule if self.pp_schedule is not None else DEFAULT_PP_SCHEDULE
+
+    @property
     def num_stages(self) -> int:
         """Pipeline stages in all: ``pp`` x the schedule's stages per rank."""
         from hyper_parallel.pipeline import stages_per_rank
 
-        return self.pp * stages_per_rank(self.pp_schedule)
+        return self.pp * stages_per_rank(self.schedule)
 
     @property
     def microbatches(self) -> int:
@@ -114,14 +128,15 @@ class ParallelConfig:
         is on the first stage, the output on the last); with ``pp=1``, pipeline settings given
         anyway."""
         if self.pp == 1:  # a pipeline setting without a pipeline is a mistake, not a no-op
-            unused = [f"parallel.{k}={v}" for k, v in (("pp_microbatches", self.pp_microbatches),
-                                                       ("pp_layers_per_stage", self.pp_layers_per_stage)) if v is not None]
+            settings = (("pp_schedule", self.pp_schedule), ("pp_microbatches", self.pp_microbatches),
+                        ("pp_layers_per_stage", self.pp_layers_per_stage))
+            unused = [f"parallel.{k}={v}" for k, v in settings if v is not None]
             return [f"{', '.join(unused)} needs parallel.pp > 1 (it has no effect with parallel.pp=1); "
                     "set parallel.pp or remove it"] if unused else []
         from hyper_parallel.pipeline import stage_layers
 
         pp, problems = f"parallel.pp={self.pp}", []
-        layout = f"{pp} with parallel.pp_schedule={self.pp_schedule} ({self.num_stages} stages)"
+        layout = f"{pp} with parallel.pp_schedule={self.schedule} ({self.num_stages} stages)"
         try:
             stage_layers(llama.n_layers, self.num_stages, self.pp_layers_per_stage)
         except ValueError as err:
@@ -137,10 +152,10 @@ class ParallelConfig:
             problems.append(f"{given} does not divide the per-rank micro-batch of {micro_batch} samples "
                             "(training.global_batch_size / data-parallel ranks / training.grad_accum_steps); "
                             "set parallel.pp_microbatches to a divisor of it, or change the batch")
-        elif self.pp_schedule != "GPipe" and m < self.pp:
-            problems.append(f"{given} is fewer than {pp} ({self.pp_schedule} needs at least one "
+        elif self.schedule != "GPipe" and m < self.pp:
+            problems.append(f"{given} is fewer than {pp} ({self.schedule} needs at least one "
                             "micro-batch per pipeline rank)")
-        elif self.pp_schedule == "Interleaved1F1B" and m % max(1, m // self.pp):
+        elif self.schedule == "Interleaved1F1B" and m % max(1, m // self.pp):
             problems.append(f"{given} with {pp}: Interleaved1F1B needs a multiple of its "
                             f"{m // self.pp} rounds (parallel.pp_microbatches // parallel.pp)")
         return problems

@@ -30,6 +30,9 @@ EXCLUDABLE = ("optim", "lr_schedule", "data", "rng")
 # dtypes a model-only last checkpoint may be written in (checkpoint.export_dtype).
 EXPORT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 SCHEMA_NAME = "schema"  # each group's ConfigStore entry, extended by its YAML presets
+# training.float8_recipe's values.
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+DEFAULT_FLOAT8_RECIPE = "tensorwise"  # training.float8_recipe=null
 
 Ok = Callable[[str], bool]
 
@@ -48,16 +51,28 @@ class TrainingConfig:
     compile: bool = key(False)                        # torch.compile each block (after activation checkpointing, before fully_shard)
     compile_backend: str = key("inductor")            # torch.compile backend when compile=true (aot_eager: no codegen)
     float8: bool = key(False)                           # torchao float8 linears (hyper_parallel[float8]); the output layer stays high precision
-    float8_recipe: str = key("tensorwise", choices=("tensorwise", "rowwise"))  # tensorwise: float8 all-gather | rowwise (H100+)
+    float8_recipe: Optional[str] = key(None, choices=FLOAT8_RECIPES)  # null: tensorwise (float8 all-gather) | rowwise
     stop_after_steps: Optional[int] = key(None, min=1)  # stop (with a checkpoint) after N steps of this job
     time_limit_minutes: Optional[float] = key(None, min=0, min_open=True)  # stop (with a checkpoint) before N minutes
     peak_tflops: Optional[float] = key(None, min=0, min_open=True)  # per-device peak for MFU (null: the built-in table)
 
+    @property
+    def float8_mode(self) -> Optional[str]:
+        """The float8 recipe in use: ``float8_recipe`` (by default tensorwise) when ``float8``
+        is on, else None."""
+        if not self.float8:
+            return None
+        return self.float8_recipe if self.float8_recipe is not None else DEFAULT_FLOAT8_RECIPE
+
     def problems(self, ok: Ok) -> List[str]:
+        problems = []
         if self.compile is True and ok("compile_backend") and self.compile_backend not in _compile_backends():
-            return [f"training.compile_backend={self.compile_backend!r} is not a torch.compile backend; "
-                    f"known: {', '.join(_compile_backends())}"]
-        return []
+            problems.append(f"training.compile_backend={self.compile_backend!r} is not a torch.compile backend; "
+                            f"known: {', '.join(_compile_backends())}")
+        if self.float8 is False and ok("float8_recipe") and self.float8_recipe is not None:
+            problems.append(f"training.float8_recipe={self.float8_recipe} needs training.float8=true (it has no "
+                            "effect without it); set training.float8=true or remove it")
+        return problems
 
 
 @dataclass
@@ -310,6 +325,10 @@ class TrainConfig:
         if ok("training.float8") and ok("parallel.pp") and t.float8 and p.pp > 1:
             problems.append(f"training.float8=true with parallel.pp={p.pp} is not supported yet "
                             "(untested with pipeline stages); use one or the other")
+        if ok("training.float8") and t.float8 is True and llama is not None:
+            from hyper_parallel.trainer.float8 import float8_layer_problems  # (it imports this module)
+
+            problems += float8_layer_problems(llama)
         problems += t.problems(within("training"))
         problems += self.checkpoint.problems(within("checkpoint"))
         problems += self.logging.problems(within("logging"))

@@ -9,14 +9,16 @@ multiples of 16) stay in high precision, as torchtitan filters them (docs/recipe
 
 from __future__ import annotations
 
+import dataclasses
 from typing import List
 
+import torch
 from torch import nn
 
 from hyper_parallel._optional import MissingDependency, available, install_hint, require
+from hyper_parallel.models.llama import LlamaConfig, Transformer
+from hyper_parallel.trainer.config_schema import FLOAT8_RECIPES as RECIPES
 from hyper_parallel.trainer.config_schema import TrainConfig
-
-RECIPES = ("tensorwise", "rowwise")
 _HIGH_PRECISION_FQNS = ("output",)
 
 
@@ -31,6 +33,22 @@ def _keep_high_precision(module: nn.Module, fqn: str) -> bool:
     if fqn in _HIGH_PRECISION_FQNS:
         return True
     return isinstance(module, nn.Linear) and (module.in_features % 16 or module.out_features % 16)
+
+
+def float8_layer_problems(llama: LlamaConfig) -> List[str]:
+    """The one-line problem when ``training.float8`` is on but no linear of the model would
+    run in float8 (every block's linears have a size that is not a multiple of 16): the job
+    would train in high precision while saying float8."""
+    with torch.device("meta"):  # the blocks are alike: one tells
+        model = Transformer(dataclasses.replace(llama, n_layers=1))
+    linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
+    if any(not _keep_high_precision(m, fqn) for fqn, m in linears.items()):
+        return []
+    sizes = sorted({f"{m.in_features}->{m.out_features}" for fqn, m in linears.items()
+                    if fqn not in _HIGH_PRECISION_FQNS})
+    return [f"training.float8=true, but no linear layer of this model can run in float8 (in and out sizes must be "
+            f"multiples of 16; its blocks' linears are {', '.join(sizes)} with model.dim={llama.dim}, "
+            f"model.ffn_hidden_dim={llama.ffn_hidden_dim}): set training.float8=false or change the model's sizes"]
 
 
 def convert_to_float8(model: nn.Module, recipe: str, *, float8_all_gather: bool = True) -> None:

@@ -6,7 +6,7 @@ import math
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 import torch
 from omegaconf import DictConfig, OmegaConf
@@ -14,7 +14,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.checkpoint import CheckpointError
-from hyper_parallel.utils.fileio import write_file_atomically
+from hyper_parallel.utils.fileio import RefusedFileError, write_file_atomically
 from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations
@@ -30,9 +30,11 @@ from hyper_parallel.trainer.pipelined import Pipeline, build_pipeline, pipelined
 from hyper_parallel.trainer.reporting import describe, format_summary, resume_mismatch, starting_point
 from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
-from hyper_parallel.trainer.sinks import WandbSettings, wandb_settings
+from hyper_parallel.trainer.sinks import SinkError, WandbSettings, wandb_settings
 from hyper_parallel.trainer.state import SAVED_ONLY, RNGState, StopRequest, all_reduce_sum, training_state
 from hyper_parallel.trainer.step import train_step
+
+T = TypeVar("T")
 
 
 def build_loader(cfg: TrainConfig, vocab_size: int, dp_rank: int, dp_size: int,
@@ -105,6 +107,15 @@ def _load_data(cfg: TrainConfig, dims: ParallelDims, rank: int,
     return loader, evaluator
 
 
+def _as_config_error(make: Callable[[], T]) -> T:
+    """``make()``, its refusal of an output file or folder (a symbolic link, a file where a
+    folder belongs, a sink that cannot start, another job's lock) as a one-line ConfigError."""
+    try:
+        return make()
+    except (CheckpointError, SinkError, RefusedFileError, OSError) as err:
+        raise ConfigError((str(err).strip().splitlines() or [type(err).__name__])[0]) from None
+
+
 def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
               wandb: Optional[WandbSettings] = None) -> TrainingJob:
     """Data, mesh, sharded model, optimizer, schedule, checkpoint manager and logger (and the
@@ -114,7 +125,8 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
 
     Raises:
         JobFailed: on every rank, when the data or ``model.init_from`` cannot be read or do
-            not fit the model on any rank.
+            not fit the model on any rank, or the checkpoint folder, ``metrics.jsonl`` or a
+            sink's folder or file is refused (see ``output_files.py``, checked before start-up).
     """
     from hyper_parallel.checkpoint import CheckpointManager
 
@@ -130,7 +142,7 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
     options = dict(mesh=mesh, device=device, seed=t.seed, mixed_precision=cfg.parallel.mixed_precision,
                    reshard_after_forward=cfg.parallel.reshard_after_forward,
                    compile_backend=t.compile_backend if t.compile else None,
-                   float8_recipe=t.float8_recipe if t.float8 else None)
+                   float8_recipe=t.float8_mode)
     pipeline = None
     if dims.pp > 1:
         pipeline = together(device, lambda: build_pipeline(cfg.model, cfg.parallel,
@@ -143,12 +155,12 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
                                     total_steps=t.steps, min_lr_ratio=cfg.optim.min_lr_ratio)
     # Async checkpoints stage in the background: this loop changes the saved tensors in place
     # only in optimizer.step(), which waits for staging (docs/checkpoint.md, "Async save").
-    manager = CheckpointManager(cfg.checkpoint.folder, interval=cfg.checkpoint.interval,
-                                keep_last_n=cfg.checkpoint.keep_last_n, async_save=cfg.checkpoint.async_save,
-                                stage_in_background=cfg.checkpoint.async_save)
-    log = MetricsLogger(cfg.output_dir, total_steps=t.steps, is_main=rank == 0,
-                        log_every=cfg.logging.log_every, tensorboard=cfg.logging.tensorboard,
-                        wandb=wandb)
+    manager = together(device, lambda: _as_config_error(lambda: CheckpointManager(
+        cfg.checkpoint.folder, interval=cfg.checkpoint.interval, keep_last_n=cfg.checkpoint.keep_last_n,
+        async_save=cfg.checkpoint.async_save, stage_in_background=cfg.checkpoint.async_save)))
+    log = together(device, lambda: _as_config_error(lambda: MetricsLogger(
+        cfg.output_dir, total_steps=t.steps, is_main=rank == 0, log_every=cfg.logging.log_every,
+        tensorboard=cfg.logging.tensorboard, wandb=wandb)))
     return TrainingJob(
         cfg=cfg, dims=dims, platform=platform, device=device, mesh=mesh, model_parts=parts,
         optimizer=optimizer, schedule=schedule, loader=loader, manager=manager,
@@ -279,7 +291,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         else:
             result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
                                 max_grad_norm=t.max_grad_norm,
-                                float8_scales=t.float8 and t.float8_recipe == "tensorwise")
+                                float8_scales=t.float8_mode == "tensorwise")
         job.loader.advance()
         step += 1
         batch, error = _peek_batch(job, step + 1) if step < t.steps else (None, None)
@@ -304,6 +316,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
             "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm,
             "tokens_per_s": tokens_per_step / step_time, "step_time_s": step_time,
             **job.throughput.record(step_time), **memory_record(platform),
+            "world_size": job.dims.world_size, "mesh": job.dims.mesh_shape,
         }
         if job.loss_floor is not None:
             record["loss_floor"] = job.loss_floor

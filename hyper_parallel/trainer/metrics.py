@@ -9,8 +9,10 @@ import time
 from typing import Any, Dict, List, Optional, TextIO
 
 from hyper_parallel.utils.fileio import open_regular
-from hyper_parallel.trainer.sinks import MetricsSink, TensorBoardSink, WandbSettings, WandbSink
+from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, MetricsSink, TensorBoardSink, WandbSettings, WandbSink
 from hyper_parallel.utils.units import format_bytes
+
+METRICS_FILE = "metrics.jsonl"  # in output_dir
 
 
 def _format_duration(seconds: float) -> str:
@@ -31,7 +33,9 @@ class MetricsLogger:
         wandb: also log to a Weights & Biases run with these settings.
 
     Raises:
-        RuntimeError: a sink's package is not installed (the message names it).
+        SinkError: a sink cannot start (e.g. its package is not installed; the message says why).
+        RefusedFileError: ``metrics.jsonl`` is a symbolic link or not a regular file.
+        OSError: ``output_dir`` or ``metrics.jsonl`` cannot be written.
     """
 
     def __init__(self, output_dir: str, *, total_steps: int, is_main: bool, log_every: int = 1,
@@ -44,13 +48,17 @@ class MetricsLogger:
         if not is_main:
             return
         os.makedirs(output_dir, exist_ok=True)
-        if tensorboard:
-            self._sinks.append(TensorBoardSink(os.path.join(output_dir, "tensorboard")))
-        if wandb is not None:
-            self._sinks.append(WandbSink(output_dir, wandb))
-        self.path = os.path.join(output_dir, "metrics.jsonl")
+        self.path = os.path.join(output_dir, METRICS_FILE)
         # Appended to, never through a symbolic link or into another file's hard link.
         self._jsonl = os.fdopen(open_regular(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
+        try:
+            if tensorboard:
+                self._sinks.append(TensorBoardSink(os.path.join(output_dir, TENSORBOARD_FOLDER)))
+            if wandb is not None:
+                self._sinks.append(WandbSink(output_dir, wandb))
+        except BaseException:
+            self.close()
+            raise
 
     def print(self, message: str) -> None:
         if self.is_main:

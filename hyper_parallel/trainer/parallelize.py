@@ -19,13 +19,12 @@ from hyper_parallel.trainer.float8 import convert_to_float8
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
-    """The world's mesh, dims ``("pp", "replicate", "shard", "tp")`` in that order, each present
-    when its degree is above 1 (``"shard"`` always): ``("shard",)`` for FSDP, ``("replicate",
-    "shard")`` for HSDP, ``("shard", "tp")`` for FSDP x TP, ``("pp", "shard")`` for PP x FSDP."""
-    degrees = (("pp", dims.pp), ("replicate", dims.replicate), ("shard", dims.shard), ("tp", dims.tp))
-    named = [(name, size) for name, size in degrees if size > 1 or name == "shard"]
-    return init_device_mesh(device_type, tuple(size for _, size in named),
-                            mesh_dim_names=tuple(name for name, _ in named))
+    """The world's mesh of shape ``dims.mesh_shape``: dims ``("pp", "replicate", "shard",
+    "tp")`` in that order, each present when its degree is above 1 (``"shard"`` always):
+    ``("shard",)`` for FSDP, ``("replicate", "shard")`` for HSDP, ``("shard", "tp")`` for FSDP x
+    TP, ``("pp", "shard")`` for PP x FSDP."""
+    shape = dims.mesh_shape
+    return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:

@@ -66,20 +66,20 @@ def build_pipeline(model_cfg: ModelConfig, parallel: ParallelConfig, *, mesh: De
     """This rank's stages of the configured model, each parallelised as a whole model would be
     (:func:`parallelize`: tensor parallelism, activation checkpointing, compile, ``fully_shard``
     over the data-parallel dims, then initialised to the whole model's values), wrapped in
-    stages over ``mesh["pp"]`` and a ``parallel.pp_schedule`` schedule of
+    stages over ``mesh["pp"]`` and a ``parallel.schedule`` schedule of
     ``parallel.microbatches`` micro-batches per call. ``options``: :func:`parallelize`'s."""
     with torch.device("meta"):
         whole = Transformer(llama_config(model_cfg))
     ranges = stage_layers(model_cfg.n_layers, parallel.num_stages, parallel.pp_layers_per_stage)
     pp_mesh = mesh["pp"]
-    indices = stage_indices(pp_mesh.get_local_rank(), parallel.pp, parallel.pp_schedule)
+    indices = stage_indices(pp_mesh.get_local_rank(), parallel.pp, parallel.schedule)
     parts, stages = [], []
     for index in indices:
         part = split_stage(whole, ranges[index], first=index == 0, last=index == len(ranges) - 1)
         parts.append(parallelize(part, model_cfg, mesh=mesh, device=device, seed=seed, **options))
         # mesh: with TP the activations between stages are DTensors on its sub-meshes.
         stages.append(ShardedPipelineStage(part, index, len(ranges), device, group=pp_mesh.get_group(), mesh=mesh))
-    schedule = build_schedule(stages, parallel.pp_schedule, parallel.microbatches, cross_entropy,
+    schedule = build_schedule(stages, parallel.schedule, parallel.microbatches, cross_entropy,
                               grad_accum=grad_accum_steps)
     return Pipeline(parts, indices, len(ranges), schedule, pp_mesh.get_group(), grad_accum_steps)
 

@@ -1,17 +1,16 @@
 """Checks of the machine, the file system and the data before any rank starts.
 
-Writable output folders, an earlier run's checkpoints where a new run would overwrite them,
-the data against the config (a token file's sidecar, the samples available for evaluation, a
-corpus's files and tokenizer), and a lower bound of the memory the job needs against what the
-machine has. Every check is cheap and reads no token or text, so ``recipes/train.py --check``
-runs them before torchrun starts.
+Writable output folders and usable files in them (``output_files.py``), an earlier run's
+checkpoints where a new run would overwrite them, the data against the config (a token file's
+sidecar, the samples available for evaluation, a corpus's files and tokenizer), and a lower
+bound of the memory the job needs against what the machine has. Every check is cheap and reads
+no token or text, so ``recipes/train.py --check`` runs them before torchrun starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
-import tempfile
 import uuid
 from typing import List, NamedTuple, Optional
 
@@ -31,6 +30,7 @@ from hyper_parallel.trainer.config_schema import (
     ParallelDims, SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig, llama_config)
 from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
 from hyper_parallel.trainer.float8 import float8_problems
+from hyper_parallel.trainer.output_files import output_file_problems, unusable_folder
 from hyper_parallel.utils.units import format_bytes
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments.
@@ -45,8 +45,10 @@ def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: i
     Raises:
         ConfigError: listing every problem found.
     """
-    problems = (folder_problems(cfg) + init_from_problems(cfg) + resume_problems(cfg) + data_problems(cfg)
-                + float8_problems(cfg) + memory_problems(cfg, dims, ranks_per_node))
+    folders = folder_problems(cfg)
+    problems = (folders + (output_file_problems(cfg) if not folders else []) + init_from_problems(cfg)
+                + resume_problems(cfg) + data_problems(cfg) + float8_problems(cfg)
+                + memory_problems(cfg, dims, ranks_per_node))
     if problems:
         raise ConfigError(problems_message("cannot start", problems))
 
@@ -64,13 +66,8 @@ def folder_problems(cfg: TrainConfig) -> List[str]:
         if url_scheme(path):  # it would become a local folder named "s3:"
             problems.append(f"{key}: {path!r} is a URL; {key} must be a local or mounted folder")
             continue
-        try:
-            os.makedirs(path, exist_ok=True)
-            with tempfile.TemporaryFile(dir=path):
-                pass
-        except OSError as err:
-            blocker = _first_file_on_path(path)
-            why = f"{blocker} is a file, not a folder" if blocker else (err.strerror or str(err))
+        why = unusable_folder(path)
+        if why:
             problems.append(f"{key}={path} cannot be used: {why}; choose another {key}")
     return problems
 
@@ -125,16 +122,6 @@ def data_problems(cfg: TrainConfig) -> List[str]:
     except (ValueError, FileNotFoundError, MissingDependency) as err:
         return [f"data={d.kind}: {err}"]
     return []
-
-
-def _first_file_on_path(path: str) -> Optional[str]:
-    """The first existing non-folder among ``path`` and its parents, if any."""
-    parts = os.path.abspath(path).split(os.sep)
-    for i in range(2, len(parts) + 1):
-        prefix = os.sep.join(parts[:i])
-        if os.path.exists(prefix) and not os.path.isdir(prefix):
-            return prefix
-    return None
 
 
 def resume_problems(cfg: TrainConfig) -> List[str]:

@@ -12,7 +12,9 @@ from omegaconf import OmegaConf
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.config import model_overrides
-from hyper_parallel.trainer.config_schema import TrainConfig, llama_config, shape
+from hyper_parallel.trainer.config_schema import ParallelDims, TrainConfig, llama_config, shape
+from hyper_parallel.trainer.metrics import METRICS_FILE
+from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER
 
 if TYPE_CHECKING:
     from hyper_parallel.trainer.loop import RunSummary, TrainingJob
@@ -35,10 +37,23 @@ def resume_mismatch(cfg: TrainConfig, path: str, err: Exception) -> str:
             "output_dir (or checkpoint.folder); to continue that run use the settings it was written with")
 
 
+def layout(cfg: TrainConfig, dims: ParallelDims) -> str:
+    """The mesh, the pipeline schedule and its micro-batches (with ``parallel.pp > 1``) and the
+    precision, e.g. ``mesh 2x2 (pp, shard), pipeline 1F1B with 4 micro-batches, fp32`` or
+    ``mesh 8 (shard), bf16 with float8 tensorwise linears``."""
+    shape = dims.mesh_shape
+    parts = [f"mesh {'x'.join(map(str, shape.values()))} ({', '.join(shape)})"]
+    if dims.pp > 1:
+        per_step = " per accumulation step" if cfg.training.grad_accum_steps > 1 else ""
+        parts.append(f"pipeline {cfg.parallel.schedule} with {cfg.parallel.microbatches} micro-batches{per_step}")
+    float8 = cfg.training.float8_mode
+    parts.append(cfg.parallel.mixed_precision + (f" with float8 {float8} linears" if float8 else ""))
+    return ", ".join(parts)
+
+
 def describe(job: TrainingJob) -> str:
-    """One line: model (its preset and any size overrides), mesh, precision, data, loss floor."""
-    cfg, mesh = job.cfg, job.mesh
-    mesh_desc = "x".join(map(str, mesh.shape)) + f" ({', '.join(mesh.mesh_dim_names)})"
+    """One line: model (its preset and any size overrides), :func:`layout`, data, loss floor."""
+    cfg = job.cfg
     floor = f", loss floor {job.loss_floor:.4f}" if job.loss_floor is not None else ""
     changed = model_overrides(cfg.model)
     name = cfg.model.name + (f" with {', '.join(f'{k}={v}' for k, v in changed.items())}" if changed else "")
@@ -50,8 +65,7 @@ def describe(job: TrainingJob) -> str:
                       f"{job.pipeline.num_stages} on this rank)")
     else:
         count_desc = f"{count:,} parameters"
-    return (f"model {name}: {count_desc}, mesh {mesh_desc}, {cfg.parallel.mixed_precision}, "
-            f"data {cfg.data.kind}{floor}")
+    return f"model {name}: {count_desc}, {layout(cfg, job.dims)}, data {cfg.data.kind}{floor}"
 
 
 def starting_point(cfg: TrainConfig, plan: Optional[operations.LoadPlan]) -> str:
@@ -70,10 +84,10 @@ def format_summary(summary: RunSummary, cfg: TrainConfig) -> str:
     if summary.losses:
         lines.append(f"loss {summary.losses[0]:.4f} -> {summary.losses[-1]:.4f}"
                      + (f" (best achievable {summary.loss_floor:.4f})" if summary.loss_floor is not None else ""))
-    lines.append(f"metrics: {os.path.join(cfg.output_dir, 'metrics.jsonl')}")
+    lines.append(f"metrics: {os.path.join(cfg.output_dir, METRICS_FILE)}")
     lines.append(f"checkpoints: {cfg.checkpoint.folder}")
     if cfg.logging.tensorboard:
-        lines.append(f"tensorboard: {os.path.join(cfg.output_dir, 'tensorboard')}")
+        lines.append(f"tensorboard: {os.path.join(cfg.output_dir, TENSORBOARD_FOLDER)}")
     if cfg.logging.wandb:
-        lines.append(f"wandb: {os.path.join(cfg.output_dir, 'wandb')} (project {cfg.logging.wandb_project})")
+        lines.append(f"wandb: {os.path.join(cfg.output_dir, WANDB_FOLDER)} (project {cfg.logging.wandb_project})")
     return "\n".join(lines)

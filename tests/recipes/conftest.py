@@ -2,7 +2,16 @@
 
 import pytest
 
+from tests.recipes import launch
 from tests.recipes.train_in_process import recipe
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _end_launched_jobs():
+    """Kill the recipe jobs a test started that still run when the session ends, also when
+    it ends by Ctrl-C (pytest tears its fixtures down then; launch.py's atexit does too)."""
+    yield
+    launch.end_all()
 
 
 @pytest.fixture

@@ -149,3 +149,22 @@ def test_an_output_dir_url_is_refused_before_anything_is_created(check, tmp_path
     code, _, err = check("output_dir=s3://bucket/run", f"checkpoint.folder={tmp_path}/ckpt")
     one_line_error(code, err, "output_dir: 's3://bucket/run' is a URL; output_dir must be a local or mounted folder")
     assert not (tmp_path / "s3:").exists()
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["training.float8_recipe=rowwise"],
+     "training.float8_recipe=rowwise needs training.float8=true (it has no effect without it)"),
+    (["training.float8_recipe=tensorwise"], "training.float8_recipe=tensorwise needs training.float8=true"),
+    (["parallel.pp_schedule=1F1B"], "parallel.pp_schedule=1F1B needs parallel.pp > 1 (it has no effect"),
+    (["training.float8=true", "model.dim=24", "model.n_heads=2", "model.n_kv_heads=2"],
+     "training.float8=true, but no linear layer of this model can run in float8 (in and out sizes must be multiples "
+     "of 16; its blocks' linears are 24->24, 24->64, 64->24 with model.dim=24, model.ffn_hidden_dim=64)"),
+])
+def test_a_setting_that_would_have_no_effect_is_refused(check, overrides, expected):
+    one_line_error(*check(*overrides)[::2], expected)
+
+
+def test_float8_on_a_model_with_float8_layers_passes(check):
+    pytest.importorskip("torchao.float8", reason="torchao is not installed")
+    code, _, err = check("training.float8=true", "training.float8_recipe=rowwise")
+    assert code == 0, err

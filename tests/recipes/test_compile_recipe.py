@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import subprocess
-
 import pytest
 
 from hyper_parallel.trainer import compose_config
 from hyper_parallel.trainer.config import ConfigError, validate_config
-from tests.recipes.launch import REPO, TINY, assert_losses_match, env, last_loss_per_step, run, torchrun_cmd
+from tests.recipes.launch import TINY, assert_losses_match, last_loss_per_step, run, torchrun_cmd
 
 STEPS = ["training.steps=3", "model.activation_checkpointing=true"]
 
@@ -17,8 +15,7 @@ def test_compiled_recipe_matches_eager(tmp_path):
     compiled_out, eager_out = tmp_path / "compiled", tmp_path / "eager"
     cmd = torchrun_cmd(2, [*TINY, *STEPS, f"output_dir={compiled_out}", "training.compile=true",
                            "training.compile_backend=aot_eager"], extra=["--standalone"])
-    compiled = subprocess.run(cmd, cwd=REPO, env={**env(), "TORCH_LOGS": "dynamo"}, capture_output=True,
-                              text=True, timeout=300)
+    compiled = run(cmd, timeout=300, extra_env={"TORCH_LOGS": "dynamo"})
     assert compiled.returncode == 0, compiled.stderr[-4000:]
     logs = compiled.stdout + compiled.stderr
     # The block body (activation checkpointing inside) is compiled; fully_shard's hooks are not.

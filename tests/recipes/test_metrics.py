@@ -145,3 +145,25 @@ def test_metrics_jsonl_is_never_written_through_a_symlink(tmp_path):
     with pytest.raises(RefusedFileError, match="metrics.jsonl is a symbolic link"):
         MetricsLogger(str(tmp_path / "out"), total_steps=1, is_main=True)
     assert victim.read_text() == "precious"
+
+
+def _train_two_steps(output_dir):
+    import torch.distributed as dist
+
+    from hyper_parallel.platform import get_platform
+    from hyper_parallel.trainer import compose_config, run_training, validate_config
+    from tests.recipes.launch import TINY
+
+    cfg = compose_config([*TINY, "training.steps=2", f"output_dir={output_dir}"])
+    run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+
+
+def test_every_record_says_the_world_size_and_the_mesh(tmp_path):
+    from tests.multirank import run_on_ranks
+    from tests.recipes.script_main import script_module
+
+    run_on_ranks(2, _train_two_steps, str(tmp_path), timeout=120)
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["world_size"], r["mesh"]) for r in records] == [(1, 2, {"shard": 2}), (2, 2, {"shard": 2})]
+    run = script_module("plot_metrics").read_run(str(tmp_path))  # its reader takes the new fields
+    assert [r["step"] for r in run.records] == [1, 2] and run.world_changes == []

@@ -224,9 +224,8 @@ def test_bad_corpus_and_tokenizer_exit_with_one_readable_line(corpus, tmp_path):
         "does not exist": ["data=text", f"data.paths={root / 'text'}", f"data.tokenizer={tmp_path}/tok.json"],
         "no 'text' column": ["data=text", f"data.paths={tmp_path / 'no_text.parquet'}"],
     }
-    procs = {m: subprocess.Popen([sys.executable, "recipes/train.py", *TINY, f"output_dir={tmp_path}/out", *args],
-                                 cwd=REPO, env=env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-             for m, args in cases.items()}
+    procs = {m: start([sys.executable, "recipes/train.py", *TINY, f"output_dir={tmp_path}/out", *args],
+                      stderr=subprocess.PIPE) for m, args in cases.items()}
     for message, proc in procs.items():
         _, stderr = proc.communicate(timeout=120)
         lines = [line for line in stderr.splitlines() if line.strip()]

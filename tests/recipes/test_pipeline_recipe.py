@@ -132,7 +132,7 @@ def test_the_start_up_line_counts_the_whole_model_and_this_ranks_stages(tmp_path
     assert [line.split(", mesh")[0] for line in lines] == [
         "model llama_debug with dim=32: 41,120 parameters (20,544 in stage(s) [0] of 2 on this rank)",
         "model llama_debug with dim=32: 41,120 parameters (20,576 in stage(s) [1] of 2 on this rank)"]
-    assert "mesh 2x1 (pp, shard)" in lines[0]
+    assert "mesh 2x1 (pp, shard), pipeline 1F1B with 2 micro-batches, fp32" in lines[0]
 
 
 def test_dp_rank_and_pp_rank_are_the_row_major_coordinates():
@@ -156,7 +156,8 @@ def test_dp_rank_and_pp_rank_are_the_row_major_coordinates():
     (["parallel.pp=2", "training.global_batch_size=6"],
      "parallel.pp_microbatches=null (2 x 2 stages = 4) does not divide the per-rank micro-batch of 6 samples"),
     (["parallel.pp=2", "parallel.pp_microbatches=1"], "parallel.pp_microbatches=1 is fewer than parallel.pp=2"),
-    (["parallel.pp=2", "parallel.pp_schedule=GPipe2"], "parallel.pp_schedule='GPipe2' must be one of 1F1B, GPipe"),
+    (["parallel.pp=2", "parallel.pp_schedule=GPipe2"], "parallel.pp_schedule='GPipe2' must be null or one of 1F1B, GPipe"),
+    (["parallel.pp_schedule=GPipe"], "parallel.pp_schedule=GPipe needs parallel.pp > 1 (it has no effect"),
     (["parallel.pp=2", "training.float8=true"], "training.float8=true with parallel.pp=2 is not supported yet"),
     (["parallel.pp_microbatches=4", "parallel.pp_layers_per_stage=[1,1]"],
      "parallel.pp_microbatches=4, parallel.pp_layers_per_stage=[1, 1] needs parallel.pp > 1 (it has no effect"),

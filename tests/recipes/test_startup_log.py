@@ -27,3 +27,21 @@ def test_the_summary_names_the_tensorboard_folder_when_there_is_one():
     assert "tensorboard" not in format_summary(summary, compose_config(["output_dir=/o"]))
     text = format_summary(summary, compose_config(["output_dir=/o", "logging.tensorboard=true"]))
     assert text.splitlines()[-1] == "tensorboard: /o/tensorboard"
+
+
+def test_the_start_up_line_names_the_float8_recipe_and_the_pipeline_schedule():
+    from hyper_parallel.trainer import ParallelDims, typed_config
+    from hyper_parallel.trainer.reporting import layout
+
+    def line(overrides, dims):
+        return layout(typed_config(compose_config(overrides)), dims)
+
+    assert line([], ParallelDims(1, 2)) == "mesh 2 (shard), fp32"
+    assert line(["training.float8=true"], ParallelDims(1, 2)) == "mesh 2 (shard), fp32 with float8 tensorwise linears"
+    assert (line(["training.float8=true", "training.float8_recipe=rowwise", "parallel.mixed_precision=bf16"],
+                 ParallelDims(2, 2)) == "mesh 2x2 (replicate, shard), bf16 with float8 rowwise linears")
+    assert (line(["parallel.pp=2", "parallel.pp_schedule=GPipe", "parallel.pp_microbatches=4",
+                  "training.grad_accum_steps=2"], ParallelDims(1, 2, 1, 2))
+            == "mesh 2x2 (pp, shard), pipeline GPipe with 4 micro-batches per accumulation step, fp32")
+    assert (line(["parallel.pp=2"], ParallelDims(1, 1, 2, 2))
+            == "mesh 2x1x2 (pp, shard, tp), pipeline 1F1B with 4 micro-batches, fp32")
