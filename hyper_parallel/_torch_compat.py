@@ -178,3 +178,13 @@ def fsdp2_export_modules() -> list:
         except ImportError:
             continue
     return modules
+
+
+# The globals by which torch.save's pickles rebuild a tensor (torch/_utils.py), by version.
+_TENSOR_REBUILDERS = {("torch._utils", "_rebuild_tensor_v2"): 2, ("torch._utils", "_rebuild_tensor_v3"): 3}
+
+
+def tensor_rebuild_version(module: str, name: str) -> Optional[int]:
+    """2 or 3 when ``module.name`` is the v2 / v3 tensor rebuild function of torch's pickles
+    (a restricted unpickler admits them as descriptions, not calls); None otherwise."""
+    return _TENSOR_REBUILDERS.get((module, name))

@@ -69,6 +69,18 @@ def test_fsdp2_export_modules():
     assert {m.__name__ for m in modules} >= {"torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard._fully_shard"}
 
 
+def test_tensor_rebuild_version():
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(torch.arange(3), buffer)  # names the rebuild function torch's pickles use today
+    assert b"_rebuild_tensor_v2" in buffer.getvalue()
+    assert compat.tensor_rebuild_version("torch._utils", "_rebuild_tensor_v2") == 2
+    assert compat.tensor_rebuild_version("torch._utils", "_rebuild_tensor_v3") == 3
+    assert compat.tensor_rebuild_version("torch._utils", "_rebuild_parameter") is None
+    assert compat.tensor_rebuild_version("os", "system") is None
+
+
 def test_chunk_cat():
     a, b = torch.arange(4.0).view(2, 2), torch.arange(4.0, 6.0).view(2, 1)
     # rank-major chunks: rank 0 gets row 0 of each tensor, rank 1 row 1

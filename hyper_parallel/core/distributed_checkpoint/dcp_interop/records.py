@@ -25,6 +25,7 @@ from typing import Any, Callable, Optional, Tuple
 
 import torch
 
+from hyper_parallel._torch_compat import tensor_rebuild_version
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.unpickler import torch_dtype
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import MetadataIndex, StorageInfo, TensorStorageMetadata
@@ -112,8 +113,9 @@ class _Refused(Exception):
 
 class _RecordUnpickler(pickle._Unpickler):  # the pure-Python unpickler: a dict memo, no recursion
     def find_class(self, module: str, name: str) -> Any:
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
-            return _rebuild_v2 if name.endswith("v2") else _rebuild_v3
+        version = tensor_rebuild_version(module, name)
+        if version is not None:
+            return _rebuild_v2 if version == 2 else _rebuild_v3
         if (module, name) == ("collections", "OrderedDict"):
             return collections.OrderedDict
         if module == "torch" and name in _LEGACY_STORAGES:
