@@ -45,31 +45,44 @@ def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: i
     Raises:
         ConfigError: listing every problem found.
     """
-    folders = folder_problems(cfg)
+    # An object store's requests are bounded here: one that never answers is one line, not a hang.
+    with store.bounded_requests(store.STARTUP_BOUNDS):
+        checkpoint = checkpoint_folder_problems(cfg)
+        folders = output_dir_problems(cfg) + checkpoint
+        resume = [] if checkpoint else resume_problems(cfg)  # (an unusable folder is not listed)
     problems = (folders + (output_file_problems(cfg) if not folders else []) + init_from_problems(cfg)
-                + resume_problems(cfg) + data_problems(cfg) + float8_problems(cfg)
+                + resume + data_problems(cfg) + float8_problems(cfg)
                 + memory_problems(cfg, dims, ranks_per_node))
     if problems:
         raise ConfigError(problems_message("cannot start", problems))
 
 
-def folder_problems(cfg: TrainConfig) -> List[str]:
-    """``output_dir`` and ``checkpoint.folder`` can be created and written; a ``checkpoint.folder``
-    URL (``s3://bucket/run``) needs an fsspec file system for its scheme, and an object written
-    there (then deleted) as a check."""
-    problems = []
-    if url_scheme(cfg.checkpoint.folder):
-        problems += _url_folder_problems("checkpoint.folder", cfg.checkpoint.folder)
-    for key, path in (("output_dir", cfg.output_dir), ("checkpoint.folder", cfg.checkpoint.folder)):
-        if key == "checkpoint.folder" and url_scheme(path):
-            continue
-        if url_scheme(path):  # it would become a local folder named "s3:"
-            problems.append(f"{key}: {path!r} is a URL; {key} must be a local or mounted folder")
-            continue
-        why = unusable_folder(path)
-        if why:
-            problems.append(f"{key}={path} cannot be used: {why}; choose another {key}")
-    return problems
+def output_dir_problems(cfg: TrainConfig) -> List[str]:
+    """``output_dir`` is a local or mounted folder that can be created and written."""
+    try:
+        if url_scheme(cfg.output_dir):  # it would become a local folder named "s3:"
+            return [f"output_dir: {cfg.output_dir!r} is a URL; output_dir must be a local or mounted folder"]
+    except ValueError as err:  # a form that is neither a path nor a URL
+        return [f"output_dir: {err}"]
+    return _local_folder_problems("output_dir", cfg.output_dir)
+
+
+def checkpoint_folder_problems(cfg: TrainConfig) -> List[str]:
+    """``checkpoint.folder`` can be created and written; a URL (``s3://bucket/run``) needs an
+    fsspec file system for its scheme, and an object written there (then deleted) as a check
+    (within ``store.bounded_requests``: an endpoint that never answers is one line)."""
+    key, folder = "checkpoint.folder", cfg.checkpoint.folder
+    try:
+        if url_scheme(folder):
+            return _url_folder_problems(key, folder)
+    except ValueError as err:  # credentials, a query, a chained URL: one line, the URL redacted
+        return [f"{key}: {err}"]
+    return _local_folder_problems(key, folder)
+
+
+def _local_folder_problems(key: str, path: str) -> List[str]:
+    why = unusable_folder(path)
+    return [f"{key}={path} cannot be used: {why}; choose another {key}"] if why else []
 
 
 def _url_folder_problems(key: str, url: str) -> List[str]:
@@ -79,8 +92,10 @@ def _url_folder_problems(key: str, url: str) -> List[str]:
         return [f"{key}: {err}"]
     probe = f"{path}/.hyper_parallel.preflight.{uuid.uuid4().hex}"
     try:
-        fs.pipe_file(probe, b"")
-        fs.rm(probe)
+        fs.pipe_file(probe, b"", **store.call_deadline(fs))
+        fs.rm(probe, **store.call_deadline(fs))
+    except store.unreachable_errors() as err:  # refused, reset, or no answer within the bounds
+        return [f"{key}: {store.unreachable_message(url, err)}"]
     except Exception as err:  # noqa: BLE001 (credentials, endpoint, bucket: whatever the store says)
         return [f"{key}={url} cannot be written ({type(err).__name__}: {err}); check the bucket, the "
                 "endpoint (AWS_ENDPOINT_URL) and the credentials"]
@@ -131,7 +146,7 @@ def resume_problems(cfg: TrainConfig) -> List[str]:
         return []
     try:
         steps = committed_steps(folder)
-    except ValueError:  # a URL of an unknown scheme: folder_problems names it
+    except ValueError:  # a URL of an unknown scheme: checkpoint_folder_problems names it
         return []
     if not steps:
         return []

@@ -144,9 +144,81 @@ def start_writeback(fd: int, offset: int, nbytes: int) -> None:
 
 
 _URL = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*)://")
+_SCHEME_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
+_DRIVE = re.compile(r"[A-Za-z]:[\\/]")  # a Windows drive (C:\\ or C:/): a path
+
+
+def _credentials_end(rest: str) -> int:
+    """Where ``user:secret@`` ends in a URL after its ``scheme://`` (0: none). Up to the last
+    ``@``, since a secret may hold ``/`` (AWS secret keys do); a ``@`` without a ``:`` before
+    it is no credential (``abfs://container@account...``, ``sftp://user@host``)."""
+    at = rest.rfind("@")
+    return at if at > 0 and ":" in rest[:at] else 0
+
+
+def redact_url(url: str) -> str:
+    """``url`` as it may be shown in a message: credentials after the scheme
+    (``s3://KEY:SECRET@bucket``) and a query or fragment (tokens) are
+    replaced by ``***``; each part of a chained URL (``a::b``) alike. Paths are returned as
+    they are."""
+    if not _SCHEME_PREFIX.match(url):
+        return url
+    return "::".join(_redact_one(part) for part in url.split("::"))
+
+
+def _redact_one(url: str) -> str:
+    match = _URL.match(url)
+    if not match:
+        return url
+    rest = url[match.end():]
+    end = _credentials_end(rest)
+    if end:
+        rest = "***" + rest[end:]
+    for mark in "?#":
+        if mark in rest:
+            rest = rest[:rest.index(mark)] + mark + "***"
+    return url[:match.end()] + rest
 
 
 def url_scheme(path) -> Optional[str]:
-    """The scheme of a ``<scheme>://`` URL (``s3``, ``memory``, ``file``), or None for a path."""
-    match = _URL.match(path) if isinstance(path, str) else None
-    return match.group("scheme") if match else None
+    """The scheme of a ``<scheme>://`` URL (``s3``, ``memory``, ``file``), or None for a path.
+
+    The one place checkpoint locations are classified (save, load, ``CheckpointManager``, the
+    CLI and the recipe all ask here), so the forms that would go wrong later are refused here,
+    in one line that shows the URL through :func:`redact_url`.
+
+    Raises:
+        ValueError: a URL with credentials (``user:secret@``), a query (``?``) or a fragment (``#``): the
+            store does not read credentials from the URL, and fsspec would take a query as
+            part of the key (every object of a save under one key); a chained URL
+            (``simplecache::s3://...``) or a ``<scheme>:`` without ``//`` (``data:...``):
+            these would otherwise become local folders of that name.
+    """
+    if not isinstance(path, str):
+        return None
+    match = _URL.match(path)
+    if match is None:
+        if _SCHEME_PREFIX.match(path) and not _DRIVE.match(path):
+            shown = redact_url(path)
+            if "::" in path:
+                raise ValueError(f"location {shown!r} chains file systems ('::'); refused: give the "
+                                 "store's own URL (s3://bucket/prefix) or a path")
+            raise ValueError(f"location {shown!r} starts with a scheme but is no <scheme>:// URL; "
+                             "refused (it would become a local folder of that name): give an fsspec URL "
+                             f"such as s3://bucket/prefix, or write a path as ./{shown}")
+        return None
+    shown = redact_url(path)
+    rest = path[match.end():]
+    if "::" in rest:
+        raise ValueError(f"URL {shown!r} chains file systems ('::'); refused: give the store's own "
+                         "URL (s3://bucket/prefix)")
+    if _credentials_end(rest):
+        raise ValueError(f"URL {shown!r} holds credentials ('user:secret@'); refused: the store "
+                         "does not read them from the URL and they would show in logs; configure them the "
+                         "store's way (for S3: AWS_ACCESS_KEY_ID / AWS_SECRET_ACCESS_KEY, ~/.aws) or "
+                         "through storage_options")
+    if "?" in rest or "#" in rest:
+        raise ValueError(f"URL {shown!r} has a query or fragment ('?', '#'); refused: a checkpoint is "
+                         "a prefix of objects (fsspec would put every object of a save under one key, or "
+                         "read one version of one object); remove it")
+    return match.group("scheme")

@@ -1,10 +1,12 @@
 """An S3-compatible server on loopback for the object storage tests: moto's server mode in a
-subprocess on a free port, started once per test session and stopped by its process id.
-No test touches the network beyond 127.0.0.1."""
+subprocess on a free port, started once per test session and stopped by its process id; and
+an endpoint that accepts connections and never answers (a hung store). No test touches the
+network beyond 127.0.0.1."""
 
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 import tempfile
@@ -96,4 +98,24 @@ def with_env(env: Dict[str, str], fn: Callable[..., Any], *args: Any, **kwargs: 
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+        s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.fixture
+def silent_s3(monkeypatch) -> Iterator[str]:
+    """AWS_* variables pointing s3fs at an endpoint on 127.0.0.1 whose socket listens (the
+    kernel completes each connection) but never answers a request; yields its URL. Closed
+    afterwards. Skips without s3fs."""
+    s3fs = pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install 'hyper_parallel[s3]'")
+    server = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        server.bind(("127.0.0.1", 0))
+        server.listen(128)
+        endpoint = f"http://127.0.0.1:{server.getsockname()[1]}"
+        for key, value in dict(CREDENTIALS, AWS_ENDPOINT_URL=endpoint).items():
+            monkeypatch.setenv(key, value)
+        s3fs.S3FileSystem.clear_instance_cache()
+        yield endpoint
+    finally:
+        server.close()
         s3fs.S3FileSystem.clear_instance_cache()

@@ -1,6 +1,8 @@
 """``python -m hyper_parallel.checkpoint inspect|verify|list|export-hf|import-dcp|export-dcp DIR ...``
 
-Every command also takes fsspec URLs (``s3://bucket/run``, ``memory://``) for its checkpoints."""
+Every command also takes fsspec URLs (``s3://bucket/run``, ``memory://``) for its checkpoints; the
+requests of ``inspect``, ``verify`` and ``list`` are bounded (``store.STARTUP_BOUNDS``), and a store
+that does not answer is one line, exit code 2."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from hyper_parallel.core.distributed_checkpoint.dcp_interop.destination import D
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
 from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, committed_steps, resolve_checkpoint
+from hyper_parallel.core.distributed_checkpoint.object_store import store
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     FORMAT_NAME,
     Metadata,
@@ -129,8 +132,13 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; returns the exit code (1 on a bad or corrupt checkpoint, 2 on a refused
-    destination)."""
+    destination or when an object store does not answer)."""
     args = _parser().parse_args(argv)
+    with store.bounded_requests(store.STARTUP_BOUNDS):
+        return _run(args)
+
+
+def _run(args: argparse.Namespace) -> int:
     try:
         if run_dcp_command(args):
             pass
@@ -157,6 +165,10 @@ def main(argv: Optional[List[str]] = None) -> int:
         return 128 + signal.SIGPIPE
     except DestinationRefused as exc:
         print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except store.unreachable_errors() as exc:  # before OSError: some of them are OSErrors
+        location = args.dir if "dir" in args else args.src  # what the command reads
+        print(f"error: {store.unreachable_message(location, exc)}", file=sys.stderr)
         return 2
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

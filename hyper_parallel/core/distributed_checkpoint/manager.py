@@ -263,7 +263,10 @@ class CheckpointManager:
 
     def _apply_retention(self, saved_step: int) -> None:
         if self._objects is not None and get_platform().rank == 0:
-            if self._objects.lock_problem() is not None:  # another job's folder now: delete nothing
+            try:
+                self._objects.fence(f"delete old checkpoints and uploads in {self.folder}")
+            except CheckpointError as exc:  # another job's folder now: delete nothing
+                _log.error("%s", exc)
                 self._barrier()
                 return
             self._objects.abort_incomplete_uploads()  # no save of this job is in flight now

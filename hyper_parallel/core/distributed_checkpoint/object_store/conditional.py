@@ -5,19 +5,33 @@ clean-up of incomplete multipart uploads.
 (check-then-write unless the implementation makes it exclusive) and compare-then-write replaces.
 :class:`LocalOps` (``file://``) creates exclusively (a hard link, which fails if the name
 exists). :class:`S3Ops` makes both single conditional requests (``If-None-Match: *``,
-``If-Match: <etag>``) and aborts multipart uploads.
+``If-Match: <etag>``) and aborts multipart uploads. Each also says how to bound its requests
+(:meth:`ObjectOps.bounded_options`, for start-up checks and the CLI) and names its endpoint.
 """
 
 from __future__ import annotations
 
 import os
 import uuid
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Dict, NamedTuple, Optional, Sequence, Tuple, Type
 
 from hyper_parallel.utils.fileio import write_file, write_file_atomically
 
 Version = Any
 """What identifies one state of an object: its ETag on S3, its bytes elsewhere."""
+
+
+class RequestBounds(NamedTuple):
+    """How long one request to a store may take: ``timeout_s`` to connect and for each read
+    of its answer, ``attempts`` tries in all (retries included)."""
+
+    timeout_s: float
+    attempts: int
+
+
+def protocols(fs: Any) -> Tuple[str, ...]:
+    """The protocols of an fsspec file system (an instance or its class)."""
+    return tuple(fs.protocol) if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
 
 
 class ObjectOps:
@@ -28,6 +42,19 @@ class ObjectOps:
 
     def __init__(self, fs: Any) -> None:
         self.fs = fs
+
+    @staticmethod
+    def bounded_options(bounds: RequestBounds) -> Dict[str, Any]:
+        """fsspec options bounding each request by ``bounds``; none known for a generic store."""
+        return {}
+
+    def bound(self, bounds: RequestBounds) -> None:
+        """Bound what options cannot, on a file system made with :meth:`bounded_options` (such
+        options make it an instance of its own: fsspec caches instances by their options)."""
+
+    def endpoint(self) -> str:
+        """What the store's requests go to, for messages."""
+        return f"the {protocols(self.fs)[0]}:// store"
 
     def create(self, path: str, data: bytes) -> Optional[Version]:
         """Write ``path`` if it does not exist; its version, or None when it existed."""
@@ -99,6 +126,20 @@ class S3Ops(ObjectOps):
 
     atomic = True
 
+    @staticmethod
+    def bounded_options(bounds: RequestBounds) -> Dict[str, Any]:
+        # botocore's timeouts and tries ("standard" retries)
+        return {"config_kwargs": {"connect_timeout": bounds.timeout_s, "read_timeout": bounds.timeout_s,
+                                  "retries": {"total_max_attempts": bounds.attempts, "mode": "standard"}}}
+
+    def bound(self, bounds: RequestBounds) -> None:
+        self.fs.retries = 1  # one pass of s3fs's own retry loop (a class attribute, no option)
+
+    def endpoint(self) -> str:
+        """The endpoint botocore resolved (``endpoint_url`` option, ``AWS_ENDPOINT_URL*``, config
+        files, else AWS's own); creating the client sends no request."""
+        return self.fs.s3.meta.endpoint_url
+
     def _written_version(self, path: str, data: bytes) -> Version:
         return self._etag(path)
 
@@ -148,10 +189,14 @@ class S3Ops(ObjectOps):
             markers = {"KeyMarker": page["NextKeyMarker"], "UploadIdMarker": page["NextUploadIdMarker"]}
 
 
+def ops_class(names: Sequence[str]) -> Type[ObjectOps]:
+    """The operations for a file system of protocols ``names``: :class:`S3Ops` for s3fs,
+    :class:`LocalOps` for ``file://``, else :class:`ObjectOps`."""
+    if "s3" in names or "s3a" in names:
+        return S3Ops
+    return LocalOps if "file" in names else ObjectOps
+
+
 def object_ops(fs: Any) -> ObjectOps:
-    """The conditional operations of ``fs``: :class:`S3Ops` for s3fs, :class:`LocalOps` for
-    ``file://``, else :class:`ObjectOps`."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    if "s3" in protocols or "s3a" in protocols:
-        return S3Ops(fs)
-    return LocalOps(fs) if "file" in protocols else ObjectOps(fs)
+    """The conditional operations of ``fs`` (see :func:`ops_class`)."""
+    return ops_class(protocols(fs))(fs)

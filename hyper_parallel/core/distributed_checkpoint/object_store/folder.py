@@ -44,6 +44,14 @@ class ObjectFolder:
         """Why this process no longer holds the folder (its lease was lost), or None."""
         return lease.lease_problem(self.url)
 
+    def fence(self, doing: str) -> None:
+        """Confirm this process's lease of the folder before ``doing`` (``lease.fence``).
+
+        Raises:
+            CheckpointError: another job holds the folder now.
+        """
+        lease.fence(self.url, doing)
+
     # --- abandoned uploads ----------------------------------------------------------------
 
     def _is_step_upload(self, key: str) -> bool:

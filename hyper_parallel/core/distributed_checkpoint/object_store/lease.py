@@ -13,7 +13,14 @@ random token, the time it was last renewed and the lease length:
   at least ``lease_s / 2``: clocks may disagree; S3: the takeover is a PUT with ``If-Match`` on
   the stale ETag, so one job wins);
 - a holder whose renewal finds another job's lock (or that could not renew for ``lease_s``)
-  has lost it: its manager refuses the next save.
+  has lost it: its manager refuses the next save;
+- the fence (:func:`fence`): right before a save's commit PUT and before deleting objects of
+  other saves, the holder renews the lease once more, conditional on its last version. A job
+  that stalled past its lease (``SIGSTOP``, a swapping host) and was taken over finds the other
+  job's lock there and raises instead of replacing that job's checkpoint. A renewal that the
+  store does not answer counts only while less than half a lease passed since the last one
+  (no other job can have judged the lease dead before that). What remains is a stall of more
+  than half a lease between that renewal and the PUT right after it.
 
 On stores without conditional requests (``ObjectOps.atomic`` False: gcsfs, adlfs through
 fsspec's generic create) create and takeover are check-then-write: two jobs starting within
@@ -33,6 +40,7 @@ import time
 import uuid
 from typing import Any, Dict, Optional
 
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.object_store.conditional import ObjectOps, Version
 
 LOCK_OBJECT = ".hyper_parallel.lock"
@@ -70,6 +78,8 @@ class FolderLease:
         self.state = LeaseState.RELEASED
         self.lost_reason = ""
         self._version: Version = None
+        self._renewed = 0.0  # time.monotonic() when the request that made ``_version`` was sent
+        self._lock = threading.Lock()  # one conditional write at a time: renewals, fences
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
 
@@ -80,9 +90,10 @@ class FolderLease:
     def acquire(self) -> Optional[str]:
         """Take the lease; None, or a sentence saying which job holds the folder."""
         for _ in range(8):  # each round ends in a decision unless the lock changed hands meanwhile
+            sent = time.monotonic()
             version = self.ops.create(self.object, self._body())
             if version is not None:
-                return self._start(version)
+                return self._start(version, sent)
             current = self.ops.read(self.object)
             if current is None:
                 continue  # released meanwhile
@@ -95,11 +106,13 @@ class FolderLease:
                 return (f"{self.url} is in use by another job ({info.get('holder', 'unknown')}, lock renewed "
                         f"{time.time() - info['renewed']:.0f}s ago); two jobs must not write checkpoints into "
                         "one folder: use another folder, or stop the other job")
+            sent = time.monotonic()
             version = self.ops.replace(self.object, self._body(), seen)
             if version is not None:
                 _log.warning("took over %s/%s from %s: its lease expired (a job that ended without releasing "
-                             "it)", self.url, LOCK_OBJECT, info.get("holder", "unknown"))
-                return self._start(version)
+                             "it, or one stalled for longer than its lease)", self.url, LOCK_OBJECT,
+                             info.get("holder", "unknown"))
+                return self._start(version, sent)
         return f"{self.url}/{LOCK_OBJECT} keeps changing hands; is another job starting on {self.url}?"
 
     def _still_renewed(self, info: Dict[str, Any], seen: Version) -> bool:
@@ -118,27 +131,73 @@ class FolderLease:
                 return current is not None  # renewed (alive), or released (free: try again)
         return False
 
-    def _start(self, version: Version) -> None:
-        self._version, self.state = version, LeaseState.HELD
+    def _start(self, version: Version, sent: float) -> None:
+        self._version, self._renewed, self.state = version, sent, LeaseState.HELD
         self._stop.clear()
         self._thread = threading.Thread(target=self._renew_loop, name="hyper_parallel-lease", daemon=True)
         self._thread.start()
         return None
 
+    def _renew(self) -> bool:
+        """One renewal conditional on this job's last version (``_lock`` held): True when
+        renewed, False when another job's lock is there (the lease is then lost). Raises
+        what the store raised."""
+        sent = time.monotonic()
+        version = self.ops.replace(self.object, self._body(), self._version)
+        if version is None:
+            self._lose(f"another job replaced it ({self._holder_now()}; this job's lease ran out: it stalled or "
+                       "could not reach the store for longer than the lease)")
+            return False
+        self._version, self._renewed = version, sent
+        return True
+
+    def _holder_now(self) -> str:
+        try:
+            current = self.ops.read(self.object)
+        except Exception:  # noqa: BLE001 (only for the message)
+            return "holder unknown"
+        if current is None:
+            return "none now: the lock object is gone"
+        info = _parse(current[0])
+        return str(info.get("holder", "holder unknown")) if info else "not a lock of this library"
+
     def _renew_loop(self) -> None:
-        renewed = time.monotonic()
         while not self._stop.wait(self.lease_s / 4):
-            try:
-                version = self.ops.replace(self.object, self._body(), self._version)
-            except Exception as exc:  # noqa: BLE001 (an unreachable store: retried until the lease ends)
-                if time.monotonic() - renewed > self.lease_s:
-                    self._lose(f"could not renew it for {self.lease_s:.0f}s ({exc})")
+            with self._lock:
+                if self.state is not LeaseState.HELD:
                     return
-                continue
-            if version is None:
-                self._lose("another job replaced it")
-                return
-            self._version, renewed = version, time.monotonic()
+                try:
+                    if not self._renew():
+                        return
+                except Exception as exc:  # noqa: BLE001 (an unreachable store: retried until the lease ends)
+                    if time.monotonic() - self._renewed > self.lease_s:
+                        self._lose(f"could not renew it for {self.lease_s:.0f}s ({exc})")
+                        return
+
+    def confirm(self) -> None:
+        """The fence: renew the lease now, conditional on this job's last version.
+
+        Raises:
+            CheckpointError: the lease is lost (another job's lock is there, named), or the
+                store did not answer and half a lease has passed since the last renewal.
+        """
+        with self._lock:
+            if self.state is not LeaseState.HELD:
+                raise CheckpointError(self.problem())
+            try:
+                if self._renew():
+                    return
+            except Exception as exc:  # noqa: BLE001 (the store's errors, whatever they are)
+                if time.monotonic() - self._renewed < self.lease_s / 2:
+                    return  # no other job can have judged this lease dead yet
+                raise CheckpointError(f"could not confirm the lock {self.url}/{LOCK_OBJECT} ({type(exc).__name__}: "
+                                      f"{exc}) and its last renewal is {time.monotonic() - self._renewed:.0f}s old: "
+                                      "another job may hold the folder now") from None
+            raise CheckpointError(self.problem())
+
+    def problem(self) -> str:
+        """Why this process does not hold the lease (once lost)."""
+        return f"lost the lock {self.url}/{LOCK_OBJECT}: {self.lost_reason}"
 
     def _lose(self, why: str) -> None:
         self.state, self.lost_reason = LeaseState.LOST, why
@@ -150,13 +209,14 @@ class FolderLease:
         self._stop.set()
         if self._thread is not None and self._thread is not threading.current_thread():
             self._thread.join()
-        if self.state is LeaseState.HELD:
-            try:
-                self.ops.delete(self.object, self._version)
-            except Exception as exc:  # noqa: BLE001 (at exit: the lease then expires by itself)
-                _log.warning("could not delete %s/%s (%s): it expires after %.0fs", self.url, LOCK_OBJECT, exc,
-                             self.lease_s)
-        self.state = LeaseState.RELEASED
+        with self._lock:
+            if self.state is LeaseState.HELD:
+                try:
+                    self.ops.delete(self.object, self._version)
+                except Exception as exc:  # noqa: BLE001 (at exit: the lease then expires by itself)
+                    _log.warning("could not delete %s/%s (%s): it expires after %.0fs", self.url, LOCK_OBJECT, exc,
+                                 self.lease_s)
+            self.state = LeaseState.RELEASED
 
 
 # url -> [lease, managers of this process using it]: managers within one process share the lease
@@ -195,4 +255,23 @@ def lease_problem(url: str) -> Optional[str]:
     held = _HELD.get(url)
     if held is None or held[0].state is LeaseState.HELD:
         return None
-    return f"lost the lock {url}/{LOCK_OBJECT}: {held[0].lost_reason}"
+    return held[0].problem()
+
+
+def fence(url: str, doing: str) -> None:
+    """Before ``doing`` (a commit, a deletion) under ``url``: when this process holds (or
+    held and lost) the lease of a folder containing ``url``, confirm it
+    (:meth:`FolderLease.confirm`). Elsewhere (no lease of this process) nothing is checked.
+
+    Raises:
+        CheckpointError: ``refusing to <doing>: lost the lock ...`` naming the other holder.
+    """
+    with _HELD_LOCK:
+        held = next((entry[0] for folder, entry in _HELD.items()
+                     if url == folder or url.startswith(folder + "/")), None)
+    if held is None:
+        return
+    try:
+        held.confirm()
+    except CheckpointError as exc:
+        raise CheckpointError(f"refusing to {doing}: {exc}; this job saves no more checkpoints there") from None

@@ -16,23 +16,32 @@ Object stores have no rename, so a save cannot be staged aside and swapped in. I
 
 Credentials and endpoints come from the file system's own configuration (for S3 what
 botocore reads: ``AWS_*`` environment variables such as ``AWS_ENDPOINT_URL``, config files),
-with fsspec ``storage_options`` on top.
+with fsspec ``storage_options`` on top. Within :func:`bounded_requests` (start-up checks, the
+CLI) each request is bounded instead of retried for minutes (an endpoint that accepts
+connections but never answers is named in one line: :func:`unreachable_message`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import re
 import time
-from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple, Type
 
 from hyper_parallel._optional import require
 from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme
+from hyper_parallel.core.distributed_checkpoint.object_store.conditional import (
+    RequestBounds,
+    object_ops,
+    ops_class,
+    protocols,
+)
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE, Metadata, check_relative_path
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata, verify_files
-from hyper_parallel.utils.fileio import fsync_dir, write_file_atomically
+from hyper_parallel.utils.fileio import fsync_dir, redact_url, write_file_atomically
 
 MAX_METADATA_BYTES = 4 << 30
 """As for local checkpoints (``filesystem/commit.py``): larger metadata is refused unread."""
@@ -41,18 +50,48 @@ VERIFY_BLOCK_BYTES = 16 << 20
 _TAGGED = re.compile(r"(?:__\d+(?:_\d+)?|\.done\.rank\d+|\.failed\.rank\d+)\.(?P<save_id>[0-9a-f]{32})(?:\..*)?")
 DONE_MARKER = ".done.rank{}.{}.json"
 FAILED_MARKER = ".failed.rank{}.{}"
+STARTUP_BOUNDS = RequestBounds(timeout_s=10.0, attempts=2)
+"""Each request of the recipe's start-up check and of the CLI: 10 s to connect and per read, 2 tries."""
+_BOUNDS: contextvars.ContextVar[Optional[RequestBounds]] = contextvars.ContextVar("request_bounds", default=None)
+
+
+@contextlib.contextmanager
+def bounded_requests(bounds: RequestBounds) -> Iterator[None]:
+    """Within this block, the stores :func:`open_store` opens bound each request by ``bounds``
+    (options the caller passes win). Outside it requests follow the store's own defaults."""
+    token = _BOUNDS.set(bounds)
+    try:
+        yield
+    finally:
+        _BOUNDS.reset(token)
+
+
+def _with_bounds(options: Dict[str, Any], bounded: Dict[str, Any]) -> Dict[str, Any]:
+    merged = dict(bounded, **options)
+    for key, value in bounded.items():  # one level of nesting (s3fs's config_kwargs)
+        if isinstance(value, dict) and isinstance(options.get(key), dict):
+            merged[key] = dict(value, **options[key])
+    return merged
 
 
 def open_store(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tuple[Any, str]:
     """(fsspec file system, path on it without the scheme) for the checkpoint ``url``.
 
     Raises:
-        ValueError: ``url`` has no scheme fsspec knows, or its implementation is not installed.
+        ValueError: ``url`` is refused by ``url_scheme`` (credentials, a query, a chained
+            URL), has no scheme fsspec knows, or its implementation is not installed.
     """
+    scheme = url_scheme(url)  # refuses what must not reach fsspec; ``url`` is fit to show after it
     fsspec = require("fsspec", f"checkpoint {url!r}")
-    scheme = url_scheme(url)
+    options = dict(storage_options or {})
     try:
-        fs, path = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        bounds = _BOUNDS.get()
+        if bounds is not None:
+            cls = fsspec.get_filesystem_class(scheme)
+            options = _with_bounds(options, ops_class(protocols(cls)).bounded_options(bounds))
+        fs, path = fsspec.core.url_to_fs(url, **options)
+        if bounds is not None:
+            object_ops(fs).bound(bounds)
     except ImportError as exc:
         raise ValueError(f"checkpoint {url!r}: the {scheme}:// file system is not installed ({exc}); "
                          "for s3:// pip install 'hyper_parallel[s3]'") from None
@@ -62,10 +101,49 @@ def open_store(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tu
     return fs, path.rstrip("/")
 
 
+def call_deadline(fs: Any) -> Dict[str, float]:
+    """Keyword arguments ending one call of ``fs`` after all tries of its request had their
+    time, within :func:`bounded_requests`: ``timeout=`` (fsspec cancels the call and raises
+    ``FSTimeoutError``) on an async file system, nothing elsewhere or outside the block. For
+    what the per-try timeouts miss (aiohttp waits for an answer to ``Expect: 100-continue``,
+    which botocore sends with every PUT, without a timeout)."""
+    bounds = _BOUNDS.get()
+    if bounds is None or not fs.async_impl:
+        return {}
+    return {"timeout": bounds.attempts * bounds.timeout_s + 1.0}
+
+
+def unreachable_errors() -> Tuple[Type[BaseException], ...]:
+    """The exceptions that mean a store did not answer (refused, reset, timed out): the
+    built-in ones, fsspec's timeout and, with s3fs, botocore's connection and HTTP errors."""
+    found: List[Type[BaseException]] = [ConnectionError, TimeoutError]
+    try:
+        from fsspec.exceptions import FSTimeoutError
+        found.append(FSTimeoutError)
+        from botocore.exceptions import ConnectionError as BotoConnectionError, HTTPClientError
+        found += [BotoConnectionError, HTTPClientError]
+    except ImportError:  # no fsspec or no botocore: none of their errors can occur either
+        pass
+    return tuple(found)
+
+
+def unreachable_message(url: str, error: BaseException) -> str:
+    """One line for ``error`` (one of :func:`unreachable_errors`) met on ``url``: the store's
+    endpoint, the bound in force and what to check (credentials and queries never shown)."""
+    try:
+        endpoint = object_ops(open_store(url)[0]).endpoint()
+    except Exception:  # noqa: BLE001 (naming the endpoint must not hide the error itself)
+        endpoint = f"the {url_scheme(url)}:// store"
+    bounds = _BOUNDS.get()
+    within = "" if bounds is None else f" ({bounds.attempts} tries of {bounds.timeout_s:.0f}s)"
+    return (f"{redact_url(url)}: no answer from the object store at {redact_url(endpoint)}{within}: "
+            f"{type(error).__name__}; check the endpoint (for S3: AWS_ENDPOINT_URL or storage_options), "
+            "the network and that the store is running")
+
+
 def is_local(fs: Any) -> bool:
     """Whether ``fs`` is the local file system (``file://``): directories, rename, partial writes."""
-    protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)
-    return "file" in protocols
+    return "file" in protocols(fs)
 
 
 def put_atomically(fs: Any, path: str, data: bytes) -> None:
@@ -94,9 +172,17 @@ def list_names(fs: Any, path: str) -> List[str]:
 
 
 def is_committed(fs: Any, path: str) -> bool:
-    """True when ``path`` holds a committed checkpoint: its metadata object exists."""
+    """True when ``path`` holds a committed checkpoint: its metadata object exists.
+
+    Raises:
+        what the store raises but "not found" (``fs.isfile`` would answer False to a store
+        that cannot be reached, or that refuses the request).
+    """
     fs.invalidate_cache(path)
-    return fs.isfile(f"{path}/{METADATA_FILE}")
+    try:
+        return fs.info(f"{path}/{METADATA_FILE}")["type"] == "file"
+    except FileNotFoundError:
+        return False
 
 
 def read_metadata(fs: Any, path: str, url: str) -> Metadata:

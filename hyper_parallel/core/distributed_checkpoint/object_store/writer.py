@@ -3,9 +3,11 @@ metadata object last (the protocol is ``store.py``'s)."""
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem import commit
 from hyper_parallel.core.distributed_checkpoint.filesystem.data_files import (
     DataFile,
@@ -14,7 +16,7 @@ from hyper_parallel.core.distributed_checkpoint.filesystem.data_files import (
     stream_safetensors,
 )
 from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE, Metadata
-from hyper_parallel.core.distributed_checkpoint.object_store import store
+from hyper_parallel.core.distributed_checkpoint.object_store import lease, store
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import (
     AsyncCommitWriter,
@@ -25,6 +27,7 @@ from hyper_parallel.core.distributed_checkpoint.storage import (
 
 UPLOAD_PART_BYTES = 64 << 20
 """Bytes buffered per upload part: large files go up as concurrent multipart uploads (s3fs)."""
+_log = logging.getLogger(__name__)
 
 
 class FsspecWriter(AsyncCommitWriter):
@@ -90,9 +93,21 @@ class FsspecWriter(AsyncCommitWriter):
         return result
 
     def finalize_checkpoint(self, metadata: Metadata, results: List[RankWriteResult]) -> None:
-        """Write the metadata object (the commit point), then delete other saves' objects."""
+        """Write the metadata object (the commit point), then delete other saves' objects. In a
+        folder whose lease this process holds, the lease is confirmed right before each of the
+        two (``lease.fence``): a job that lost it commits and deletes nothing.
+
+        Raises:
+            CheckpointError: the folder's lease was taken over by another job (not committed).
+        """
         commit.record_results(metadata, results)
+        lease.fence(self.url, f"commit {self.url}")
         store.put_atomically(self.fs, self._object(METADATA_FILE), metadata.to_json().encode())
+        try:
+            lease.fence(self.url, f"delete the objects of other saves under {self.url}")
+        except CheckpointError as exc:  # committed already: raising would delete this save's objects
+            _log.error("%s", exc)
+            return
         store.remove_saves(self.fs, self.path, lambda save_id: save_id != metadata.save_id)
 
     def abort_checkpoint(self, plan: SavePlan) -> None:
