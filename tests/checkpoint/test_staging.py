@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import os
 import sys
 import resource
 import threading
@@ -372,3 +373,31 @@ def test_release_empties_the_host_cache_where_pinned_memory_is_cached(monkeypatc
     pool.release()  # nothing left to drop: no emptying
     pool.configure(slab_bytes=SLAB, budget_bytes=BUDGET, sync_window_bytes=WINDOW)
     assert platform.emptied == [True]
+
+
+def test_a_load_empties_the_host_cache_after_buffers_bigger_than_a_slab(tmp_path, monkeypatch):
+    """NPU: a box row bigger than a slab is read through a pinned buffer of its own, which the
+    caching host allocator keeps once dropped: the load empties that cache when it finishes."""
+    from hyper_parallel.core.distributed_checkpoint.filesystem import bounce
+    from tests.checkpoint.helpers import BOX_COLS, BOX_ROWS, AppliedBoxes, box_read
+
+    platform, host = _RegisteringPlatform(device_type="npu"), bounce.get_platform()
+    monkeypatch.setattr(bounce, "get_platform", lambda: platform)
+    monkeypatch.setattr(bounce, "CopyStream", lambda _, device: CopyStream(host, device))  # copies on CPU
+    monkeypatch.setattr(sys.modules[StagingBuffers.__module__], "get_platform", lambda: platform)
+    pool = StagingBuffers(slab_bytes=BOX_COLS * 8 // 2, budget_bytes=4096, sync_window_bytes=4096)
+    path = str(tmp_path / "chunk.bin")
+    expected = torch.arange(BOX_ROWS * BOX_COLS, dtype=torch.float64).view(BOX_ROWS, BOX_COLS)
+    expected.numpy().tofile(path)
+    planner = AppliedBoxes()
+    reader = bounce.BounceReads(pool, pool.window(snapshot=False), planner, torch.device("cpu"))
+    dest = torch.zeros(BOX_ROWS, BOX_COLS, dtype=torch.float64)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        reader.read(fd, path, 0, (BOX_ROWS, BOX_COLS), box_read("t"), dest, torch.float64)
+        reader.finish()
+    finally:
+        os.close(fd)
+    assert torch.equal(dest, expected) and planner.applied == ["t"]
+    assert len(platform.cached) == BOX_ROWS  # one own buffer per row
+    assert platform.emptied == [True]  # once, after every own buffer was dropped

@@ -23,6 +23,7 @@ from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import (
     SlabWindow,
     StagingBuffers,
     check_copy_device,
+    return_host_memory,
 )
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.copy_stream import CopyStream, wait_event
@@ -76,6 +77,7 @@ class BounceReads:
         self._stream.after_current_work()  # destinations may still be in use by queued work
         self._slabs: Deque[Slab] = deque()  # in order of use; the last one is being filled
         self._copies: Deque[_Copy] = deque()
+        self._own_buffers = 0  # pinned buffers of their own (boxes bigger than a slab) used so far
 
     def read(self, fd: int, path: str, chunk_offset: int, sizes: Sequence[int], item: ReadItem, dest: torch.Tensor,
              dtype: torch.dtype) -> None:
@@ -128,6 +130,7 @@ class BounceReads:
         """``nbytes`` of host memory: the rest of the current slab, a new or the oldest slab,
         or (bigger than a slab) a buffer of its own."""
         if nbytes > self._pool.slab_bytes:
+            self._own_buffers += 1
             return None, get_platform().pinned_host_buffer(nbytes)
         slab = self._slabs[-1] if self._slabs else None
         at = 0 if slab is None else -(-slab.used // _ALIGN) * _ALIGN
@@ -169,6 +172,8 @@ class BounceReads:
             finally:
                 while self._slabs:
                     self._pool.give_back(self._window, self._slabs.popleft())
+                return_host_memory(self._own_buffers)  # the copies holding them are gone
+                self._own_buffers = 0
 
     def make_current_wait(self) -> None:
         """In the caller's thread, after :meth:`finish`: order its later work on the device

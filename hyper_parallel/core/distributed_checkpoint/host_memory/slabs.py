@@ -72,7 +72,7 @@ class StagingBuffers:
         with self._cond:
             dropped = self._drop_free() if slab_bytes != self.slab_bytes else 0
             self.slab_bytes, self.budget_bytes, self.sync_window_bytes = slab_bytes, budget_bytes, sync_window_bytes
-        _return_host_memory(dropped)
+        return_host_memory(dropped)
 
     @property
     def nbytes(self) -> int:
@@ -90,7 +90,7 @@ class StagingBuffers:
         and give its memory back to the system."""
         with self._cond:
             dropped = self._drop_free()
-        _return_host_memory(dropped)
+        return_host_memory(dropped)
 
     def _drop_free(self) -> int:
         """Under ``_cond``: drop the free slabs; returns how many."""
@@ -185,10 +185,10 @@ class StagingBuffers:
             self._cond.notify_all()
 
 
-def _return_host_memory(dropped: int) -> None:
-    """After ``dropped`` slabs were dropped: where pinned buffers stay with the caching host
-    allocator once dropped (NPU's ``pin_memory=True``), empty that cache, or ``release()``
-    would give nothing back."""
+def return_host_memory(dropped: int) -> None:
+    """After ``dropped`` pinned buffers (slabs, a load's buffers bigger than a slab) were
+    dropped: where pinned buffers stay with the caching host allocator once dropped (NPU's
+    ``pin_memory=True``), empty that cache, or dropping them would give nothing back."""
     platform = get_platform()
     if dropped and platform.pinned_memory_cached():
         platform.empty_host_cache()
