@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
+import hyper_parallel as hp
 from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
 from tests.multirank import run_on_ranks
 
@@ -125,6 +126,36 @@ def _ep_parity(routing: str, top_k: int) -> Dict[str, float]:
 def test_expert_parallel_matches_one_process(world, routing, top_k):
     for rank, diffs in enumerate(run_on_ranks(world, _ep_parity, routing, top_k, timeout=120)):
         assert max(diffs.values()) < TOL, (rank, diffs)
+
+
+def _ep_with_fsdp(divide_by_dp_shard: bool) -> Dict[str, float]:
+    """EP 2 x efsdp 2 on 4 ranks: the experts fully_shard'ed over efsdp, the router over dp_shard."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    reference = MoE(4, 2)
+    model = copy.deepcopy(reference)
+    dp_shard = init_device_mesh("cpu", (world,), mesh_dim_names=("dp_shard",))
+    ep_mesh, efsdp_mesh = expert_meshes(dp_shard, 2)
+    parallelize_module(model.experts, ep_mesh, ExpertParallel())
+    hp.fully_shard(model.experts, mesh=efsdp_mesh)
+    if divide_by_dp_shard:
+        model.experts.set_gradient_divide_factor(world)
+    hp.fully_shard(model, mesh=dp_shard)
+    local = [_rank_tokens(r, world, "random") for r in range(world)]
+    x, _, cotangent = local[rank]
+    model(x).backward(cotangent)
+    reference(torch.cat([t[0] for t in local])).backward(torch.cat([t[2] for t in local]))
+    ep_grads, ref_grads = _grads(model), _grads(reference)
+    # fully_shard averages over the data-parallel ranks: the reference's sum over all tokens / 4
+    return {name: (ep_grads[name] - ref_grads[name] / world).abs().max().item() for name in ref_grads}
+
+
+def test_experts_sharded_over_efsdp_match_one_process():
+    for rank, diffs in enumerate(run_on_ranks(4, _ep_with_fsdp, True, timeout=120)):
+        assert max(diffs.values()) < TOL, (rank, diffs)
+    # without the divide factor the experts' gradients are ep times the dense average (documented)
+    for diffs in run_on_ranks(4, _ep_with_fsdp, False, timeout=120):
+        assert diffs["router.weight"] < TOL and diffs["experts.w1"] > 1e-3, diffs
 
 
 def _collective_order() -> List[tuple]:
