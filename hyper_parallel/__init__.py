@@ -24,6 +24,8 @@ _LAZY = {
     "register_fsdp_forward_method": "hyper_parallel.core.fully_shard",
     "patch_torch_fsdp": "hyper_parallel.core.fully_shard",
     "clip_grad_norm_": "hyper_parallel.core.grad_norm",
+    "ExpertParallel": "hyper_parallel.expert_parallel",
+    "expert_meshes": "hyper_parallel.expert_parallel",
     "checkpoint": "hyper_parallel.checkpoint",
     "models": "hyper_parallel.models",
     "parallel": "hyper_parallel.parallel",

@@ -12,6 +12,7 @@ import functools
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401  (re-exported)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
 # What a torch DCP ``.metadata`` pickle references besides DCP's public dataclasses: the
@@ -44,6 +45,7 @@ __all__ = [
     "queue_autograd_callback",
     "record_cuda_memory_history",
     "set_local_tensor",
+    "unflatten_mesh",
 ]
 
 # torch._chunk_cat(tensors, dim, num_chunks): the per-rank interleaving copy FSDP2 uses for
@@ -81,6 +83,13 @@ def set_local_tensor(dtensor: torch.Tensor, local: torch.Tensor) -> None:
     """Re-point a DTensor at ``local`` (same shape and dtype): fully_shard binds its sharded
     parameters to views of the group's flat shard buffer, as FSDP2 does."""
     dtensor._local_tensor = local
+
+
+def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: Tuple[int, ...], names: Tuple[str, ...]) -> DeviceMesh:
+    """``mesh`` with dim ``dim`` split into the named dims ``sizes`` (row-major), its process
+    groups created on every rank; the result's slices come from ``mesh``'s root mesh, so they
+    can be joined with its other slices (torch has no public unflatten)."""
+    return mesh._unflatten(dim, sizes, names)
 
 
 def current_graph_task_id() -> int:

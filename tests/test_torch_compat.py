@@ -232,6 +232,12 @@ def test_set_local_tensor(rank_2_of_4):
     assert dtensor.shape == (10, 3)
 
 
+def test_unflatten_mesh(rank_2_of_4):
+    mesh = compat.unflatten_mesh(init_device_mesh("cpu", (4,), mesh_dim_names=("shard",)), 0, (2, 2), ("a", "b"))
+    assert mesh.mesh.tolist() == [[0, 1], [2, 3]] and mesh.mesh_dim_names == ("a", "b")
+    assert mesh["b"].mesh.tolist() == [2, 3] and mesh["a"].mesh.tolist() == [0, 2]
+
+
 def test_package_imports_private_torch_names_only_through_compat():
     import pathlib
     import re
