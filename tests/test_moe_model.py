@@ -222,3 +222,22 @@ def test_memory_per_rank_and_the_docs_table():
             m = memory_per_rank(cfg, ranks, ep)
             row = " | ".join(f"{value / 1e9:.1f} GB" for value in (*m, m.total))
             assert re.search(rf"\| `{name}` \| {ranks} \| [^|]+ \| {re.escape(row)} \|", docs), (name, ranks, ep, row)
+
+
+def test_tensor_parallelism_refuses_the_moe_model_in_one_line():
+    from hyper_parallel.parallel import apply_tensor_parallel
+
+    with pytest.raises(ValueError, match="not MoETransformer; the MoE model has no tensor-parallel plan"):
+        apply_tensor_parallel(build_moe("moe_debug"), None)
+
+
+def test_pipeline_stages_of_the_moe_model_compute_the_whole_model():
+    from hyper_parallel.pipeline import split_stage
+
+    model = build_moe("moe_debug", n_layers=3)
+    model.init_weights(seed=1)
+    first = split_stage(model, range(0, 2), first=True, last=False)
+    last = split_stage(model, range(2, 3), first=False, last=True)
+    tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(last(first(tokens)), model(tokens), rtol=0, atol=0)
+    assert sorted(first.moe_layers()) == ["0", "1"] and sorted(last.moe_layers()) == ["2"]

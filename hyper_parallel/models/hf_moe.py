@@ -220,7 +220,8 @@ def stacked_metadata(path: str, names: Dict[str, Union[str, List[str]]]) -> Meta
     wanted = [key for keys in names.values() for key in ([keys] if isinstance(keys, str) else keys)]
     missing = [key for key in wanted if key not in stored]
     if missing:
-        raise KeyError(f"{path} does not hold {missing[:4]}{f' and {len(missing) - 4} more' if len(missing) > 4 else ''}")
+        more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
+        raise KeyError(f"{path} does not hold {missing[:4]}{more}")
     out = Metadata(state_dict_metadata={})
     out.files.update(source.files)
     for ours, keys in names.items():

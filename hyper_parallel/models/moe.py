@@ -23,8 +23,8 @@ from torch import nn
 from hyper_parallel.models.llama import Attention, FeedForward, RMSNorm, init_normal_, rope_tables
 from hyper_parallel.models.moe_layer import MoE
 
-__all__ = ["MOE_CONFIGS", "MemoryPerRank", "MoEBlock", "MoEConfig", "MoETransformer", "ParamCounts", "STATE_BYTES_PER_PARAM",
-           "build_moe", "memory_per_rank", "param_counts"]
+__all__ = ["MOE_CONFIGS", "MemoryPerRank", "MoEBlock", "MoEConfig", "MoETransformer", "ParamCounts",
+           "STATE_BYTES_PER_PARAM", "build_moe", "memory_per_rank", "param_counts"]
 
 
 @dataclass
