@@ -1,10 +1,11 @@
-"""Pipeline parallelism for Llama-style models with torch's own ``torch.distributed.pipelining``
-(its ``PipelineStage`` and schedules), combined with ``hyper_parallel``'s ``fully_shard`` and
+"""Pipeline parallelism with torch's own ``torch.distributed.pipelining`` (its ``PipelineStage``
+and schedules), combined with ``hyper_parallel``'s ``fully_shard`` and
 tensor parallelism (docs/fully_shard.md, "FSDP + pipeline parallel").
 
 Each pipeline rank builds the full model on the meta device, keeps its stage(s) with
-:func:`split_stage`, applies tensor parallelism / ``fully_shard`` to each stage module as to a
-whole model, materialises it, wraps it in a :class:`ShardedPipelineStage` and runs a schedule
+``split_stage`` (Llama's, from :mod:`hyper_parallel.models.llama_parallel`, re-exported here),
+applies tensor parallelism / ``fully_shard`` to each stage module as to a whole model,
+materialises it, wraps it in a :class:`ShardedPipelineStage` and runs a schedule
 from :func:`build_schedule`::
 
     mesh = hp.init_device_mesh(device_type, (pp, dp), mesh_dim_names=("pp", "shard"))
@@ -34,7 +35,6 @@ parallelism run ``step`` inside ``hyper_parallel.parallel.loss_parallel()``. Che
 
 from __future__ import annotations
 
-import copy
 from typing import Any, Callable, Dict, List, Optional, Sequence, Type, Union
 
 import torch
@@ -45,7 +45,7 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from hyper_parallel.core.fully_shard import FSDPModule
-from hyper_parallel.models.llama import Transformer
+from hyper_parallel.models.llama_parallel import split_stage  # noqa: F401  (re-exported: Llama's stage split)
 
 __all__ = ["SCHEDULES", "ShardedPipelineStage", "build_schedule", "split_stage", "stage_indices", "stage_layers",
            "stages_per_rank"]
@@ -116,39 +116,6 @@ def stage_layers(n_layers: int, num_stages: int, layers_per_stage: Optional[Sequ
                              f"model's {n_layers} layers")
     starts = [sum(counts[:index]) for index in range(num_stages)]
     return [range(start, start + count) for start, count in zip(starts, counts)]
-
-
-def split_stage(model: Transformer, layers: range, *, first: bool, last: bool) -> Transformer:
-    """A deep copy of ``model`` (``model`` itself is left whole) holding only the blocks in
-    ``layers``, under the same names (``layers.3.attention.wq.weight``), with the embedding
-    only if ``first`` and the final norm and output projection only if ``last`` (see
-    :class:`~hyper_parallel.models.llama.Transformer`). Call it before tensor parallelism and
-    ``fully_shard`` (on the meta device, the copy allocates nothing); ``init_weights`` then
-    gives every parameter the value it has in the full model.
-
-    Raises:
-        ValueError: ``model`` ties its embeddings and the stage is not the whole model (the
-            embedding and the output projection would live on different stages), or
-            ``layers`` is not a non-empty range of the model's blocks.
-    """
-    n_layers = len(model.layers)
-    if not layers or layers.step != 1 or layers.start < 0 or layers.stop > n_layers:
-        raise ValueError(f"stage layers {layers} are not a non-empty range within the model's {n_layers} layers")
-    if model.cfg.tie_embeddings and not (first and last):
-        raise ValueError("tie_embeddings cannot be pipelined: the embedding and the output projection "
-                         "would be on different stages; untie them or use pipeline size 1")
-    if any(isinstance(m, FSDPModule) for m in model.modules()):
-        raise ValueError("split_stage needs the model before fully_shard; shard each stage module instead")
-    stage = copy.deepcopy(model)
-    for name in list(stage.layers.keys()):
-        if int(name) not in layers:
-            del stage.layers[name]
-    if not first:
-        stage.tok_embeddings = None
-    if not last:
-        stage.norm = None
-        stage.output = None
-    return stage
 
 
 def _fsdp_modules(module: nn.Module) -> List[FSDPModule]:

@@ -224,9 +224,12 @@ def check_config(path: str, cfg: LlamaConfig) -> Layout:
 
 
 @torch.no_grad()
-def _rows_to_interleaved_(param: torch.Tensor, n_heads: int) -> None:
+def rows_to_interleaved_(param: torch.Tensor, n_heads: int) -> None:
+    """Permute the rows of ``param`` (plain or sharded; 2-D, or 1-D such as a per-head norm's
+    weight) in place from rotated halves to interleaved rotary pairs, per head (collective for a
+    DTensor: the full tensor is gathered)."""
     full = param.full_tensor() if isinstance(param, DTensor) else param.detach().clone()
-    fixed = halves_to_interleaved(full, n_heads)
+    fixed = halves_to_interleaved(full.reshape(full.shape[0], -1), n_heads).view_as(full)
     if isinstance(param, DTensor):
         param.to_local().copy_(local_part(fixed, param))
     else:
@@ -257,5 +260,5 @@ def load_pretrained(model: nn.Module, path: str, cfg: LlamaConfig) -> Layout:
     for name, tensor in ours.items():
         heads = _heads(name, cfg)
         if heads:
-            _rows_to_interleaved_(tensor, heads)
+            rows_to_interleaved_(tensor, heads)
     return layout

@@ -12,7 +12,7 @@ import math
 import numbers
 import zlib
 from dataclasses import dataclass, fields
-from typing import Any, Callable, List, Mapping, Optional, Union
+from typing import Any, Callable, List, Mapping, Optional, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -173,14 +173,33 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     return rotated.type_as(x)
 
 
+class AttentionConfig(Protocol):
+    """The fields :class:`Attention` reads: ``LlamaConfig``, or another model's config
+    (``hyper_parallel.models.moe.MoEConfig``, whose ``head_dim`` may differ from ``dim / n_heads``)."""
+
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    norm_eps: float
+
+
 class Attention(nn.Module):
-    def __init__(self, cfg: LlamaConfig):
+    """Causal self-attention with grouped-query heads and rotary positions. ``qk_norm``: an
+    RMSNorm over each query and key head before the rotation (``q_norm``/``k_norm``, Qwen3's)."""
+
+    q_norm: Optional[RMSNorm]
+    k_norm: Optional[RMSNorm]
+
+    def __init__(self, cfg: AttentionConfig, *, qk_norm: bool = False):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
         self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.norm_eps) if qk_norm else None
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         bsz, seq, _ = x.shape
@@ -188,6 +207,8 @@ class Attention(nn.Module):
         q = self.wq(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         k = self.wk(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = F.scaled_dot_product_attention(
             q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
@@ -224,6 +245,17 @@ def param_generator(seed: int, fqn: str) -> torch.Generator:
     stable hash of the name, so a parameter gets the same value whichever other parameters
     the model holds (a pipeline stage has only some blocks)."""
     return torch.Generator().manual_seed((seed % 2**32) << 32 | zlib.crc32(fqn.encode()))
+
+
+def init_normal_(param: torch.Tensor, seed: int, fqn: str, std: float, *, truncated: bool = True) -> None:
+    """Fill the parameter named ``fqn`` (plain or sharded) with normal values of ``std``, truncated
+    at 3 ``std`` unless ``truncated=False``, drawn from :func:`param_generator` ``(seed, fqn)``."""
+    def fill(t: torch.Tensor, g: torch.Generator) -> None:
+        if truncated:
+            nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
+        else:
+            nn.init.normal_(t, std=std, generator=g)
+    init_tensor_(param, fill, param_generator(seed, fqn))
 
 
 class Transformer(nn.Module):
@@ -272,12 +304,7 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
 
         def init(fqn: str, param: torch.Tensor, std: float, truncated: bool = True) -> None:
-            def fill(t: torch.Tensor, g: torch.Generator) -> None:
-                if truncated:
-                    nn.init.trunc_normal_(t, std=std, a=-3 * std, b=3 * std, generator=g)
-                else:
-                    nn.init.normal_(t, std=std, generator=g)
-            init_tensor_(param, fill, param_generator(seed, fqn))
+            init_normal_(param, seed, fqn, std, truncated=truncated)
 
         std = 0.02
         out_std = std / math.sqrt(2 * self.cfg.n_layers)

@@ -50,6 +50,8 @@ SINGLE_FILE = "model.safetensors"
 DEFAULT_MAX_SHARD_BYTES = 5 * 1000**3  # Hugging Face's default "5GB"
 _SHARD_FILE = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 _MODEL_PREFIX = "model."
+#: What an export's ``convert`` returns for one tensor: a renamed tensor, several, or None.
+Converted = Union[Tuple[str, torch.Tensor], Mapping[str, torch.Tensor], None]
 
 
 # ----------------------------------------------------------------------------- export
@@ -85,7 +87,7 @@ def _plan_shards(sizes: Mapping[str, int], max_shard_bytes: int) -> List[List[st
 
 def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.PathLike], *,
               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
-              convert: Optional[Callable[[str, torch.Tensor], Optional[Tuple[str, torch.Tensor]]]] = None,
+              convert: Optional[Callable[[str, torch.Tensor], Converted]] = None,
               ) -> Dict[str, Any]:
     """Write the model of a checkpoint as full tensors in Hugging Face safetensors shards.
 
@@ -93,8 +95,9 @@ def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.Pa
     with the ``model.`` prefix removed (or every tensor if there is no ``model`` entry). Only one
     shard's tensors are in memory at a time. Old ``model-*-of-*.safetensors`` files in
     ``out_dir`` that are not part of this export are removed. ``convert(name, tensor)`` may
-    rename and transform each tensor, or return None to leave it out (e.g. the ``transformers``
-    Llama layout, :mod:`hyper_parallel.models.hf_llama`). ``checkpoint_dir`` and ``out_dir`` may
+    rename and transform each tensor (return ``(name, tensor)``), split it (return a mapping of
+    names to tensors), or return None to leave it out (e.g. the ``transformers`` Llama layout,
+    :mod:`hyper_parallel.models.hf_llama`, and Qwen3-MoE's, :mod:`hyper_parallel.models.hf_moe`). ``checkpoint_dir`` and ``out_dir`` may
     be fsspec URLs (``s3://...``, ``memory://...``): each shard is then written to a local
     temporary file, uploaded and removed before the next one.
 
@@ -126,8 +129,7 @@ def export_hf(checkpoint_dir: Union[str, os.PathLike], out_dir: Union[str, os.Pa
 
 def _write_shards(checkpoint_dir: str, local_dir: str, remote: Optional[Tuple[Any, str]], names: Dict[str, str],
                   stored: Dict[str, TensorStorageMetadata], shards: List[List[str]],
-                  convert: Optional[Callable[[str, torch.Tensor], Optional[Tuple[str, torch.Tensor]]]],
-                  ) -> Dict[str, Any]:
+                  convert: Optional[Callable[[str, torch.Tensor], Converted]]) -> Dict[str, Any]:
     """Write (and, for a ``remote`` (file system, path), upload) the shards and the index."""
     os.makedirs(local_dir, exist_ok=True)
     umask = os.umask(0)
@@ -140,7 +142,10 @@ def _write_shards(checkpoint_dir: str, local_dir: str, remote: Optional[Tuple[An
         api.load(tensors, checkpoint_id=checkpoint_dir, no_dist=True)
         written = {name: tensors[names[name]] for name in shard}
         if convert is not None:
-            written = dict(item for item in (convert(n, t) for n, t in written.items()) if item is not None)
+            converted: Dict[str, torch.Tensor] = {}
+            for item in (convert(n, t) for n, t in written.items()):
+                converted.update(item if isinstance(item, Mapping) else [item] if item is not None else [])
+            written = converted
         save_file(written, os.path.join(local_dir, file), metadata={"format": "pt"})
         os.chmod(os.path.join(local_dir, file), 0o666 & ~umask)  # save_file leaves its temp file's 0600
         if remote:
@@ -235,11 +240,12 @@ def _header_entry(entry: Any, key: str, path: str) -> Tuple[torch.dtype, Tuple[i
 class HFSafetensorsReader(FileSystemReader):
     """Reads an HF safetensors directory through the checkpoint reader (no checksums: no verify)."""
 
-    def __init__(self, hf_dir: Union[str, os.PathLike]):
+    def __init__(self, hf_dir: Union[str, os.PathLike], metadata: Optional[Metadata] = None):
         super().__init__(os.fspath(hf_dir), verify=False)
+        self._metadata = metadata
 
     def read_metadata(self) -> Metadata:
-        return hf_metadata(self.path)
+        return hf_metadata(self.path) if self._metadata is None else self._metadata
 
 
 def _like(target: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -252,12 +258,14 @@ def _like(target: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def load_hf(model_or_state_dict: Union[nn.Module, Dict[str, torch.Tensor]],
-            hf_dir: Union[str, os.PathLike]) -> None:
+            hf_dir: Union[str, os.PathLike], *, metadata: Optional[Metadata] = None) -> None:
     """Fill a model's parameters/buffers (or a state dict's tensors) from an HF safetensors dir.
 
     Targets may be DTensors or plain tensors; each rank reads only the byte ranges of its own
     slices. Values are converted to the targets' dtypes. Keys in the directory that the target
     does not have are ignored. Collective when a process group is initialised (all ranks call).
+    ``metadata`` describes the directory under other names (e.g. per-expert tensors stacked, in
+    :mod:`hyper_parallel.models.hf_moe`); default :func:`hf_metadata`.
 
     Raises:
         KeyError: target keys missing from the directory (all named).
@@ -267,7 +275,7 @@ def load_hf(model_or_state_dict: Union[nn.Module, Dict[str, torch.Tensor]],
     hf_dir = os.fspath(hf_dir)
     targets = (get_model_state_dict(model_or_state_dict) if isinstance(model_or_state_dict, nn.Module)
                else model_or_state_dict)
-    metadata = hf_metadata(hf_dir)
+    metadata = hf_metadata(hf_dir) if metadata is None else metadata
     stored = metadata.state_dict_metadata
     missing = sorted(k for k in targets if k not in stored)
     if missing:
@@ -278,7 +286,7 @@ def load_hf(model_or_state_dict: Union[nn.Module, Dict[str, torch.Tensor]],
                              f"the target expects {tuple(target.shape)}")
     # Read into the targets directly where dtypes match, else into a same-layout buffer.
     reads = {k: t if t.dtype == stored[k].dtype else _like(t, stored[k].dtype) for k, t in targets.items()}
-    api.load(reads, storage_reader=HFSafetensorsReader(hf_dir), no_dist=not dist.is_initialized())
+    api.load(reads, storage_reader=HFSafetensorsReader(hf_dir, metadata), no_dist=not dist.is_initialized())
     for key, buffer in reads.items():
         if buffer is not targets[key]:
             copy_into(targets[key], buffer, key)

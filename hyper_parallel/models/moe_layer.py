@@ -1,0 +1,182 @@
+"""The mixture-of-experts layer: a top-k softmax router, SwiGLU experts held as grouped 3-D
+weights, and the dropless :class:`MoE` layer that routes, sorts tokens by expert, runs the
+experts and combines their outputs with the routing weights.
+
+The experts' contract (an expert-parallel dispatcher wraps :class:`GroupedExperts`):
+``experts(x, num_tokens_per_expert)`` takes the rows of ``x`` (``[N, dim]``) sorted by expert
+and an int64 count per expert held in the weights' dim 0 (on ``x``'s device), and returns
+``[N, dim]`` in the same row order.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hyper_parallel.models.llama import FeedForward, _upcast
+
+__all__ = ["GroupedExperts", "MoE", "Routing", "TopKRouter", "load_balance_loss"]
+
+
+class Routing(NamedTuple):
+    """A router's decision for ``N`` tokens."""
+
+    probs: torch.Tensor    # [N, num_experts] softmax of the router logits (at least float32)
+    experts: torch.Tensor  # [N, top_k] int64 chosen experts
+    weights: torch.Tensor  # [N, top_k] their weights (probs of the chosen, renormalised if asked)
+
+
+class TopKRouter(nn.Module):
+    """Softmax over the experts of ``gate(x)``; each token goes to its ``top_k`` most probable.
+
+    ``norm_topk_prob``: the chosen probabilities are divided by their sum (Qwen3-MoE's
+    ``norm_topk_prob``); else they are used as they are. ``bias``: a learned bias in the gate.
+    ``expert_bias``: a buffer added to the probabilities for the choice only, never to the
+    weights (DeepSeek-V3's auxiliary-loss-free balancing; see :meth:`MoE.update_expert_bias`).
+    """
+
+    expert_bias: Optional[torch.Tensor]
+
+    def __init__(self, dim: int, num_experts: int, top_k: int, *, norm_topk_prob: bool, bias: bool = False,
+                 expert_bias: bool = False):
+        super().__init__()
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.gate = nn.Linear(dim, num_experts, bias=bias)
+        if expert_bias:
+            self.register_buffer("expert_bias", torch.zeros(num_experts, dtype=torch.float32))
+        else:
+            self.expert_bias = None
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        probs = F.softmax(_upcast(self.gate(x)), dim=-1)
+        scores = probs if self.expert_bias is None else probs + self.expert_bias.to(probs.dtype)
+        experts = torch.topk(scores, self.top_k, dim=-1).indices
+        weights = probs.gather(-1, experts)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return Routing(probs, experts, weights)
+
+
+class GroupedExperts(nn.Module):
+    """``num_experts`` SwiGLU experts, their weights stacked on dim 0: ``w1``, ``w3``
+    ``[num_experts, hidden_dim, dim]`` and ``w2`` ``[num_experts, dim, hidden_dim]`` (each
+    expert's slice is laid out as an ``nn.Linear`` weight, out x in).
+
+    Expert ``e`` computes ``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))`` for each of its rows.
+    """
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
+        self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+
+    def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
+        """``x``: ``[N, dim]``, rows sorted by expert; ``num_tokens_per_expert``: int64, one count
+        per expert of dim 0, summing to ``N``. Returns ``[N, dim]`` in the rows' order.
+
+        Raises:
+            ValueError: the counts do not match the experts or the rows.
+        """
+        counts = num_tokens_per_expert.tolist()
+        if len(counts) != self.w1.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
+            raise ValueError(f"num_tokens_per_expert must hold {self.w1.shape[0]} non-negative counts summing to "
+                             f"the {x.shape[0]} rows of x, got {counts}")
+        rows = torch.split(x, counts)
+        # Experts without tokens are skipped; with no tokens at all, expert 0 runs on the empty
+        # rows so that the weights still take part in autograd (zero gradients).
+        active = [e for e, count in enumerate(counts) if count] or [0]
+        outs = [F.linear(F.silu(F.linear(rows[e], self.w1[e])) * F.linear(rows[e], self.w3[e]), self.w2[e])
+                for e in active]
+        return outs[0] if len(outs) == 1 else torch.cat(outs)
+
+
+def load_balance_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
+    """The Switch Transformer's auxiliary load-balancing loss for top-k routing (as
+    DeepSeek normalises it): ``E / (k N) * sum_e count_e * mean_t probs[t, e]`` over ``N``
+    tokens and ``E`` experts. 1 when the tokens and the probabilities are spread evenly, up to
+    ``E / k`` when all go to the same experts. Its gradient reaches the router through
+    ``probs``; the counts are constants.
+    """
+    tokens, num_experts = probs.shape
+    if tokens == 0:
+        return probs.sum()  # 0, attached to the graph
+    share = tokens_per_expert.to(probs.dtype) * probs.mean(dim=0)
+    return share.sum() * (num_experts / (top_k * tokens))
+
+
+class MoE(nn.Module):
+    """Dropless mixture of experts: every token goes to its ``top_k`` experts (no capacity limit).
+
+    ``forward(x)`` (``[..., dim]``) routes the tokens, sorts the ``(token, expert)`` pairs by
+    expert (stable), calls ``self.experts(x_sorted, counts)``, puts the outputs back in token
+    order and sums each token's ``top_k`` outputs weighted by the routing weights (in at least
+    float32), then adds the shared expert's output (a dense SwiGLU over every token), if any.
+
+    After each forward: ``tokens_per_expert`` (buffer, int64) holds the pairs each expert got,
+    and ``balance_loss`` the unweighted :func:`load_balance_loss` (when ``aux_loss`` is set,
+    else None). With an ``expert_bias`` router, the counts also add up in
+    ``pending_tokens_per_expert`` until :meth:`update_expert_bias`.
+    """
+
+    shared_expert: Optional[FeedForward]
+    balance_loss: Optional[torch.Tensor]
+
+    def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, norm_topk_prob: bool,
+                 shared_hidden_dim: int = 0, router_bias: bool = False, expert_bias: bool = False,
+                 aux_loss: bool = False):
+        super().__init__()
+        self.num_experts, self.top_k, self.aux_loss = num_experts, top_k, aux_loss
+        self.router = TopKRouter(dim, num_experts, top_k, norm_topk_prob=norm_topk_prob, bias=router_bias,
+                                 expert_bias=expert_bias)
+        self.experts = GroupedExperts(dim, hidden_dim, num_experts)
+        self.shared_expert = FeedForward(dim, shared_hidden_dim) if shared_hidden_dim else None
+        self.register_buffer("tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("pending_tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64),
+                             persistent=False)
+        self.balance_loss = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        x = x.reshape(-1, shape[-1])
+        routing = self.router(x)
+        pairs = routing.experts.flatten()
+        counts = torch.bincount(pairs, minlength=self.num_experts)
+        order = torch.argsort(pairs, stable=True)
+        routed = self.experts(x[order // self.top_k], counts)
+        weighted = routed * routing.weights.flatten()[order].unsqueeze(-1)
+        inverse = torch.empty_like(order)
+        inverse[order] = torch.arange(order.numel(), device=order.device)
+        out = weighted[inverse].view(x.shape[0], self.top_k, -1).sum(dim=1).type_as(x)
+        if self.shared_expert is not None:
+            out = out + self.shared_expert(x)
+        with torch.no_grad():
+            self.tokens_per_expert.copy_(counts)
+            if self.router.expert_bias is not None:
+                self.pending_tokens_per_expert.add_(counts)
+        self.balance_loss = load_balance_loss(routing.probs, counts, self.top_k) if self.aux_loss else None
+        return out.view(shape)
+
+    @torch.no_grad()
+    def update_expert_bias(self, rate: float, group: Optional[dist.ProcessGroup] = None) -> None:
+        """DeepSeek-V3's auxiliary-loss-free balancing: ``expert_bias += rate * sign(mean - count)``
+        per expert (centred to mean 0), from the counts since the last update (summed over
+        ``group``'s ranks when given), which are then reset.
+
+        Raises:
+            ValueError: the router has no ``expert_bias``.
+        """
+        bias = self.router.expert_bias
+        if bias is None:
+            raise ValueError("this MoE layer's router has no expert_bias (expert_bias_update_rate is 0)")
+        counts = self.pending_tokens_per_expert.clone()
+        if group is not None:
+            dist.all_reduce(counts, group=group)
+        counts = counts.to(bias.dtype)
+        delta = rate * torch.sign(counts.mean() - counts)
+        bias.add_(delta - delta.mean())
+        self.pending_tokens_per_expert.zero_()
