@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
+from hyper_parallel.core.fully_shard.mesh_subgroup import MeshSubgroup
 
 
 class PostForwardShards(NamedTuple):
@@ -18,7 +19,9 @@ class PostForwardShards(NamedTuple):
     state ``SHARDED_POST_FORWARD``), cut on the compute stream; the backward all-gather (or a
     prefetch) reads them on the all-gather stream, and its InFlightGather takes them over."""
 
-    pieces: List[torch.Tensor]  # one per bucket
+    # One per bucket; None for a bucket whose mesh resharded fully (its shard world is the
+    # smaller group's size): gathered from its shards again.
+    pieces: List[Optional[torch.Tensor]]
     written: Optional[Any]  # compute-stream event after the cut: the all-gather stream waits for it
 
 
@@ -42,6 +45,7 @@ class InFlightGather(NamedTuple):
 class PendingReduce(NamedTuple):
     """A bucket's reduce-scatter (then, for HSDP, all-reduce) in flight."""
 
+    mesh: MeshSubgroup  # the bucket's mesh: its replicate group and gradient divisor
     bucket: FlatBucket
     work: Optional[dist.Work]  # CPU (gloo): the host waits on it; None: stream ordered, or no collective
     event: Optional[Any]  # the reduce-scatter stream's collective done; the compute stream waits

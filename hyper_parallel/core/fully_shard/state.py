@@ -251,9 +251,7 @@ class HSDPState:
         self.backward = GroupBackward()
 
     def set_reshard_after_forward(self, value: bool) -> None:
-        group = self.group
-        group.user_reshard_after_forward = group.reshard_after_forward = value
-        group.post_forward_group = None
+        self.group.set_reshard_after_forward(value)
 
     def set_is_last_backward(self, value: bool) -> None:
         self.is_last_backward = value
