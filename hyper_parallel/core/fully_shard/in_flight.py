@@ -1,17 +1,21 @@
 """The records of a parameter group's side-stream work in flight (``param_group.py``), and of
 the shards kept for a side-stream reader: what each holds, and until when, is what keeps the
 caching allocator from handing a buffer to another stream while a collective or copy still
-reads it (docs/fully_shard.md, "Streams")."""
+reads it (docs/fully_shard.md, "Streams"); and UnshardHandle, the user's handle on an
+all-gather in flight."""
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
 from hyper_parallel.core.fully_shard.mesh_subgroup import MeshSubgroup
+
+if TYPE_CHECKING:
+    from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 
 
 class PostForwardShards(NamedTuple):
@@ -66,3 +70,13 @@ class OffloadedGrads(NamedTuple):
     source: Optional[torch.Tensor]
     local: List[bool]  # FlatBucket.take_local_grads() of this reduction
     event: Optional[Any]  # the copy done (reduce-scatter stream); the host waits once, at the end
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: "HSDPParamGroup"):
+        self._group = group
+
+    def wait(self) -> None:
+        self._group.wait_for_unshard()

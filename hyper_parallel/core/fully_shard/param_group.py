@@ -10,7 +10,6 @@ sharded / unsharded state machine and the reductions in flight.
 
 from __future__ import annotations
 
-import enum
 from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
@@ -20,34 +19,14 @@ from hyper_parallel._torch_compat import disable_functorch_if_active, local_tens
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
 from hyper_parallel.core.fully_shard.hooks import in_backward
-from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingReduce, PostForwardShards
+from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingReduce, PostForwardShards, UnshardHandle
 from hyper_parallel.core.fully_shard.offload import GradOffload
 from hyper_parallel.core.fully_shard.mesh_subgroup import MeshSubgroup
 from hyper_parallel.core.fully_shard.param import HSDPParam
 from hyper_parallel.core.fully_shard.slots import ParamSlot, UnshardedSlot
+from hyper_parallel.core.fully_shard.step_phase import ShardState
 from hyper_parallel.core.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.platform import get_platform
-
-
-class ShardState(enum.Enum):
-    """Where a group's parameters are (FSDP2's ``ShardedState``, plus the all-gather in flight)."""
-
-    SHARDED = "sharded"  # the modules hold the sharded DTensors; no unsharded storage
-    # Sharded, and also holding the shards of a smaller group kept after forward
-    # (reshard_after_forward=<int>, PostForwardShards): the backward all-gather runs within it.
-    SHARDED_POST_FORWARD = "sharded_post_forward"
-    UNSHARDING = "unsharding"  # all-gather in flight (InFlightGather records); wait_for_unshard ends it
-    UNSHARDED = "unsharded"  # the modules hold the unsharded parameters (views of the buffers)
-
-
-class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
-
-    def __init__(self, group: "HSDPParamGroup"):
-        self._group = group
-
-    def wait(self) -> None:
-        self._group.wait_for_unshard()
 
 
 class HSDPParamGroup:
