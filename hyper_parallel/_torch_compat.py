@@ -20,10 +20,20 @@ from torch.distributed.tensor._utils import compute_local_shape_and_global_offse
 # (re-exported; the restricted unpickler in distributed_checkpoint/dcp_interop admits exactly these).
 from torch.distributed.checkpoint.filesystem import _StorageInfo as dcp_storage_info  # noqa: F401
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as dcp_mem_format_encoding  # noqa: F401
+# FSDP2's per-parameter mesh: what ``shard_placement_fn`` may return (a placement and the mesh
+# it shards over) and the mesh descriptions it holds; torch exports them from no public module.
+from torch.distributed.fsdp._fully_shard._fsdp_common import (  # noqa: F401  (re-exported)
+    FSDPMeshInfo,
+    HSDPMeshInfo,
+    ShardPlacementResult,
+)
 from torch.serialization import _get_layout as get_layout  # noqa: F401
 
 __all__ = [
     "DTensorSpec",
+    "FSDPMeshInfo",
+    "HSDPMeshInfo",
+    "ShardPlacementResult",
     "TensorMeta",
     "chunk_cat",
     "compute_local_shape_and_global_offset",

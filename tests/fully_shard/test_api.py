@@ -15,7 +15,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 import hyper_parallel as hp
-from hyper_parallel.core.fully_shard.param_group import ShardState
+from hyper_parallel.core.fully_shard.step_phase import ShardState
 from tests.fully_shard._helpers import (DTYPE, TOL, full_params, global_batch, lm_loss, max_diff, shard_layers_and_root,
                                         tiny_llama, train)
 from tests.multirank import run_on_ranks

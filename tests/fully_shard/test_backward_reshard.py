@@ -12,7 +12,8 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel._torch_compat import current_graph_task_id
-from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup, ShardState
+from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
+from hyper_parallel.core.fully_shard.step_phase import ShardState
 from tests.fully_shard._helpers import TOL, global_batch, lm_loss, tiny_llama
 from tests.multirank import run_on_ranks
 

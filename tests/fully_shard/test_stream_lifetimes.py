@@ -161,7 +161,7 @@ def test_cpu_offload_copies_on_the_reduce_scatter_stream_and_waits_once():
     for copies, waits, alive, scatters, grads in run_on_ranks(2, _offload_copies_waited_once, timeout=120):
         assert len(copies) == len(scatters) == 3, (copies, scatters)
         # The device sources of earlier copies were dropped once the compute stream waited for
-        # them (the next pipeline step), not held to the end of backward.
+        # them (the next advance of the reduction stages), not held to the end of backward.
         assert len(alive) == 1 and alive[0] <= 1, alive
         assert all(stream == "reduce_scatter" and non_blocking for _, stream, non_blocking in copies), copies
         assert len(waits) == 1 and waits[0] > max(i for i, _, _ in copies), (waits, copies)

@@ -11,8 +11,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
-from hyper_parallel._torch_compat import module_parameters
-from hyper_parallel.core.fully_shard.mesh import DataParallelMesh, resolve_mesh
+from hyper_parallel._torch_compat import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult, module_parameters
+from hyper_parallel.core.fully_shard.mesh import DataParallelMesh, resolve_mesh, resolve_mesh_info
+from hyper_parallel.core.fully_shard.mesh_subgroup import MeshSubgroup
 from hyper_parallel.core.fully_shard.param import HSDPParam
 from hyper_parallel.core.fully_shard.module_api import FSDPModule
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
@@ -41,15 +42,50 @@ def _owner(param: nn.Parameter) -> Optional[Tuple[HSDPParam, HSDPState]]:
 _CLASS_CACHE: Dict[type, type] = {}
 
 
-def _shard_dim(param: nn.Parameter, shard_placement_fn) -> int:
-    if shard_placement_fn is None:
-        return 0
-    placement = shard_placement_fn(param)
-    if placement is None:
-        return 0
-    if type(placement) is not Shard:
-        raise ValueError(f"shard_placement_fn must return Shard(dim) or None, got {placement!r}")
-    return placement.dim
+_PlacementFn = Callable[[nn.Parameter], Optional[Union[Shard, ShardPlacementResult]]]
+# (shard group, replicate group): a parameter's sub-group within its fully_shard call, as FSDP2
+# groups its parameters per mesh.
+_MeshKey = Tuple[dist.ProcessGroup, Optional[dist.ProcessGroup]]
+
+
+def _placement(param: nn.Parameter, shard_placement_fn: Optional[_PlacementFn], default: DataParallelMesh,
+               meshes: Dict[_MeshKey, DataParallelMesh]) -> Tuple[DataParallelMesh, int]:
+    """The mesh (one of ``meshes``, added there if new) and the shard dim that
+    ``shard_placement_fn`` gives ``param``: ``Shard(d)`` or None on ``default``, or a
+    ``ShardPlacementResult``'s placement on its own mesh."""
+    result = None if shard_placement_fn is None else shard_placement_fn(param)
+    dp = default
+    if isinstance(result, ShardPlacementResult):
+        dp, result = resolve_mesh_info(result.mesh_info), result.placement
+    if result is not None and type(result) is not Shard:
+        raise ValueError("shard_placement_fn must return Shard(dim), a ShardPlacementResult(Shard(dim) or None, "
+                         f"mesh_info) or None, got {result!r}")
+    known = meshes.setdefault((dp.shard_group, dp.replicate_group), dp)
+    if known.mesh != dp.mesh:
+        raise ValueError(f"mesh {dp.mesh} has the same process groups as {known.mesh}, used by other parameters "
+                         "of this fully_shard call: give them the same mesh")
+    return known, 0 if result is None else result.dim
+
+
+def shard_on(mesh: DeviceMesh, placement: Optional[Shard] = None) -> ShardPlacementResult:
+    """What ``shard_placement_fn`` returns to shard a parameter over ``mesh`` instead of the
+    ``fully_shard`` call's mesh: torch's ``ShardPlacementResult`` with an ``FSDPMeshInfo``
+    (1-D ``mesh``: FSDP) or ``HSDPMeshInfo`` (2-D: dim 0 replicates, dim 1 shards).
+
+    Args:
+        mesh: the parameter's data-parallel mesh.
+        placement: ``Shard(d)`` on that mesh; None: ``Shard(0)``.
+
+    Raises:
+        ValueError: ``mesh`` is not 1-D or 2-D.
+    """
+    if mesh.ndim == 1:
+        info = FSDPMeshInfo(mesh=mesh, shard_mesh_dim=0)
+    elif mesh.ndim == 2:
+        info = HSDPMeshInfo(mesh=mesh, shard_mesh_dim=1, replicate_mesh_dim=0)
+    else:
+        raise ValueError(f"shard_on expects a 1-D (FSDP) or 2-D (replicate, shard) mesh, got {mesh.ndim}-D {mesh}")
+    return ShardPlacementResult(placement=placement, mesh_info=info)
 
 
 def _check_param(name: str, param: nn.Parameter, dp: DataParallelMesh, offload: bool) -> None:
@@ -113,18 +149,25 @@ def _collect(modules: List[nn.Module], ignored: set) -> Tuple[Dict[int, Tuple[nn
     return own, foreign
 
 
-def _post_forward_resharding(value: Optional[Union[bool, int]], dp: DataParallelMesh
-                             ) -> Tuple[Optional[bool], Optional[Tuple[int, dist.ProcessGroup]]]:
-    """``reshard_after_forward`` as (bool or None, smaller post-forward group or None)."""
+def _check_post_forward_size(value: Optional[Union[bool, int]], dps: List[DataParallelMesh]) -> None:
+    """Raise a ValueError unless ``reshard_after_forward`` is a bool, None or an int dividing
+    the shard world size of every mesh in ``dps`` (the call's mesh first, then the
+    parameters' own)."""
     if value is None or isinstance(value, bool):
-        return value, None
-    if value < 1 or dp.shard_size % value:
-        raise ValueError(f"reshard_after_forward={value} must divide the shard world size {dp.shard_size}")
-    if value == 1:
-        return False, None  # a group of one rank: keep everything
-    if value == dp.shard_size:
-        return True, None
-    return True, (value, dp.shard_subgroup(value))
+        return
+    for i, dp in enumerate(dps):
+        if value < 1 or dp.shard_size % value:
+            raise ValueError(f"reshard_after_forward={value} must divide the shard world size {dp.shard_size}"
+                             + (f" of the parameters' mesh {dp.mesh}" if i else ""))
+
+
+def _post_forward_group(value: Optional[Union[bool, int]], dp: DataParallelMesh
+                        ) -> Optional[Tuple[int, dist.ProcessGroup]]:
+    """The smaller group of ``dp`` whose shards are kept after forward for an int
+    ``reshard_after_forward`` (None: reshard fully or not at all)."""
+    if value is None or isinstance(value, bool) or value in (1, dp.shard_size):
+        return None
+    return value, dp.shard_subgroup(value)
 
 
 def _register_full_state_dict_loading(slots: List[Tuple[nn.Module, str, HSDPParam]]) -> None:
@@ -146,14 +189,15 @@ def fully_shard(
     *,
     mesh: Optional[DeviceMesh] = None,
     reshard_after_forward: Optional[Union[bool, int]] = None,
-    shard_placement_fn: Optional[Callable[[nn.Parameter], Optional[Shard]]] = None,
+    shard_placement_fn: Optional[_PlacementFn] = None,
     mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
     offload_policy: OffloadPolicy = OffloadPolicy(),
     ignored_params: Optional[Iterable[nn.Parameter]] = None,
     dp_mesh_dims: None = None,
 ) -> Union[nn.Module, List[nn.Module]]:
     """Shard ``module``'s parameters (those not already managed by a wrapped submodule) as one
-    parameter group over ``mesh``.
+    parameter group over ``mesh`` (and over the parameters' own meshes, see
+    ``shard_placement_fn``).
 
     Args:
         module: the module, or a list of modules sharing one group (e.g. ``[model.norm,
@@ -165,7 +209,12 @@ def fully_shard(
             in backward); None = True except for the root module. An int ``k`` dividing the
             shard world size keeps the parameters sharded over groups of ``k`` ranks after
             forward, so backward all-gathers only within them (e.g. within a node).
-        shard_placement_fn: ``param -> Shard(d)`` (any dim, uneven sizes padded) or None (dim 0).
+        shard_placement_fn: ``param -> Shard(d)`` (any dim, uneven sizes padded), None (dim 0),
+            or torch's ``ShardPlacementResult(placement, mesh_info)``: the parameter shards
+            over a mesh of its own (``FSDPMeshInfo`` on a 1-D mesh, ``HSDPMeshInfo`` on a 2-D
+            one; e.g. routed experts over the expert-data mesh, see :func:`shard_on`). The
+            call's parameters then form one sub-group per mesh, each all-gathered and reduced
+            over its own mesh and divided by that mesh's data-parallel size, as FSDP2 does.
         mp_policy: mixed-precision dtypes (:class:`MixedPrecisionPolicy`; torch's
             ``torch.distributed.fsdp.MixedPrecisionPolicy`` is converted to it).
         offload_policy: :class:`CPUOffloadPolicy` keeps shards and gradients on CPU (torch's
@@ -183,8 +232,9 @@ def fully_shard(
         RuntimeError: no process group is initialised.
         ValueError: the module is already wrapped or is a ModuleList/ModuleDict without forward, the mesh is not 1-D/2-D or on another device
             type, a parameter is on the wrong device, ``shard_placement_fn`` returned a
-            non-``Shard`` placement, or ``reshard_after_forward`` is not a bool, None or a
-            divisor of the shard world size, or ``dp_mesh_dims`` is given.
+            non-``Shard`` placement or an unsupported mesh, or ``reshard_after_forward`` is not
+            a bool, None or a divisor of every mesh's shard world size, or ``dp_mesh_dims`` is
+            given.
     """
     if dp_mesh_dims is not None:
         raise ValueError(f"fully_shard(dp_mesh_dims={dp_mesh_dims!r}) is not supported: pass the data-parallel "
@@ -196,22 +246,33 @@ def fully_shard(
         raise ValueError("reshard_after_forward must be a bool, an int or None, "
                          f"got {reshard_after_forward!r}")
     dp = resolve_mesh(mesh)
-    reshard_after_forward, post_forward_group = _post_forward_resharding(reshard_after_forward, dp)
+    _check_post_forward_size(reshard_after_forward, [dp])
     offload = isinstance(offload_policy, CPUOffloadPolicy)
     ignored = {id(p) for p in (ignored_params or ())}
     own, foreign = _collect(modules, ignored)
-    params = []
+    meshes: Dict[_MeshKey, DataParallelMesh] = {}
+    by_mesh: Dict[_MeshKey, List[HSDPParam]] = {}
     for param, name, slots in own.values():
         _check_param(name, param, dp, offload)
         try:
-            params.append(HSDPParam(param, slots, dp, _shard_dim(param, shard_placement_fn)))
+            param_dp, shard_dim = _placement(param, shard_placement_fn, dp, meshes)
+            hsdp_param = HSDPParam(param, slots, param_dp, shard_dim)
         except ValueError as err:
             raise ValueError(f"parameter {name!r}: {err}") from err
-    if post_forward_group is not None and any(p.extension for p in params):
-        raise ValueError(f"reshard_after_forward={post_forward_group[0]} (an int) is not supported for "
-                         "parameters with all-gather extensions (fsdp_pre_all_gather, e.g. torchao float8 "
-                         "weights): use True or False")
-    group = HSDPParamGroup(params, dp, mp_policy, offload_policy, reshard_after_forward, post_forward_group)
+        by_mesh.setdefault((param_dp.shard_group, param_dp.replicate_group), []).append(hsdp_param)
+    _check_post_forward_size(reshard_after_forward, list(meshes.values()))
+    subgroups = []
+    for key, mesh_params in by_mesh.items():
+        post_forward_group = _post_forward_group(reshard_after_forward, meshes[key])
+        if post_forward_group is not None and any(p.extension for p in mesh_params):
+            raise ValueError(f"reshard_after_forward={reshard_after_forward} (an int) is not supported for "
+                             "parameters with all-gather extensions (fsdp_pre_all_gather, e.g. torchao float8 "
+                             "weights): use True or False")
+        subgroups.append(MeshSubgroup(meshes[key], mesh_params, mp_policy, post_forward_group))
+    params = [p for sub in subgroups for p in sub.params]
+    if isinstance(reshard_after_forward, int) and not isinstance(reshard_after_forward, bool):
+        reshard_after_forward = reshard_after_forward != 1  # 1: a group of one rank keeps everything
+    group = HSDPParamGroup(subgroups, mp_policy, offload_policy, reshard_after_forward)
     for hsdp_param in params:
         hsdp_param.use_sharded()
     load_slots = [(mod, name, p) for p in params for mod, name in p.slots]
@@ -224,8 +285,8 @@ def fully_shard(
             borrowed.append(owner)
     _register_full_state_dict_loading(load_slots)
     state = HSDPState(modules, group, mp_policy, borrowed)
-    for hsdp_param, (original, _, _) in zip(params, own.values()):
-        _OWNERS[id(original)] = _OWNERS[id(hsdp_param.sharded_param)] = state
+    for hsdp_param in params:
+        _OWNERS[id(hsdp_param.original())] = _OWNERS[id(hsdp_param.sharded_param)] = state
     for mod in modules:
         mod.__dict__["_hsdp_state"] = state  # on mod itself, even if it forwards setattr (torch.compile)
         cls = type(mod)

@@ -1,16 +1,21 @@
 """The records of a parameter group's side-stream work in flight (``param_group.py``), and of
 the shards kept for a side-stream reader: what each holds, and until when, is what keeps the
 caching allocator from handing a buffer to another stream while a collective or copy still
-reads it (docs/fully_shard.md, "Streams")."""
+reads it (docs/fully_shard.md, "Streams"); and UnshardHandle, the user's handle on an
+all-gather in flight."""
 
 from __future__ import annotations
 
-from typing import Any, List, NamedTuple, Optional
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
+from hyper_parallel.core.fully_shard.mesh_subgroup import MeshSubgroup
+
+if TYPE_CHECKING:
+    from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 
 
 class PostForwardShards(NamedTuple):
@@ -18,7 +23,9 @@ class PostForwardShards(NamedTuple):
     state ``SHARDED_POST_FORWARD``), cut on the compute stream; the backward all-gather (or a
     prefetch) reads them on the all-gather stream, and its InFlightGather takes them over."""
 
-    pieces: List[torch.Tensor]  # one per bucket
+    # One per bucket; None for a bucket whose mesh resharded fully (its shard world is the
+    # smaller group's size): gathered from its shards again.
+    pieces: List[Optional[torch.Tensor]]
     written: Optional[Any]  # compute-stream event after the cut: the all-gather stream waits for it
 
 
@@ -42,6 +49,7 @@ class InFlightGather(NamedTuple):
 class PendingReduce(NamedTuple):
     """A bucket's reduce-scatter (then, for HSDP, all-reduce) in flight."""
 
+    mesh: MeshSubgroup  # the bucket's mesh: its replicate group and gradient divisor
     bucket: FlatBucket
     work: Optional[dist.Work]  # CPU (gloo): the host waits on it; None: stream ordered, or no collective
     event: Optional[Any]  # the reduce-scatter stream's collective done; the compute stream waits
@@ -62,3 +70,13 @@ class OffloadedGrads(NamedTuple):
     source: Optional[torch.Tensor]
     local: List[bool]  # FlatBucket.take_local_grads() of this reduction
     event: Optional[Any]  # the copy done (reduce-scatter stream); the host waits once, at the end
+
+
+class UnshardHandle:
+    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: "HSDPParamGroup"):
+        self._group = group
+
+    def wait(self) -> None:
+        self._group.wait_for_unshard()

@@ -11,13 +11,14 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
+from hyper_parallel._torch_compat import FSDPMeshInfo, HSDPMeshInfo
 from hyper_parallel.platform import get_platform
 
 # Caches keyed by the default process group: one per process normally, one per rank when
 # ranks are threads of one process (torch's threaded test harness), so that a rank never
 # skips a collective group creation because another rank already cached its result.
 _WORLD_MESH: "weakref.WeakKeyDictionary[dist.ProcessGroup, DeviceMesh]" = weakref.WeakKeyDictionary()
-# default group -> (mesh ranks, size) -> this rank's subgroup of its shard group
+# default group -> (member ranks, size) -> this rank's subgroup of its shard group
 _SUBGROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, Dict[tuple, dist.ProcessGroup]]" = (
     weakref.WeakKeyDictionary())
 
@@ -58,14 +59,15 @@ class DataParallelMesh:
 
     def shard_subgroup(self, size: int) -> dist.ProcessGroup:
         """The group of ``size`` consecutive shard ranks (``size`` divides the shard world
-        size) this rank belongs to; created collectively on first use, so every rank must ask
-        for the same sizes in the same order."""
+        size) this rank belongs to; created on first use by its members only (a mesh may
+        cover part of the world: an expert mesh), so they must ask for the same sizes in the
+        same order."""
         subgroups = _SUBGROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
-        key = (tuple(self.mesh.mesh.flatten().tolist()), size)
+        ranks = dist.get_process_group_ranks(self.shard_group)
+        start = self.shard_rank // size * size
+        key = (tuple(ranks[start:start + size]), size)
         if key not in subgroups:
-            rows = self.mesh.mesh.reshape(-1, self.shard_size).tolist()
-            ranks = [row[i:i + size] for row in rows for i in range(0, self.shard_size, size)]
-            subgroups[key], _ = dist.new_subgroups_by_enumeration(ranks)
+            subgroups[key] = dist.new_group(list(key[0]), use_local_synchronization=True)
         return subgroups[key]
 
 
@@ -115,6 +117,34 @@ def resolve_mesh(mesh: Optional[DeviceMesh]) -> DataParallelMesh:
         replicate_group=mesh.get_group(0) if hsdp else None,
         replicate_size=mesh.size(0) if hsdp else 1,
     )
+
+
+def resolve_mesh_info(mesh_info: object) -> DataParallelMesh:
+    """The mesh of a ``ShardPlacementResult`` (FSDP2's per-parameter mesh): an
+    ``FSDPMeshInfo`` on a 1-D mesh (FSDP) or an ``HSDPMeshInfo`` on a 2-D mesh whose dim 0
+    replicates and dim 1 shards (HSDP).
+
+    Raises:
+        ValueError: another object, another layout of the dims, or torch's full-SPMD-mesh
+            form (``dp_mesh_dims``).
+    """
+    if not isinstance(mesh_info, FSDPMeshInfo):
+        raise ValueError(f"ShardPlacementResult.mesh_info must be torch's FSDPMeshInfo or HSDPMeshInfo, "
+                         f"got {type(mesh_info).__name__}")
+    mesh = mesh_info.mesh
+    if mesh_info.dp_mesh_dims is not None:
+        raise ValueError(f"ShardPlacementResult with dp_mesh_dims={mesh_info.dp_mesh_dims!r} is not supported: "
+                         "describe the data-parallel sub-mesh itself")
+    if isinstance(mesh_info, HSDPMeshInfo):
+        layout_ok = mesh.ndim == 2 and (mesh_info.replicate_mesh_dim, mesh_info.shard_mesh_dim) == (0, 1)
+        wanted = "HSDPMeshInfo(mesh=<2-D mesh>, replicate_mesh_dim=0, shard_mesh_dim=1)"
+    else:
+        layout_ok = mesh.ndim == 1 and mesh_info.shard_mesh_dim == 0
+        wanted = "FSDPMeshInfo(mesh=<1-D mesh>, shard_mesh_dim=0)"
+    if not layout_ok:
+        raise ValueError(f"unsupported ShardPlacementResult mesh: {type(mesh_info).__name__} with "
+                         f"shard_mesh_dim={mesh_info.shard_mesh_dim} on a {mesh.ndim}-D mesh; use {wanted}")
+    return resolve_mesh(mesh)
 
 
 def sharded_layout(dp: DataParallelMesh, shard_dim: int, tp_mesh: Optional[DeviceMesh] = None,

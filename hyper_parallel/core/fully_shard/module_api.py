@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
-from hyper_parallel.core.fully_shard.param_group import UnshardHandle
+from hyper_parallel.core.fully_shard.in_flight import UnshardHandle
 from hyper_parallel.core.fully_shard.state import HSDPState
 from hyper_parallel.core.fully_shard.torch_methods import TorchFSDPMethods, _check_bool, refuse_unknown_torch_methods
 

@@ -1,83 +1,54 @@
 """HSDPParamGroup: the parameters of one fully_shard call and their collectives.
 
-Parameters are bucketed by dtype (``flat_bucket.py``: the flat buffers and their layout). Per
-bucket the group issues one all-gather and, after backward, one reduce-scatter and, for HSDP,
-one all-reduce over the replicate dim, each on its own side stream of the platform; it owns the sharded /
-unsharded state machine and the reductions in flight.
+Parameters are split by mesh (``mesh_subgroup.py``: one sub-group per mesh, usually one) and
+bucketed by dtype (``flat_bucket.py``: the flat buffers and their layout). Per bucket the group
+issues one all-gather and, after backward, one reduce-scatter and, for HSDP, one all-reduce
+over the replicate dim, each on its own side stream of the platform; it issues every bucket's
+collective before waiting for any, so that those of different meshes overlap. It owns the
+sharded / unsharded state machine and the reductions in flight.
 """
 
 from __future__ import annotations
 
-import enum
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 from torch.profiler import record_function
 
 from hyper_parallel._torch_compat import disable_functorch_if_active, local_tensor, module_parameters
 from hyper_parallel.core.fully_shard import collectives
-from hyper_parallel.core.fully_shard.extension_bucket import ExtensionBucket
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
 from hyper_parallel.core.fully_shard.hooks import in_backward
-from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingReduce, PostForwardShards
+from hyper_parallel.core.fully_shard.in_flight import InFlightGather, PendingReduce, PostForwardShards, UnshardHandle
 from hyper_parallel.core.fully_shard.offload import GradOffload
-from hyper_parallel.core.fully_shard.mesh import DataParallelMesh
+from hyper_parallel.core.fully_shard.mesh_subgroup import MeshSubgroup
 from hyper_parallel.core.fully_shard.param import HSDPParam
 from hyper_parallel.core.fully_shard.slots import ParamSlot, UnshardedSlot
+from hyper_parallel.core.fully_shard.step_phase import ShardState
 from hyper_parallel.core.fully_shard.policy import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from hyper_parallel.platform import get_platform
 
 
-class ShardState(enum.Enum):
-    """Where a group's parameters are (FSDP2's ``ShardedState``, plus the all-gather in flight)."""
-
-    SHARDED = "sharded"  # the modules hold the sharded DTensors; no unsharded storage
-    # Sharded, and also holding the shards of a smaller group kept after forward
-    # (reshard_after_forward=<int>, PostForwardShards): the backward all-gather runs within it.
-    SHARDED_POST_FORWARD = "sharded_post_forward"
-    UNSHARDING = "unsharding"  # all-gather in flight (InFlightGather records); wait_for_unshard ends it
-    UNSHARDED = "unsharded"  # the modules hold the unsharded parameters (views of the buffers)
-
-
-def _divide_factors(world: int) -> Tuple[float, float]:
-    """Split 1/world into a pre-reduce and post-reduce factor (both near sqrt(world)) so
-    low-precision gradient sums neither overflow nor underflow."""
-    pre = 1
-    while world % (pre * 2) == 0 and world // (pre * 2) >= pre * 2:
-        pre *= 2
-    if pre == 1 and world > 1:
-        pre = world
-    return float(pre), world / pre
-
-
-class UnshardHandle:
-    """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
-
-    def __init__(self, group: "HSDPParamGroup"):
-        self._group = group
-
-    def wait(self) -> None:
-        self._group.wait_for_unshard()
-
-
 class HSDPParamGroup:
-    """The parameters of one fully_shard call, their state machine and their collectives."""
+    """The parameters of one fully_shard call, their state machine and their collectives.
 
-    def __init__(self, params: List[HSDPParam], dp: DataParallelMesh, mp_policy: MixedPrecisionPolicy,
-                 offload_policy: OffloadPolicy, reshard_after_forward: Optional[bool],
-                 post_forward_group: Optional[Tuple[int, dist.ProcessGroup]] = None):
-        self.params = params
-        self.dp = dp
+    Args:
+        meshes: the parameters by mesh (one :class:`MeshSubgroup` each, in the order the
+            meshes first appear among the parameters).
+        mp_policy, offload_policy: the call's policies.
+        reshard_after_forward: the call's value (None: decided at the root's lazy init).
+    """
+
+    def __init__(self, meshes: List[MeshSubgroup], mp_policy: MixedPrecisionPolicy,
+                 offload_policy: OffloadPolicy, reshard_after_forward: Optional[bool]):
+        self.meshes = meshes
+        self.params = [p for sub in meshes for p in sub.params]
         self.mp_policy = mp_policy
         self.offload = isinstance(offload_policy, CPUOffloadPolicy)
         self.pin_memory = self.offload and offload_policy.pin_memory and get_platform().pin_memory_available()
-        self.buckets: List[FlatBucket] = []
         self.user_reshard_after_forward = reshard_after_forward
         self.reshard_after_forward = True if reshard_after_forward is None else reshard_after_forward
         self.reshard_after_backward = True
-        # reshard_after_forward=<int>: (size, group) of the smaller group kept after forward.
-        self.post_forward_group = post_forward_group
         self._post_forward: Optional[PostForwardShards] = None  # SHARDED_POST_FORWARD only
         self.module_fqn = ""  # the modules' names under the root (its lazy init), for profiler labels
         self.requires_gradient_sync = True
@@ -90,19 +61,22 @@ class HSDPParamGroup:
         self._all_reducing: List[PendingReduce] = []  # HSDP all-reduces in flight
         self.offloads = GradOffload(self._streams)  # reduced gradients copied to host memory
         self._initialized = False
-        self._pre_factor, self._post_factor = _divide_factors(dp.dp_size)
         self._all_reduce_hook: Optional[Callable[[torch.Tensor], None]] = None
         self._all_reduce_hook_stream: Optional[Any] = None  # None: the all-reduce stream
-        # torch's AllGather / ReduceScatter comms (set_custom_*; None: torch.distributed's), and
-        # the process group of the reduce-scatters (set_separate_reduce_scatter_group).
+        # torch's AllGather / ReduceScatter comms (set_custom_*; None: torch.distributed's).
         self.all_gather_comm: Optional[Any] = None
         self.reduce_scatter_comm: Optional[Any] = None
-        self.reduce_scatter_group: dist.ProcessGroup = dp.shard_group
         self._sharded_slots: List[ParamSlot] = []
         self._unsharded_slots: List[UnshardedSlot] = []
-        override = mp_policy.param_dtype_override_fn  # sees the parameters before sharding
-        self._compute_dtypes = [(override and override(p.original())) or mp_policy.param_dtype for p in params]
-        self._bind_buckets([p._initial_local.device for p in params], pin=False)
+        self._bind_buckets(lambda p: p._initial_local.device, pin=False)
+
+    @property
+    def buckets(self) -> List[FlatBucket]:
+        """Every bucket of every mesh, mesh by mesh."""
+        return [bucket for sub in self.meshes for bucket in sub.buckets]
+
+    def _mesh_buckets(self) -> Iterator[Tuple[MeshSubgroup, FlatBucket]]:
+        return ((sub, bucket) for sub in self.meshes for bucket in sub.buckets)
 
     # -- set-up ---------------------------------------------------------------------------
     def add_slot(self, param: HSDPParam, module: torch.nn.Module, name: str) -> None:
@@ -113,23 +87,12 @@ class HSDPParamGroup:
         if self._initialized:
             self._unsharded_slots.append(UnshardedSlot(module_parameters(module), name, param))
 
-    def _bind_buckets(self, devices: List[torch.device], pin: bool) -> None:
-        """Bucket the parameters by their current dtype, bind their shards into flat buffers on
-        ``devices`` (the first of each bucket's parameters decides; CPU when offloading) and,
-        once initialised, their unsharded parameters."""
-        by_dtype: Dict[Tuple[torch.dtype, Optional[torch.dtype], bool], List[Tuple[HSDPParam, torch.device]]] = {}
-        for param, compute_dtype, device in zip(self.params, self._compute_dtypes, devices):
-            by_dtype.setdefault((param.dtype, compute_dtype, param.extension), []).append((param, device))
-        self.buckets = []
-        for (_, compute_dtype, extension), entries in by_dtype.items():
-            params = [p for p, _ in entries]
-            if extension:  # gathered through the parameters' fsdp_pre/post_all_gather
-                bucket = ExtensionBucket(params, self.dp.shard_size, self.mp_policy, compute_dtype, self.dp.shard_mesh())
-            else:
-                bucket = FlatBucket(params, self.dp.shard_size, self.mp_policy, compute_dtype)
-            device = entries[0][1]
-            bucket.bind_shards(torch.device("cpu") if self.offload and device.type != "meta" else device, pin)
-            self.buckets.append(bucket)
+    def _bind_buckets(self, device_of: Callable[[HSDPParam], torch.device], pin: bool) -> None:
+        """Bucket each mesh's parameters by their current dtype, bind their shards into flat
+        buffers on ``device_of(param)`` (MeshSubgroup.bind_buckets) and, once initialised, their
+        unsharded parameters."""
+        for sub in self.meshes:
+            sub.bind_buckets(device_of, pin, self.offload)
         self._sharded_slots = [ParamSlot(module_parameters(m), n, p.sharded_param)
                                for p in self.params for m, n in p.slots]
         if self._initialized:
@@ -146,8 +109,7 @@ class HSDPParamGroup:
         follow the parameters' new dtypes and devices. Call while sharded. True if it rebound."""
         if not any([p.adopt_replacement() for p in self.params]):
             return False
-        self._bind_buckets([local_tensor(p.sharded_param).device for p in self.params],
-                           self.pin_memory and self._initialized)
+        self._bind_buckets(_current_device, self.pin_memory and self._initialized)
         return True
 
     def _sync_requires_grad(self) -> None:
@@ -184,7 +146,7 @@ class HSDPParamGroup:
                 f"following were still on meta device: {on_meta}\nFor example, call "
                 "module.to_empty(device=...) and initialise them (e.g. reset_parameters()).")
         self._initialized = True
-        self._bind_buckets([local_tensor(p.sharded_param).device for p in self.params], self.pin_memory)
+        self._bind_buckets(_current_device, self.pin_memory)
 
     # -- unshard / reshard ----------------------------------------------------------------
     @disable_functorch_if_active
@@ -204,26 +166,33 @@ class HSDPParamGroup:
         # before this returns, as all of FSDP2's do on CPU: gloo receives into a temporary of
         # the unsharded size that lives until the collective ends, which would otherwise sit
         # on top of the backward's peak (measured in benchmarks/RESULTS.md, "Peak step RSS").
-        host_async = async_op and self._streams.async_collectives and not in_backward()
+        # An unshard waited for here on several meshes issues every mesh's all-gather before
+        # waiting for any, so that they run at the same time (their results are all needed).
+        host_async = self._streams.async_collectives and (
+            (async_op and not in_backward()) or (not async_op and len(self.meshes) > 1))
+
+        def gather(sub: MeshSubgroup, bucket: FlatBucket, piece: Optional[torch.Tensor]) -> tuple:
+            if piece is None:
+                return bucket.all_gather(sub.dp.shard_group, self.device, host_async)
+            size, group = sub.post_forward_group
+            return bucket.all_gather_pieces(piece, group, size, host_async)
+
         if self.state == ShardState.SHARDED_POST_FORWARD:
-            size, group = self.post_forward_group
             kept, self._post_forward = self._post_forward, None
             # The pieces were cut on the compute stream after the root's ordering point.
-            self._issue_gathers(lambda b, piece: b.all_gather_pieces(piece, group, size, host_async), kept.pieces,
-                                after=kept.written, wait_for_compute=not ordered)
+            self._issue_gathers(gather, kept.pieces, after=kept.written, wait_for_compute=not ordered)
         elif self.state == ShardState.SHARDED:
             rebound = self._adopt_replacements()  # a rebind copies shards on the compute stream
             self._sync_requires_grad()
-            self._issue_gathers(lambda b, _: b.all_gather(self.dp.shard_group, self.device, host_async),
-                                [None] * len(self.buckets), wait_for_compute=rebound or not ordered)
+            self._issue_gathers(gather, [None] * len(self.buckets), wait_for_compute=rebound or not ordered)
         if async_op:
             return UnshardHandle(self)
         self.wait_for_unshard()
         return None
 
-    def _issue_gathers(self, gather: Callable[[FlatBucket, Any], tuple], inputs: List[Any],
+    def _issue_gathers(self, gather: Callable[[MeshSubgroup, FlatBucket, Any], tuple], inputs: List[Any],
                        wait_for_compute: bool, after: Optional[Any] = None) -> None:
-        """Run ``gather(bucket, input)`` for every bucket on the all-gather stream, after what
+        """Run ``gather(mesh, bucket, input)`` for every bucket on the all-gather stream, after what
         the compute stream has queued (``wait_for_compute``) and after the event ``after``;
         the inputs stay referenced by the in-flight records until :meth:`wait_for_unshard`."""
         streams = self._streams
@@ -234,7 +203,7 @@ class HSDPParamGroup:
             if after is not None:
                 streams.wait_event(after)
             with collectives.custom_all_gather(self.all_gather_comm):
-                issued = [(b, *gather(b, x), x) for b, x in zip(self.buckets, inputs)]
+                issued = [(b, *gather(sub, b, x), x) for (sub, b), x in zip(self._mesh_buckets(), inputs)]
             event = streams.record_event()
         self._gathers = [InFlightGather(b, work, gathered, event, x) for b, work, gathered, x in issued]
         self.state = ShardState.UNSHARDING
@@ -259,13 +228,14 @@ class HSDPParamGroup:
     def reshard_after_forward_pass(self) -> None:
         """Reshard after a forward that backward will follow: fully, or with
         ``reshard_after_forward=<int>`` keep the shards of a smaller group so that backward
-        all-gathers only within it."""
-        if self.post_forward_group is None or self.state in (ShardState.SHARDED, ShardState.SHARDED_POST_FORWARD):
+        all-gathers only within it (a mesh whose shard world is that size reshards fully)."""
+        kept = [sub.post_forward_group for sub, _ in self._mesh_buckets()]
+        if not any(kept) or self.state in (ShardState.SHARDED, ShardState.SHARDED_POST_FORWARD):
             self.reshard()
             return
         self.wait_for_unshard()
-        size, _ = self.post_forward_group
-        pieces = [b.post_forward_piece(size, self.dp.shard_rank % size) for b in self.buckets]
+        pieces = [None if group is None else b.post_forward_piece(group[0], sub.dp.shard_rank % group[0])
+                  for (sub, b), group in zip(self._mesh_buckets(), kept)]
         self.reshard()
         self._post_forward = PostForwardShards(pieces, self._streams.record_event())
         self.state = ShardState.SHARDED_POST_FORWARD
@@ -290,8 +260,16 @@ class HSDPParamGroup:
 
     # -- gradients ------------------------------------------------------------------------
     def set_gradient_divide_factor(self, factor: float) -> None:
-        """Divide reduced gradients by ``factor`` (default: the data-parallel world size)."""
-        self._pre_factor, self._post_factor = _divide_factors(factor)
+        """Divide reduced gradients by ``factor`` on every mesh (default: each mesh's
+        data-parallel size)."""
+        for sub in self.meshes:
+            sub.set_gradient_divide_factor(factor)
+
+    def set_reshard_after_forward(self, value: bool) -> None:
+        """Resharding after forward, fully (True) or not at all (False), on every mesh."""
+        self.user_reshard_after_forward = self.reshard_after_forward = value
+        for sub in self.meshes:
+            sub.post_forward_group = None
 
     def reset_iter_state(self) -> None:
         """After an aborted step: wait for and drop this group's reductions in flight, partial
@@ -324,22 +302,23 @@ class HSDPParamGroup:
         stream: of every bucket with trainable parameters, also one without gradients on this
         rank (other ranks may have some: the ranks issue the same collectives)."""
         streams = self._streams
-        for bucket in self.buckets:
+        for sub, bucket in self._mesh_buckets():
             grad_input = bucket.gradient_input()
             if grad_input is None:
                 continue
-            if self._pre_factor != 1:
-                grad_input.div_(self._pre_factor)
-            if self.dp.shard_size == 1:  # nothing to scatter: the input is this rank's result
-                self._pending.append(PendingReduce(bucket, None, None, None, grad_input))
+            if sub.pre_factor != 1:
+                grad_input.div_(sub.pre_factor)
+            if sub.dp.shard_size == 1:  # nothing to scatter: the input is this rank's result
+                self._pending.append(PendingReduce(sub, bucket, None, None, None, grad_input))
                 continue
             output = torch.empty(bucket.reduced_numel, dtype=bucket.reduce_dtype, device=grad_input.device)
             streams.wait_for_current(streams.reduce_scatter)  # the copy-in ran on the compute stream
             with self._range("reduce_scatter"), streams.use(streams.reduce_scatter):
-                work = collectives.reduce_scatter(output, grad_input, self.reduce_scatter_group,
+                work = collectives.reduce_scatter(output, grad_input, sub.reduce_scatter_group,
                                                   async_op=streams.async_collectives, comm=self.reduce_scatter_comm)
                 event = streams.record_event()
-            self._pending.append(PendingReduce(bucket, work, event, streams.hold_for_collective(grad_input), output))
+            self._pending.append(PendingReduce(sub, bucket, work, event, streams.hold_for_collective(grad_input),
+                                               output))
 
     def _wait_reduction(self, item: PendingReduce) -> None:
         """Order the compute stream (CPU: the host) after ``item``'s collective."""
@@ -356,9 +335,9 @@ class HSDPParamGroup:
         streams = self._streams
         for item in pending:
             self._wait_reduction(item)  # from here the compute stream may reuse the input's memory
-            bucket, reduced = item.bucket, item.output
-            if not self.dp.is_hsdp:
-                self._set_grads(bucket, reduced)
+            sub, bucket, reduced = item.mesh, item.bucket, item.output
+            if not sub.dp.is_hsdp:
+                self._set_grads(sub, bucket, reduced)
                 continue
             # On its own stream, after this group's reduce-scatter (FSDP2): not behind the next group's
             # reduce-scatter. A partial sum, or an input no reduce-scatter wrote, is the compute stream's.
@@ -374,9 +353,9 @@ class HSDPParamGroup:
             with self._range("all_reduce"), streams.use(streams.all_reduce):
                 if not on_compute:
                     streams.wait_event(item.event)
-                work = collectives.all_reduce(reduced, self.dp.replicate_group, async_op=streams.async_collectives)
+                work = collectives.all_reduce(reduced, sub.dp.replicate_group, async_op=streams.async_collectives)
                 event = streams.record_event()
-            self._all_reducing.append(PendingReduce(bucket, work, event, None, reduced))
+            self._all_reducing.append(PendingReduce(sub, bucket, work, event, None, reduced))
         return bool(self._all_reducing)
 
     def finish_all_reduce(self) -> None:
@@ -384,11 +363,11 @@ class HSDPParamGroup:
         items, self._all_reducing = self._all_reducing, []
         for item in items:
             self._wait_reduction(item)
-            self._set_grads(item.bucket, item.output)
+            self._set_grads(item.mesh, item.bucket, item.output)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], stream: Optional[Any]) -> None:
         """Run ``hook`` in place on every reduced flat gradient (see FSDPModule.set_all_reduce_hook)."""
-        if stream is not None and self.dp.is_hsdp:
+        if stream is not None and any(sub.dp.is_hsdp for sub in self.meshes):
             # torch's wording (its tests compare it): the hook runs on the all-reduce's stream
             raise ValueError("stream cannot be set when using native HSDP")
         self._all_reduce_hook, self._all_reduce_hook_stream = hook, stream
@@ -402,12 +381,17 @@ class HSDPParamGroup:
             done = streams.record_event()
         streams.wait_event(done)
 
-    def _set_grads(self, bucket: FlatBucket, reduced: torch.Tensor) -> None:
-        if self._post_factor != 1:
-            reduced.div_(self._post_factor)
+    def _set_grads(self, sub: MeshSubgroup, bucket: FlatBucket, reduced: torch.Tensor) -> None:
+        if sub.post_factor != 1:
+            reduced.div_(sub.post_factor)
         if self._all_reduce_hook is not None:
             self._run_all_reduce_hook(reduced[:bucket.grad_total])
         if self.offload:
             self.offloads.copy(bucket, reduced, self.pin_memory, self.module_fqn)
             return
         bucket.assign_grads(reduced, bucket.take_local_grads())
+
+
+def _current_device(param: HSDPParam) -> torch.device:
+    """Where the parameter's sharded values live now."""
+    return local_tensor(param.sharded_param).device

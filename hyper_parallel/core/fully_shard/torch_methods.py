@@ -89,20 +89,19 @@ class TorchFSDPMethods:
 
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """``True``: reduce-scatter over a process group of its own (same ranks as the shard
-        group, one per distinct rank set), so it can progress alongside the all-gathers;
+        group of each mesh, one per distinct rank set), so it can progress alongside the all-gathers;
         ``False``: over the shard group again. Collective: call it on every rank. *recurse*"""
         _check_bool("enable", enable)
         created: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
-        for state in self._states(recurse):
-            group = state.group
-            shard_group = group.dp.shard_group
+        for sub in (sub for state in self._states(recurse) for sub in state.group.meshes):
+            shard_group = sub.dp.shard_group
             if not enable:
-                group.reduce_scatter_group = shard_group
+                sub.reduce_scatter_group = shard_group
                 continue
             ranks = tuple(dist.get_process_group_ranks(shard_group))
             if ranks not in created:
                 created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            group.reduce_scatter_group = created[ranks]
+            sub.reduce_scatter_group = created[ranks]
 
     # -- custom collectives ----------------------------------------------------------------
     def set_custom_all_gather(self, comm: Any) -> None:
