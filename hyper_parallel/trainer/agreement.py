@@ -12,7 +12,7 @@ from typing import Callable, Optional, TypeVar
 
 import torch
 
-from hyper_parallel.trainer.config import ConfigError
+from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.state import all_reduce_sum
 
 T = TypeVar("T")

@@ -18,7 +18,7 @@ from torch import nn
 
 from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindows, build_source, split_windows
 from hyper_parallel.parallel import cross_entropy, loss_parallel
-from hyper_parallel.trainer.config_schema import TrainConfig
+from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.pipelined import Pipeline
 from hyper_parallel.trainer.state import all_reduce_sum
 

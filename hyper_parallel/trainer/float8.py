@@ -17,8 +17,8 @@ from torch import nn
 
 from hyper_parallel._optional import MissingDependency, available, install_hint, require
 from hyper_parallel.models.llama import LlamaConfig, Transformer
-from hyper_parallel.trainer.config_schema import FLOAT8_RECIPES as RECIPES
-from hyper_parallel.trainer.config_schema import TrainConfig
+from hyper_parallel.trainer.config.schema import FLOAT8_RECIPES as RECIPES
+from hyper_parallel.trainer.config.schema import TrainConfig
 _HIGH_PRECISION_FQNS = ("output",)
 
 

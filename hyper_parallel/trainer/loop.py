@@ -19,8 +19,9 @@ from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
-from hyper_parallel.trainer.config import ConfigError, typed_config
-from hyper_parallel.trainer.config_schema import ParallelDims, TrainConfig, llama_config
+from hyper_parallel.trainer.config.compose import ConfigError, typed_config
+from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.config.schema import TrainConfig, llama_config
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops

@@ -11,8 +11,8 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.trainer.config import ConfigError
-from hyper_parallel.trainer.config_schema import EXCLUDABLE, EXPORT_DTYPE_NAMES, CheckpointConfig, OptimConfig
+from hyper_parallel.trainer.config.compose import ConfigError
+from hyper_parallel.trainer.config.schema import EXCLUDABLE, EXPORT_DTYPE_NAMES, CheckpointConfig, OptimConfig
 
 EXPORT_DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPE_NAMES}
 

@@ -13,8 +13,9 @@ from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.parallel import apply_tensor_parallel
-from hyper_parallel.trainer.config import ConfigError
-from hyper_parallel.trainer.config_schema import ModelConfig, ParallelDims, llama_config
+from hyper_parallel.trainer.config.compose import ConfigError
+from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.config.schema import ModelConfig, llama_config
 from hyper_parallel.trainer.float8 import convert_to_float8
 
 

@@ -15,8 +15,8 @@ from hyper_parallel.models.llama import Transformer
 from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.pipeline import (Schedule, ShardedPipelineStage, build_schedule, split_stage, stage_indices,
                                      stage_layers)
-from hyper_parallel.trainer.config_parallel import ParallelConfig
-from hyper_parallel.trainer.config_schema import ModelConfig, llama_config
+from hyper_parallel.trainer.config.parallel import ParallelConfig
+from hyper_parallel.trainer.config.schema import ModelConfig, llama_config
 from hyper_parallel.trainer.parallelize import parallelize
 
 

@@ -25,9 +25,10 @@ from hyper_parallel.data.text import TEXT_SUFFIXES, expand_paths
 from hyper_parallel.data.tokenizer import check_vocab
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform
-from hyper_parallel.trainer.config import ConfigError, problems_message
-from hyper_parallel.trainer.config_schema import (
-    ParallelDims, SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig, llama_config)
+from hyper_parallel.trainer.config.compose import ConfigError, problems_message
+from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.config.schema import (SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig,
+                                                  llama_config)
 from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
 from hyper_parallel.trainer.float8 import float8_problems
 from hyper_parallel.trainer.output_files import output_file_problems, unusable_folder

@@ -11,8 +11,9 @@ from omegaconf import OmegaConf
 
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.trainer import operations
-from hyper_parallel.trainer.config import model_overrides
-from hyper_parallel.trainer.config_schema import ParallelDims, TrainConfig, llama_config, shape
+from hyper_parallel.trainer.config.compose import model_overrides
+from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.config.schema import TrainConfig, llama_config, shape
 from hyper_parallel.trainer.metrics import METRICS_FILE
 from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER
 

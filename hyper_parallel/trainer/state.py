@@ -10,7 +10,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel.data import DistributedBatchLoader
-from hyper_parallel.trainer.config_parallel import ParallelDims
+from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 
 # Entries a checkpoint records but a resumed job does not load (the run's own layout wins).

@@ -144,7 +144,7 @@ def test_missing_packages_at_their_entry_points(tmp_path, monkeypatch, capsys):
 
 def test_the_tensorboard_config_check_names_its_extra(monkeypatch):
     from hyper_parallel.trainer import ConfigError, compose_config, validate_config
-    from hyper_parallel.trainer import config_schema as config
+    from hyper_parallel.trainer.config import schema as config
 
     monkeypatch.setattr(config, "available", lambda package: package != "tensorboard")
     with pytest.raises(ConfigError, match=r"logging.tensorboard=true needs the 'tensorboard' package: pip install "

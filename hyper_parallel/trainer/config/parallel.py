@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from hyper_parallel.models.llama import LlamaConfig
-from hyper_parallel.trainer.config_rules import key
+from hyper_parallel.trainer.config.rules import key
 
 # torch.distributed.pipelining's schedules, by the names the config takes.
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")

@@ -3,7 +3,7 @@ with its type, default, range and meaning in one place.
 
 The defaults are registered in Hydra's ConfigStore (:func:`register_schemas`); the YAML files
 under ``configs/`` extend them (``defaults: [schema, _self_]``) and hold only what a preset
-changes. Consumers read the typed :class:`TrainConfig` (``config.typed_config``). Adding a key
+changes. Consumers read the typed :class:`TrainConfig` (``compose.typed_config``). Adding a key
 is one line in its class, e.g. ``eval_every: int = key(0, min=0)  # ...``, plus its row in
 docs/recipes.md; a check between keys goes in the class's ``problems``. A new data kind is one
 :class:`DataConfig` subclass in ``DATA_KINDS`` plus its ``configs/data/<kind>.yaml``.
@@ -21,8 +21,8 @@ from omegaconf import DictConfig, OmegaConf
 
 from hyper_parallel._optional import available, install_hint
 from hyper_parallel.models.llama import LlamaConfig, RopeScaling
-from hyper_parallel.trainer.config_parallel import ParallelConfig, ParallelDims
-from hyper_parallel.trainer.config_rules import defaults, field_rules, key
+from hyper_parallel.trainer.config.parallel import ParallelConfig, ParallelDims
+from hyper_parallel.trainer.config.rules import defaults, field_rules, key
 
 SEED_MAX = 2**32 - 1  # numpy's and the loader's seed range
 # Training-state entries that checkpoint.exclude may name (the model is always loaded).
@@ -340,7 +340,7 @@ def register_schemas() -> None:
     ``data/<kind>_schema``, and ``schema`` for train.yaml's own keys).
 
     Stored as plain values, not typed nodes: OmegaConf would refuse a bad value while composing,
-    one at a time, and the recipe reports every problem together (``config.validate_config``).
+    one at a time, and the recipe reports every problem together (``compose.validate_config``).
     """
     from hydra.core.config_store import ConfigStore
 

@@ -1,5 +1,5 @@
 """Compose the Hydra config from the command line, validate it against the schema
-(``config_schema.py``) before anything starts, and make the typed config the consumers read."""
+(``schema.py``) before anything starts, and make the typed config the consumers read."""
 
 from __future__ import annotations
 
@@ -12,12 +12,12 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from omegaconf import DictConfig, OmegaConf
 
-from hyper_parallel.trainer.config_rules import Range, accepts, build, describe, field_rules, leaves
-from hyper_parallel.trainer.config_schema import (  # noqa: F401 (llama_config: re-exported)
-    DATA_KEYS, DATA_KINDS, DataConfig, ModelConfig, ParallelDims, TrainConfig, llama_config,
-    register_schemas, shape)
+from hyper_parallel.trainer.config.rules import Range, accepts, build, describe, field_rules, leaves
+from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.config.schema import (DATA_KEYS, DATA_KINDS, DataConfig, ModelConfig, TrainConfig,
+                                                  register_schemas, shape)
 
-CONFIG_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
+CONFIG_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs"))
 # Hydra's message for an override of a key the config lacks.
 _UNKNOWN_OVERRIDE = re.compile(r"Could not override '([^']+)'\.\s*To append to your config")
 
