@@ -2,7 +2,8 @@
 
 from hyper_parallel.trainer.config import (ConfigError, ParallelDims, TrainConfig, compose_config, typed_config,
                                            validate_config)
-from hyper_parallel.trainer.loop import RunSummary, TrainingJob, build_job, run_training, train_loop
+from hyper_parallel.trainer.job import RunSummary, TrainingJob
+from hyper_parallel.trainer.loop import build_job, run_training, train_loop
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule, warmup_cosine_lr
 from hyper_parallel.trainer.step import train_step
 

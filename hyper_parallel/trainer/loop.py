@@ -5,13 +5,10 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import torch
 from omegaconf import DictConfig, OmegaConf
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.utils.fileio import RefusedFileError, write_file_atomically
@@ -23,11 +20,12 @@ from hyper_parallel.trainer.config.compose import ConfigError, typed_config
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import TrainConfig, llama_config
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
+from hyper_parallel.trainer.job import RunSummary, TrainingJob
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
-from hyper_parallel.trainer.pipelined import Pipeline, build_pipeline, pipelined_step
+from hyper_parallel.trainer.pipelined import build_pipeline, pipelined_step
 from hyper_parallel.trainer.reporting import describe, format_summary, resume_mismatch, starting_point
 from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
@@ -45,49 +43,6 @@ def build_loader(cfg: TrainConfig, vocab_size: int, dp_rank: int, dp_size: int,
         source = build_sources(cfg, vocab_size, with_val=False).train
     return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                                   seed=cfg.training.seed, shuffle=cfg.data.shuffles())
-
-
-@dataclass
-class TrainingJob:
-    """Everything a run needs, built from the config (see :func:`build_job`)."""
-
-    cfg: TrainConfig
-    dims: ParallelDims
-    platform: Platform
-    device: torch.device
-    mesh: DeviceMesh
-    model_parts: List[nn.Module]  # the model, or with pipeline parallelism this rank's stage modules
-    optimizer: torch.optim.Optimizer
-    schedule: WarmupCosineSchedule
-    loader: DistributedBatchLoader
-    manager: Any  # hyper_parallel.checkpoint.CheckpointManager
-    state: Dict[str, Any]
-    log: MetricsLogger
-    loss_floor: Optional[float]
-    throughput: Throughput
-    started_at: float  # time.monotonic() when setup began (training.time_limit_minutes counts from it)
-    evaluator: Optional[Evaluator] = None
-    profiler: Optional[ProfilerWindow] = None
-    pipeline: Optional[Pipeline] = None  # parallel.pp > 1
-
-    @property
-    def model(self) -> Union[nn.Module, Pipeline]:
-        """What a step or an evaluation runs: the model, or the pipeline."""
-        return self.pipeline if self.pipeline is not None else self.model_parts[0]
-
-
-@dataclass
-class RunSummary:
-    """What a run did (returned to the recipe, printed on rank 0)."""
-
-    start_step: int
-    end_step: int
-    losses: List[float] = field(default_factory=list)
-    loss_floor: Optional[float] = None
-    stopped_by_signal: bool = False
-    stop_reason: Optional[str] = None  # SIGTERM, time limit or stop_after_steps
-    wall_time_s: float = 0.0
-    tokens_per_s: float = 0.0
 
 
 def _load_data(cfg: TrainConfig, dims: ParallelDims, rank: int,

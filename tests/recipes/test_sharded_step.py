@@ -6,7 +6,7 @@ import torch.distributed as dist
 from hyper_parallel.checkpoint import set_model_state_dict
 from hyper_parallel.data import DistributedBatchLoader, MarkovSource
 from hyper_parallel.trainer import compose_config, train_step, validate_config
-from hyper_parallel.trainer.loop import build_optimizer
+from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from tests.multirank import run_on_ranks
 

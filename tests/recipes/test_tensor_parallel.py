@@ -12,7 +12,7 @@ from torch.distributed.tensor import DTensor
 from hyper_parallel.data import DistributedBatchLoader, MarkovSource
 from hyper_parallel.trainer import compose_config, train_step, typed_config, validate_config
 from hyper_parallel.trainer.evaluation import Evaluator
-from hyper_parallel.trainer.loop import build_optimizer
+from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from tests.fully_shard._helpers import TOL
 from tests.multirank import run_on_ranks
