@@ -8,7 +8,7 @@ import time
 from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import torch
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import OmegaConf
 
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.utils.fileio import RefusedFileError, write_file_atomically
@@ -16,7 +16,7 @@ from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
-from hyper_parallel.trainer.config.compose import ConfigError, typed_config
+from hyper_parallel.trainer.config.compose import ConfigError, ValidConfig
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import TrainConfig, llama_config
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
@@ -162,20 +162,20 @@ def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
     return together(job.device, load)
 
 
-def run_training(composed: DictConfig, dims: ParallelDims, platform: Platform) -> RunSummary:
-    """Train as configured (``composed``: the validated config, saved as ``config.yaml``),
-    resuming from ``checkpoint.folder`` when it holds a checkpoint.
+def run_training(config: ValidConfig, platform: Platform) -> RunSummary:
+    """Train as configured (``config.composed`` is saved as ``config.yaml``), resuming from
+    ``checkpoint.folder`` when it holds a checkpoint.
 
     Raises:
         JobFailed: on every rank, when any rank found bad data, an unreadable
             ``model.init_from``, a checkpoint that does not fit, or a non-finite loss.
     """
-    cfg = typed_config(composed)
-    job = build_job(cfg, dims, platform, wandb=wandb_settings(composed))
+    cfg = config.cfg
+    job = build_job(cfg, config.dims, platform, wandb=wandb_settings(config.composed))
     plan = resume(job)
     step = plan.start_step if plan is not None else 0
     if platform.rank == 0:
-        write_file_atomically(os.path.join(cfg.output_dir, "config.yaml"), OmegaConf.to_yaml(composed).encode())
+        write_file_atomically(os.path.join(cfg.output_dir, "config.yaml"), OmegaConf.to_yaml(config.composed).encode())
     job.log.print(describe(job))
     job.log.print(starting_point(cfg, plan))
     if plan is not None and "optim" in plan.keys:

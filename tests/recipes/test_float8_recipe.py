@@ -28,7 +28,7 @@ def test_missing_torchao_is_one_clear_line(monkeypatch):
 def _float8_steps(recipe):
     torch.manual_seed(0)
     cfg = compose_config(OVERRIDES + [f"training.float8_recipe={recipe}"])
-    dims = validate_config(cfg, dist.get_world_size())
+    dims = validate_config(cfg, dist.get_world_size()).dims
     cpu = torch.device("cpu")
     model = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=cpu, seed=0, float8_recipe=recipe)
     names = sorted({type(m).__name__ for m in (model.layers["0"].attention.wq, model.layers["0"].feed_forward.w1,

@@ -155,7 +155,7 @@ def _train_two_steps(output_dir):
     from tests.recipes.launch import TINY
 
     cfg = compose_config([*TINY, "training.steps=2", f"output_dir={output_dir}"])
-    run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+    run_training(validate_config(cfg, dist.get_world_size()), get_platform())
 
 
 def test_every_record_says_the_world_size_and_the_mesh(tmp_path):

@@ -33,8 +33,8 @@ def test_schedule_state_round_trip_sets_the_optimizer_lr():
 def test_defaults_validate_and_resolve_the_mesh():
     cfg = compose_config([])
     assert cfg.checkpoint.folder == f"{cfg.output_dir}/checkpoints"
-    assert validate_config(cfg, 2).shard == 2
-    dims = validate_config(compose_config(["parallel=hsdp"]), 4)
+    assert validate_config(cfg, 2).dims.shard == 2
+    dims = validate_config(compose_config(["parallel=hsdp"]), 4).dims
     assert (dims.replicate, dims.shard) == (2, 2)
 
 

@@ -20,9 +20,10 @@ What only the running job can see (a token id deep in a data file, a checkpoint 
 fit the model) is checked where it is met, by all ranks together (``agreement.py``).
 """
 
-from hyper_parallel.trainer.config.compose import ConfigError, compose_config, typed_config, validate_config
+from hyper_parallel.trainer.config.compose import (ConfigError, ValidConfig, compose_config, typed_config,
+                                                   validate_config)
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import TrainConfig, llama_config
 
-__all__ = ["ConfigError", "ParallelDims", "TrainConfig", "compose_config", "llama_config",
+__all__ = ["ConfigError", "ParallelDims", "TrainConfig", "ValidConfig", "compose_config", "llama_config",
            "typed_config", "validate_config"]

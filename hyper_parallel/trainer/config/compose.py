@@ -26,6 +26,15 @@ class ConfigError(ValueError):
     """The configuration cannot run; the message lists every problem found."""
 
 
+@dataclasses.dataclass(frozen=True)
+class ValidConfig:
+    """A config that passed :func:`validate_config`, typed once: what a run reads."""
+
+    cfg: TrainConfig       # the typed config the code reads
+    dims: ParallelDims     # the world's layout
+    composed: DictConfig   # as composed and resolved: the run's config.yaml, its W&B run's config
+
+
 def _rules(data_cls: Optional[type]) -> Dict[str, Tuple[Any, Range]]:
     """dotted key -> (type, Range) of the schema, with the keys of ``data_cls`` (if any)."""
     rules = dict(field_rules(TrainConfig))
@@ -90,7 +99,8 @@ def _typed(values: Dict[str, Any]) -> TrainConfig:
 
 
 def typed_config(cfg: DictConfig) -> TrainConfig:
-    """The typed config of a composed, validated ``cfg`` (what the consumers read)."""
+    """The typed config of a composed ``cfg``, not validated (a run reads
+    :func:`validate_config`'s)."""
     return _typed(OmegaConf.to_container(cfg, resolve=True))
 
 
@@ -144,9 +154,9 @@ def _first_lines(message: str, limit: int = 6) -> str:
     return "\n".join(lines[:limit])
 
 
-def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
-    """Check every key against the schema and the keys against each other; return the
-    data-parallel layout.
+def validate_config(cfg: DictConfig, world_size: int) -> ValidConfig:
+    """Check every key against the schema and the keys against each other; return the typed
+    config with the world's layout.
 
     Raises:
         ConfigError: listing all problems found (unknown keys, types, ranges, mesh, batch
@@ -158,11 +168,12 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
                           + " (pass them as overrides, e.g. " + missing[0] + "=...)")
     values = OmegaConf.to_container(cfg, resolve=True)
     problems = schema_problems(values)
-    dims, relations = _typed(values).problems(world_size, lambda name: name not in problems)
+    typed = _typed(values)
+    dims, relations = typed.problems(world_size, lambda name: name not in problems)
     listing = list(problems.values()) + relations
     if listing:
         raise ConfigError(problems_message("invalid configuration", listing))
-    return dims
+    return ValidConfig(typed, dims, cfg)
 
 
 def problems_message(header: str, problems: Sequence[str]) -> str:
