@@ -15,7 +15,7 @@ from hyper_parallel.utils.fileio import RefusedFileError, write_file_atomically
 from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations
-from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
+from hyper_parallel.trainer.agreement import JobFailed, count_ranks, fail_together, step_votes, together
 from hyper_parallel.trainer.config.compose import ConfigError, ValidConfig
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import TrainConfig, llama_config
@@ -30,7 +30,7 @@ from hyper_parallel.trainer.reporting import describe, format_summary, resume_mi
 from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 from hyper_parallel.trainer.sinks import SinkError, WandbSettings, wandb_settings
-from hyper_parallel.trainer.state import SAVED_ONLY, RNGState, StopRequest, all_reduce_sum, training_state
+from hyper_parallel.trainer.state import SAVED_ONLY, RNGState, StopRequest, training_state
 from hyper_parallel.trainer.step import train_step
 
 T = TypeVar("T")
@@ -208,11 +208,6 @@ def _peek_batch(job: TrainingJob, step: int) -> Tuple[Optional[torch.Tensor], Op
         return None, ConfigError(f"data={job.cfg.data.kind}, step {step}: {err}")
 
 
-def _agree_stop(stop: StopRequest, device: torch.device) -> bool:
-    """Whether any rank got SIGTERM (one all-reduce: every rank must call at the same point)."""
-    return all_reduce_sum(torch.tensor([stop.as_tensor_value], device=device)).item() > 0
-
-
 def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     """Steps ``step+1 .. training.steps`` with metrics, evaluation and checkpoints; stops early
     (after a final checkpoint) when any rank got SIGTERM or ran out of time, or after
@@ -253,13 +248,10 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         batch, error = _peek_batch(job, step + 1) if step < t.steps else (None, None)
         # One collective per step: the global mean loss, whether any rank got SIGTERM or ran
         # out of time, and how many ranks cannot read their next batch.
-        out_of_time = limits.out_of_time(time.perf_counter() - step_start)
-        flags = torch.tensor([stop.as_tensor_value, float(out_of_time), float(error is not None)],
-                             device=job.device)
-        loss_sum, stop_votes, time_votes, bad_batches = all_reduce_sum(
-            torch.cat([result["loss"].reshape(1), flags])).tolist()
+        votes = step_votes(result["loss"], sigterm=stop.requested, bad_batch=error is not None,
+                           out_of_time=limits.out_of_time(time.perf_counter() - step_start))
         # Each tensor-parallel rank of the last pipeline stage holds its data-parallel rank's loss.
-        loss, grad_norm = loss_sum / job.dims.loss_ranks, float(result["grad_norm"])
+        loss, grad_norm = votes.loss_sum / job.dims.loss_ranks, float(result["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             saver.wait()
             raise JobFailed(ConfigError(
@@ -276,12 +268,12 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         }
         if job.loss_floor is not None:
             record["loss_floor"] = job.loss_floor
-        reason = ("SIGTERM" if stop_votes > 0 else "time limit" if time_votes > 0
+        reason = ("SIGTERM" if votes.sigterm else "time limit" if votes.out_of_time
                   else "stop_after_steps" if limits.steps_done(step) else None)
         # An agreed SIGTERM or time limit skips the evaluation: the save starts at this boundary.
         if reason in (None, "stop_after_steps") and job.evaluator is not None and job.evaluator.due(step, t.steps):
             record.update(job.evaluator.evaluate(job.model))
-            if _agree_stop(stop, job.device):  # a SIGTERM during the evaluation: save now, not a step later
+            if count_ranks(stop.requested, job.device):  # a SIGTERM during the evaluation: save now, not a step later
                 reason = "SIGTERM"
         if job.profiler is not None and (trace := job.profiler.after_step(step)):
             job.log.print(f"profiler: rank 0 trace {trace}")
@@ -294,9 +286,9 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
             summary.stopped_by_signal, summary.stop_reason = reason == "SIGTERM", reason
             job.log.print(f"{reason}: saved a final checkpoint at step {step}, stopping")
             break
-        if bad_batches:
+        if votes.bad_batch:
             saver.wait()
-            raise JobFailed(error, int(bad_batches))
+            raise JobFailed(error, votes.bad_batch)
     saver.wait()
     summary.end_step = step
     summary.wall_time_s = time.perf_counter() - started

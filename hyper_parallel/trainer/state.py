@@ -76,8 +76,9 @@ def training_state(model: Union[nn.Module, Sequence[nn.Module]], optimizer: torc
 class StopRequest:
     """Remembers a SIGTERM so that all ranks can agree to stop at the same step boundary.
 
-    The flag travels in the same all-reduce as the step's loss (see :meth:`as_tensor_value`):
-    if any rank got the signal, every rank sees it after that step.
+    The flag travels in the same all-reduce as the step's loss
+    (:func:`~hyper_parallel.trainer.agreement.step_votes`): if any rank got the signal, every
+    rank sees it after that step.
     """
 
     def __init__(self) -> None:
@@ -95,10 +96,6 @@ class StopRequest:
         if self._previous is not None:
             signal.signal(signal.SIGTERM, self._previous)
             self._previous = None
-
-    @property
-    def as_tensor_value(self) -> float:
-        return 1.0 if self.requested else 0.0
 
 
 def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
