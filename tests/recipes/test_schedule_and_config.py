@@ -47,6 +47,12 @@ def test_defaults_validate_and_resolve_the_mesh():
     (["training.seq_len=512"], 1, "exceeds model.max_seq_len=256"),
     (["data=tokens"], 1, "required value(s) not set: data.path"),
     (["model.n_heads=5"], 1, "model: dim=64 is not divisible by n_heads=5"),
+    # Where the validation data comes from is a relation of keys: the config check refuses it.
+    (["data=text", "data.paths=c.txt", "data.val_fraction=0.1", "data.val_path=v.txt"], 1,
+     "data.val_fraction=0.1 and data.val_path=v.txt: set one of them, not both"),
+    (["data=tokens", "data.path=t.bin", "eval.every=5"], 1,
+     "eval.every=5 needs validation data: set data.val_fraction or data.val_path"),
+    (["eval.every=10", "eval.steps=300"], 1, "eval.steps=300 is more than training.steps=200"),
 ])
 def test_bad_values_are_named(overrides, world, message):
     with pytest.raises(ConfigError) as err:
