@@ -1,4 +1,5 @@
-"""Ranks fail together: the ranks that found a problem report it, the others stop quietly.
+"""How the ranks agree: sums over all ranks, the votes after each step, and failing together
+(the ranks that found a problem report it, the others stop quietly).
 
 A problem found on one rank only (a bad token id in its slice of the data) must not leave the
 other ranks waiting in a collective or dying on "Connection closed by peer". Each check is
@@ -12,11 +13,18 @@ from __future__ import annotations
 from typing import Callable, NamedTuple, Optional, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from hyper_parallel.trainer.config.compose import ConfigError
-from hyper_parallel.trainer.state import all_reduce_sum
 
 T = TypeVar("T")
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum over all ranks (a no-op without a process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values)
+    return values
 
 
 class JobFailed(Exception):

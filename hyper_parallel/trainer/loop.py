@@ -30,7 +30,8 @@ from hyper_parallel.trainer.reporting import describe, format_summary, resume_mi
 from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 from hyper_parallel.trainer.sinks import SinkError, WandbSettings, wandb_settings
-from hyper_parallel.trainer.state import SAVED_ONLY, RNGState, StopRequest, training_state
+from hyper_parallel.trainer.signals import StopRequest
+from hyper_parallel.trainer.state import SAVED_ONLY, RNGState, training_state
 from hyper_parallel.trainer.step import train_step
 
 T = TypeVar("T")

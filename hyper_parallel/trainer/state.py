@@ -1,8 +1,7 @@
-"""What a training checkpoint holds, and the cooperative stop on SIGTERM."""
+"""What a training checkpoint holds: the job's Stateful objects, saved and restored on any mesh."""
 
 from __future__ import annotations
 
-import signal
 from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
@@ -71,35 +70,3 @@ def training_state(model: Union[nn.Module, Sequence[nn.Module]], optimizer: torc
         "rng": rng,
         "parallel": ParallelLayout(dims),
     }
-
-
-class StopRequest:
-    """Remembers a SIGTERM so that all ranks can agree to stop at the same step boundary.
-
-    The flag travels in the same all-reduce as the step's loss
-    (:func:`~hyper_parallel.trainer.agreement.step_votes`): if any rank got the signal, every
-    rank sees it after that step.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def install(self) -> "StopRequest":
-        self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-        return self
-
-    def _on_signal(self, signum, frame) -> None:
-        self.requested = True
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum over all ranks (a no-op without a process group)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values)
-    return values
