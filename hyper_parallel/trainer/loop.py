@@ -11,6 +11,7 @@ import torch
 from omegaconf import OmegaConf
 
 from hyper_parallel.checkpoint import CheckpointError
+from hyper_parallel.checkpoint import CheckpointManager
 from hyper_parallel.utils.fileio import RefusedFileError, write_file_atomically
 from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
@@ -85,8 +86,6 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
             not fit the model on any rank, or the checkpoint folder, ``metrics.jsonl`` or a
             sink's folder or file is refused (see ``output_files.py``, checked before start-up).
     """
-    from hyper_parallel.checkpoint import CheckpointManager
-
     started_at = time.monotonic()
     t, rank = cfg.training, platform.rank
     device = platform.current_device() if t.device == "auto" else torch.device("cpu")

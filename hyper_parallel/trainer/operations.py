@@ -11,6 +11,10 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from hyper_parallel.checkpoint import CheckpointError, read_checkpoint_metadata
+from hyper_parallel.checkpoint import is_checkpoint
+from hyper_parallel.checkpoint import load as load_checkpoint
+from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, committed_steps
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.schema import EXPORT_DTYPE_NAMES, CheckpointConfig, OptimConfig
 
@@ -47,9 +51,6 @@ def plan_load(c: CheckpointConfig, state_keys: Sequence[str]) -> Optional[LoadPl
     Raises:
         ConfigError: ``load_step`` not found, ``load_from`` not a checkpoint.
     """
-    from hyper_parallel.checkpoint import is_checkpoint
-    from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, committed_steps
-
     keys = [k for k in state_keys if k not in c.exclude]
     own = committed_steps(c.folder) if c.resume else []
     if own:
@@ -80,9 +81,6 @@ def load(plan: LoadPlan, state: Dict[str, Any]) -> None:
         ConfigError: the checkpoint lacks an entry (e.g. a model-only final checkpoint) or
             does not fit the model.
     """
-    from hyper_parallel.checkpoint import CheckpointError, read_checkpoint_metadata
-    from hyper_parallel.checkpoint import load as load_checkpoint
-
     stored = {key.split(".", 1)[0] for key in read_checkpoint_metadata(plan.path).state_dict_metadata}
     missing = [k for k in plan.keys if k not in stored]
     if missing:

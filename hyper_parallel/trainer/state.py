@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyper_parallel.checkpoint import ModelState, OptimizerState
 from hyper_parallel.data import DistributedBatchLoader
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
@@ -60,8 +61,6 @@ def training_state(model: Union[nn.Module, Sequence[nn.Module]], optimizer: torc
     :data:`SAVED_ONLY` entries are saved, not restored). ``model``: the model, or this rank's
     pipeline stage modules (the whole model's parameter names, so any split loads any other)
     and ``pp_group`` the pipeline group (the optimizer's param groups are gathered over it)."""
-    from hyper_parallel.checkpoint import ModelState, OptimizerState
-
     return {
         "model": ModelState(model),
         "optim": OptimizerState(model, optimizer, pp_group=pp_group),

@@ -10,7 +10,10 @@ import re
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from hyper_parallel.trainer.config.rules import Range, accepts, build, describe, field_rules, leaves
 from hyper_parallel.trainer.config.parallel import ParallelDims
@@ -126,10 +129,6 @@ def compose_config(overrides: Sequence[str], config_dir: str = CONFIG_DIR,
         ConfigError: a malformed override, an unknown key or group option, or a value that
             does not resolve (the message says which).
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     register_schemas()
     try:
         with initialize_config_dir(config_dir=config_dir, version_base=None):

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Callable, ClassVar, Dict, List, Optional, Tuple, Type, Union
 
+import torch
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from hyper_parallel.models.llama import LlamaConfig, RopeScaling
@@ -365,8 +367,6 @@ def register_schemas() -> None:
     Stored as plain values, not typed nodes: OmegaConf would refuse a bad value while composing,
     one at a time, and the recipe reports every problem together (``compose.validate_config``).
     """
-    from hydra.core.config_store import ConfigStore
-
     cs = ConfigStore.instance()
     cs.store(name=SCHEMA_NAME, node=defaults(TrainConfig, exclude=(*GROUPS, "data")))
     for group, cls in GROUPS.items():
@@ -376,6 +376,4 @@ def register_schemas() -> None:
 
 
 def _compile_backends() -> List[str]:
-    import torch  # only when training.compile is on: the rest of validation needs no torch
-
     return torch.compiler.list_backends(exclude_tags=())
