@@ -20,7 +20,7 @@ from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindow
 from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.trainer.agreement import all_reduce_sum
 from hyper_parallel.trainer.config.schema import TrainConfig
-from hyper_parallel.trainer.pipelined import Pipeline
+from hyper_parallel.trainer.pipeline_parallel import Pipeline
 
 # Synthetic validation samples are drawn with this offset added to training.seed.
 SYNTHETIC_VAL_SEED_OFFSET = 1_000_003

@@ -17,7 +17,7 @@ from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.evaluation import Evaluator
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput
-from hyper_parallel.trainer.pipelined import Pipeline
+from hyper_parallel.trainer.pipeline_parallel import Pipeline
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 
 

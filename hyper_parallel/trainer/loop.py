@@ -26,7 +26,7 @@ from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
-from hyper_parallel.trainer.pipelined import build_pipeline, pipelined_step
+from hyper_parallel.trainer.pipeline_parallel import build_pipeline, pipelined_step
 from hyper_parallel.trainer.reporting import describe, format_summary, resume_mismatch, starting_point
 from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule

@@ -175,7 +175,7 @@ def _stages_vs_plain(overrides: List[str]):
     from hyper_parallel.trainer import train_step
     from hyper_parallel.trainer.optimizer import build_optimizer
     from hyper_parallel.trainer.parallelize import build_model
-    from hyper_parallel.trainer.pipelined import build_pipeline, pipelined_step
+    from hyper_parallel.trainer.pipeline_parallel import build_pipeline, pipelined_step
 
     torch.set_default_dtype(torch.float64)
     try:
@@ -247,7 +247,7 @@ def _init_from_diff(path: str) -> float:
     """The largest difference between this rank's stages initialised from the transformers
     export at ``path`` and the plain model it was exported from (seed 3)."""
     from hyper_parallel.trainer.parallelize import build_model
-    from hyper_parallel.trainer.pipelined import build_pipeline
+    from hyper_parallel.trainer.pipeline_parallel import build_pipeline
 
     composed = compose_config([*TINY, "parallel.pp=2", "parallel.pp_microbatches=2", f"model.init_from={path}"])
     config = validate_config(composed, dist.get_world_size())
