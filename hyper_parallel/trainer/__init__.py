@@ -1,7 +1,7 @@
 """The pieces the training recipes share: config, mesh + model setup, LR schedule, metrics, loop."""
 
-from hyper_parallel.trainer.config import (ConfigError, ParallelDims, TrainConfig, compose_config, typed_config,
-                                           validate_config)
+from hyper_parallel.trainer.config import (ConfigError, ParallelDims, TrainConfig, ValidConfig, compose_config,
+                                           typed_config, validate_config)
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
 from hyper_parallel.trainer.loop import build_job, run_training, train_loop
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule, warmup_cosine_lr
@@ -13,6 +13,7 @@ __all__ = [
     "RunSummary",
     "TrainConfig",
     "TrainingJob",
+    "ValidConfig",
     "WarmupCosineSchedule",
     "build_job",
     "compose_config",

@@ -175,7 +175,8 @@ def run_training(config: ValidConfig, platform: Platform) -> RunSummary:
     plan = resume(job)
     step = plan.start_step if plan is not None else 0
     if platform.rank == 0:
-        write_file_atomically(os.path.join(cfg.output_dir, "config.yaml"), OmegaConf.to_yaml(config.composed).encode())
+        write_file_atomically(os.path.join(cfg.output_dir, "config.yaml"),
+                              OmegaConf.to_yaml(config.composed).encode())
     job.log.print(describe(job))
     job.log.print(starting_point(cfg, plan))
     if plan is not None and "optim" in plan.keys:

@@ -135,6 +135,7 @@ def test_the_defaults_the_tables_state_are_the_schemas():
             continue
         for key, value in zip(keys, stated_defaults(cell, len(keys))):
             assert key in defaults, f"docs/recipes.md states a default for {key}, which has none"
-            assert _same(value, defaults[key]), f"docs/recipes.md: {key} defaults to {cell}, the schema to {defaults[key]!r}"
+            assert _same(value, defaults[key]), \
+                f"docs/recipes.md: {key} defaults to {cell}, the schema to {defaults[key]!r}"
             stated += 1
     assert stated >= 50  # the tables of training, logging, eval, profiling, model, optim, checkpoint

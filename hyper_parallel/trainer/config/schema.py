@@ -3,10 +3,11 @@ with its type, default, range and meaning in one place.
 
 The defaults are registered in Hydra's ConfigStore (:func:`register_schemas`); the YAML files
 under ``configs/`` extend them (``defaults: [schema, _self_]``) and hold only what a preset
-changes. Consumers read the typed :class:`TrainConfig` (``compose.typed_config``). Adding a key
-is one line in its class, e.g. ``eval_every: int = key(0, min=0)  # ...``, plus its row in
-docs/recipes.md; a check between keys goes in the class's ``problems``. A new data kind is one
-:class:`DataConfig` subclass in ``DATA_KINDS`` plus its ``configs/data/<kind>.yaml``.
+changes. Consumers read the typed :class:`TrainConfig` that validation makes
+(``compose.validate_config``). Adding a key is one line in its class, e.g.
+``eval_every: int = key(0, min=0)  # ...``, plus its row in docs/recipes.md; a check between keys
+goes in the class's ``problems`` (what is checked where: the package's docstring). A new data
+kind is one :class:`DataConfig` subclass in ``DATA_KINDS`` plus its ``configs/data/<kind>.yaml``.
 
 Each ``problems(ok)`` lists what is wrong between the class's keys; ``ok(name)`` says whether a
 key passed its own type and range check (a check reads only keys that did).
