@@ -49,7 +49,7 @@ import torch.distributed as dist  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
 
 from hyper_parallel.platform import init_distributed  # noqa: E402
-from hyper_parallel.trainer import ConfigError, compose_config, run_training, typed_config, validate_config  # noqa: E402
+from hyper_parallel.trainer import ConfigError, compose_config, run_training, validate_config  # noqa: E402
 from hyper_parallel.trainer.agreement import JobFailed  # noqa: E402
 from hyper_parallel.trainer.preflight import check_environment  # noqa: E402
 
@@ -69,9 +69,9 @@ def main(argv: list[str]) -> int:
     world_size = _env_int("WORLD_SIZE")
     try:
         cfg = compose_config([a for a in argv if a not in FLAGS], config_dir=CONFIG_DIR)
-        dims = validate_config(cfg, world_size)
+        config = validate_config(cfg, world_size)
         if "--cfg" not in argv:
-            check_environment(typed_config(cfg), dims, ranks_per_node=_env_int("LOCAL_WORLD_SIZE"))
+            check_environment(config.cfg, config.dims, ranks_per_node=_env_int("LOCAL_WORLD_SIZE"))
     except ConfigError as err:
         # Every rank that meets it says it (torchrun may stop the others before they do).
         print(f"error: {_rank_prefix(argv, world_size)}{err}", file=sys.stderr, flush=True)
@@ -85,7 +85,7 @@ def main(argv: list[str]) -> int:
         return 0
     platform = init_distributed()
     try:
-        run_training(cfg, dims, platform)
+        run_training(config, platform)
     except JobFailed as failure:
         # Every rank raised it at the same point; the ranks that found the problem say what it
         # is. No process-group teardown (a peer may already be gone).

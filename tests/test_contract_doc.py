@@ -12,7 +12,7 @@ import pytest
 import hyper_parallel as hp
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint import cli
-from hyper_parallel.trainer.config_schema import TrainConfig
+from hyper_parallel.trainer.config import TrainConfig
 
 DOC = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "contract.md")
 

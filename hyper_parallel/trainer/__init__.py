@@ -1,8 +1,9 @@
 """The pieces the training recipes share: config, mesh + model setup, LR schedule, metrics, loop."""
 
-from hyper_parallel.trainer.config import ConfigError, ParallelDims, compose_config, typed_config, validate_config
-from hyper_parallel.trainer.config_schema import TrainConfig
-from hyper_parallel.trainer.loop import RunSummary, TrainingJob, build_job, run_training, train_loop
+from hyper_parallel.trainer.config import (ConfigError, ParallelDims, TrainConfig, ValidConfig, compose_config,
+                                           typed_config, validate_config)
+from hyper_parallel.trainer.job import RunSummary, TrainingJob
+from hyper_parallel.trainer.loop import build_job, run_training, train_loop
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule, warmup_cosine_lr
 from hyper_parallel.trainer.step import train_step
 
@@ -12,6 +13,7 @@ __all__ = [
     "RunSummary",
     "TrainConfig",
     "TrainingJob",
+    "ValidConfig",
     "WarmupCosineSchedule",
     "build_job",
     "compose_config",

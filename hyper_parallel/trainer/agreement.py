@@ -1,21 +1,30 @@
-"""Ranks fail together: the ranks that found a problem report it, the others stop quietly.
+"""How the ranks agree: sums over all ranks, the votes after each step, and failing together
+(the ranks that found a problem report it, the others stop quietly).
 
 A problem found on one rank only (a bad token id in its slice of the data) must not leave the
 other ranks waiting in a collective or dying on "Connection closed by peer". Each check is
 followed by one all-reduce of a failure flag, so every rank learns that some rank failed and
-all raise :class:`JobFailed` at the same point.
+all raise :class:`JobFailed` at the same point. In the training loop the flags ride on the
+all-reduce each step does anyway (:func:`step_votes`).
 """
 
 from __future__ import annotations
 
-from typing import Callable, Optional, TypeVar
+from typing import Callable, NamedTuple, Optional, TypeVar
 
 import torch
+import torch.distributed as dist
 
-from hyper_parallel.trainer.config import ConfigError
-from hyper_parallel.trainer.state import all_reduce_sum
+from hyper_parallel.trainer.config.compose import ConfigError
 
 T = TypeVar("T")
+
+
+def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
+    """Sum over all ranks (a no-op without a process group)."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(values)
+    return values
 
 
 class JobFailed(Exception):
@@ -43,14 +52,38 @@ class JobFailed(Exception):
         return f"(rank {rank} of {world_size}) {self.error}"
 
 
+def count_ranks(flag: bool, device: torch.device) -> int:
+    """How many ranks pass a true ``flag`` (one all-reduce: every rank calls at the same point)."""
+    return int(all_reduce_sum(torch.tensor([float(flag)], device=device)).item())
+
+
 def fail_together(error: Optional[ConfigError], device: torch.device) -> None:
     """Raise :class:`JobFailed` on every rank if ``error`` is set on any (one all-reduce).
 
     Every rank must call this at the same point.
     """
-    failed = int(all_reduce_sum(torch.tensor([float(error is not None)], device=device)).item())
+    failed = count_ranks(error is not None, device)
     if failed:
         raise JobFailed(error, failed)
+
+
+class StepVotes(NamedTuple):
+    """What the ranks say after a step, summed over all of them (:func:`step_votes`)."""
+
+    loss_sum: float   # the ranks' losses
+    sigterm: int      # ranks that got SIGTERM: stop at this step
+    out_of_time: int  # ranks whose next step would end past the time limit: stop at this step
+    bad_batch: int    # ranks that cannot read their next batch: fail together
+
+
+def step_votes(loss: torch.Tensor, *, sigterm: bool, out_of_time: bool, bad_batch: bool) -> StepVotes:
+    """This rank's ``loss`` (a 0-dim tensor) and votes, summed over all ranks in one all-reduce.
+
+    Every rank calls it after each step, at the same point.
+    """
+    flags = torch.tensor([float(sigterm), float(out_of_time), float(bad_batch)], device=loss.device)
+    summed = all_reduce_sum(torch.cat([loss.reshape(1), flags])).tolist()
+    return StepVotes(summed[0], *(int(votes) for votes in summed[1:]))
 
 
 def together(device: torch.device, action: Callable[[], T]) -> T:

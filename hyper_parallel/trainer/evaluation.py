@@ -18,9 +18,9 @@ from torch import nn
 
 from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindows, build_source, split_windows
 from hyper_parallel.parallel import cross_entropy, loss_parallel
-from hyper_parallel.trainer.config_schema import TrainConfig
-from hyper_parallel.trainer.pipelined import Pipeline
-from hyper_parallel.trainer.state import all_reduce_sum
+from hyper_parallel.trainer.agreement import all_reduce_sum
+from hyper_parallel.trainer.config.schema import TrainConfig
+from hyper_parallel.trainer.pipeline_parallel import Pipeline
 
 # Synthetic validation samples are drawn with this offset added to training.seed.
 SYNTHETIC_VAL_SEED_OFFSET = 1_000_003
@@ -32,10 +32,12 @@ class DataSources(NamedTuple):
 
 
 def build_sources(cfg: TrainConfig, vocab_size: int, *, with_val: bool) -> DataSources:
-    """The training source and (when ``with_val``) the validation source, from ``data``.
+    """The training source and (when ``with_val``) the validation source, from a validated
+    ``data`` (a corpus with evaluation on has ``val_fraction`` or ``val_path``: see
+    ``TrainConfig.problems``).
 
     Raises:
-        ValueError / FileNotFoundError: unreadable data, or no way to hold out validation data.
+        ValueError / FileNotFoundError: unreadable data.
     """
     options = dataclasses.asdict(cfg.data)
     kind = options.pop("kind")
@@ -49,8 +51,6 @@ def build_sources(cfg: TrainConfig, vocab_size: int, *, with_val: bool) -> DataS
         val = (build_source(kind, seq_len=t.seq_len, vocab_size=vocab_size,
                             seed=t.seed + SYNTHETIC_VAL_SEED_OFFSET, **options) if with_val else None)
         return DataSources(train, val)
-    if val_fraction and val_path:
-        raise ValueError("set data.val_fraction or data.val_path, not both")
     train = build_source(kind, seq_len=t.seq_len, vocab_size=vocab_size, seed=t.seed, **options)
     if val_fraction:
         if not isinstance(train, TokenWindows):
@@ -59,8 +59,6 @@ def build_sources(cfg: TrainConfig, vocab_size: int, *, with_val: bool) -> DataS
         return DataSources(held_in, held_out if with_val else None)
     if not with_val:
         return DataSources(train, None)
-    if not val_path:
-        raise ValueError("eval.every > 0 needs validation data: set data.val_fraction or data.val_path")
     path_key = "paths" if kind == "text" else "path"
     val = build_source(kind, seq_len=t.seq_len, vocab_size=vocab_size, seed=t.seed,
                        **{**options, path_key: val_path})

@@ -15,18 +15,11 @@ from typing import List
 import torch
 from torch import nn
 
-from hyper_parallel._optional import MissingDependency, available, install_hint, require
+from hyper_parallel._optional import MissingDependency, require
 from hyper_parallel.models.llama import LlamaConfig, Transformer
-from hyper_parallel.trainer.config_schema import FLOAT8_RECIPES as RECIPES
-from hyper_parallel.trainer.config_schema import TrainConfig
+
+RECIPES = ("tensorwise", "rowwise")  # training.float8_recipe's values
 _HIGH_PRECISION_FQNS = ("output",)
-
-
-def float8_problems(cfg: TrainConfig) -> List[str]:
-    """The one-line problem when ``training.float8`` is on without torchao."""
-    if cfg.training.float8 and not available("torchao"):
-        return [f"{install_hint('torchao', 'training.float8=true')}, or set training.float8=false"]
-    return []
 
 
 def _keep_high_precision(module: nn.Module, fqn: str) -> bool:

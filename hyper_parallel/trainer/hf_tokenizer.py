@@ -44,6 +44,7 @@ def run_tokenizer(run_cfg: DictConfig) -> Optional[RunTokenizer]:
         path = os.path.join(path, TOKENIZER_FILE)
     tokenizer = load_tokenizer(path, eos_token)
     eos_id = int(tokenizer.separator[0])
+    # An optional package (hyper_parallel[recipes]), imported here: load_tokenizer above required it.
     from tokenizers import Tokenizer
 
     return RunTokenizer(path, Tokenizer.from_file(path).id_to_token(eos_id), eos_id)

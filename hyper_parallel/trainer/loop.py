@@ -5,33 +5,34 @@ from __future__ import annotations
 import math
 import os
 import time
-from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import torch
-from omegaconf import DictConfig, OmegaConf
-from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from omegaconf import OmegaConf
 
 from hyper_parallel.checkpoint import CheckpointError
+from hyper_parallel.checkpoint import CheckpointManager
 from hyper_parallel.utils.fileio import RefusedFileError, write_file_atomically
 from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations
-from hyper_parallel.trainer.agreement import JobFailed, fail_together, together
-from hyper_parallel.trainer.config import ConfigError, typed_config
-from hyper_parallel.trainer.config_schema import ParallelDims, TrainConfig, llama_config
+from hyper_parallel.trainer.agreement import JobFailed, count_ranks, fail_together, step_votes, together
+from hyper_parallel.trainer.config.compose import ConfigError, ValidConfig
+from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.config.schema import TrainConfig, llama_config
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
+from hyper_parallel.trainer.job import RunSummary, TrainingJob
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
-from hyper_parallel.trainer.pipelined import Pipeline, build_pipeline, pipelined_step
+from hyper_parallel.trainer.pipeline_parallel import build_pipeline, pipelined_step
 from hyper_parallel.trainer.reporting import describe, format_summary, resume_mismatch, starting_point
 from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 from hyper_parallel.trainer.sinks import SinkError, WandbSettings, wandb_settings
-from hyper_parallel.trainer.state import SAVED_ONLY, RNGState, StopRequest, all_reduce_sum, training_state
+from hyper_parallel.trainer.signals import StopRequest
+from hyper_parallel.trainer.state import SAVED_ONLY, RNGState, training_state
 from hyper_parallel.trainer.step import train_step
 
 T = TypeVar("T")
@@ -44,49 +45,6 @@ def build_loader(cfg: TrainConfig, vocab_size: int, dp_rank: int, dp_size: int,
         source = build_sources(cfg, vocab_size, with_val=False).train
     return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                                   seed=cfg.training.seed, shuffle=cfg.data.shuffles())
-
-
-@dataclass
-class TrainingJob:
-    """Everything a run needs, built from the config (see :func:`build_job`)."""
-
-    cfg: TrainConfig
-    dims: ParallelDims
-    platform: Platform
-    device: torch.device
-    mesh: DeviceMesh
-    model_parts: List[nn.Module]  # the model, or with pipeline parallelism this rank's stage modules
-    optimizer: torch.optim.Optimizer
-    schedule: WarmupCosineSchedule
-    loader: DistributedBatchLoader
-    manager: Any  # hyper_parallel.checkpoint.CheckpointManager
-    state: Dict[str, Any]
-    log: MetricsLogger
-    loss_floor: Optional[float]
-    throughput: Throughput
-    started_at: float  # time.monotonic() when setup began (training.time_limit_minutes counts from it)
-    evaluator: Optional[Evaluator] = None
-    profiler: Optional[ProfilerWindow] = None
-    pipeline: Optional[Pipeline] = None  # parallel.pp > 1
-
-    @property
-    def model(self) -> Union[nn.Module, Pipeline]:
-        """What a step or an evaluation runs: the model, or the pipeline."""
-        return self.pipeline if self.pipeline is not None else self.model_parts[0]
-
-
-@dataclass
-class RunSummary:
-    """What a run did (returned to the recipe, printed on rank 0)."""
-
-    start_step: int
-    end_step: int
-    losses: List[float] = field(default_factory=list)
-    loss_floor: Optional[float] = None
-    stopped_by_signal: bool = False
-    stop_reason: Optional[str] = None  # SIGTERM, time limit or stop_after_steps
-    wall_time_s: float = 0.0
-    tokens_per_s: float = 0.0
 
 
 def _load_data(cfg: TrainConfig, dims: ParallelDims, rank: int,
@@ -128,8 +86,6 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
             not fit the model on any rank, or the checkpoint folder, ``metrics.jsonl`` or a
             sink's folder or file is refused (see ``output_files.py``, checked before start-up).
     """
-    from hyper_parallel.checkpoint import CheckpointManager
-
     started_at = time.monotonic()
     t, rank = cfg.training, platform.rank
     device = platform.current_device() if t.device == "auto" else torch.device("cpu")
@@ -206,20 +162,21 @@ def resume(job: TrainingJob) -> Optional[operations.LoadPlan]:
     return together(job.device, load)
 
 
-def run_training(composed: DictConfig, dims: ParallelDims, platform: Platform) -> RunSummary:
-    """Train as configured (``composed``: the validated config, saved as ``config.yaml``),
-    resuming from ``checkpoint.folder`` when it holds a checkpoint.
+def run_training(config: ValidConfig, platform: Platform) -> RunSummary:
+    """Train as configured (``config.composed`` is saved as ``config.yaml``), resuming from
+    ``checkpoint.folder`` when it holds a checkpoint.
 
     Raises:
         JobFailed: on every rank, when any rank found bad data, an unreadable
             ``model.init_from``, a checkpoint that does not fit, or a non-finite loss.
     """
-    cfg = typed_config(composed)
-    job = build_job(cfg, dims, platform, wandb=wandb_settings(composed))
+    cfg = config.cfg
+    job = build_job(cfg, config.dims, platform, wandb=wandb_settings(config.composed))
     plan = resume(job)
     step = plan.start_step if plan is not None else 0
     if platform.rank == 0:
-        write_file_atomically(os.path.join(cfg.output_dir, "config.yaml"), OmegaConf.to_yaml(composed).encode())
+        write_file_atomically(os.path.join(cfg.output_dir, "config.yaml"),
+                              OmegaConf.to_yaml(config.composed).encode())
     job.log.print(describe(job))
     job.log.print(starting_point(cfg, plan))
     if plan is not None and "optim" in plan.keys:
@@ -250,11 +207,6 @@ def _peek_batch(job: TrainingJob, step: int) -> Tuple[Optional[torch.Tensor], Op
         return job.loader.peek().to(job.device), None
     except ValueError as err:  # e.g. a token id outside the vocabulary, deep in a data file
         return None, ConfigError(f"data={job.cfg.data.kind}, step {step}: {err}")
-
-
-def _agree_stop(stop: StopRequest, device: torch.device) -> bool:
-    """Whether any rank got SIGTERM (one all-reduce: every rank must call at the same point)."""
-    return all_reduce_sum(torch.tensor([stop.as_tensor_value], device=device)).item() > 0
 
 
 def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
@@ -297,13 +249,10 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         batch, error = _peek_batch(job, step + 1) if step < t.steps else (None, None)
         # One collective per step: the global mean loss, whether any rank got SIGTERM or ran
         # out of time, and how many ranks cannot read their next batch.
-        out_of_time = limits.out_of_time(time.perf_counter() - step_start)
-        flags = torch.tensor([stop.as_tensor_value, float(out_of_time), float(error is not None)],
-                             device=job.device)
-        loss_sum, stop_votes, time_votes, bad_batches = all_reduce_sum(
-            torch.cat([result["loss"].reshape(1), flags])).tolist()
+        votes = step_votes(result["loss"], sigterm=stop.requested, bad_batch=error is not None,
+                           out_of_time=limits.out_of_time(time.perf_counter() - step_start))
         # Each tensor-parallel rank of the last pipeline stage holds its data-parallel rank's loss.
-        loss, grad_norm = loss_sum / job.dims.loss_ranks, float(result["grad_norm"])
+        loss, grad_norm = votes.loss_sum / job.dims.loss_ranks, float(result["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             saver.wait()
             raise JobFailed(ConfigError(
@@ -320,12 +269,12 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         }
         if job.loss_floor is not None:
             record["loss_floor"] = job.loss_floor
-        reason = ("SIGTERM" if stop_votes > 0 else "time limit" if time_votes > 0
+        reason = ("SIGTERM" if votes.sigterm else "time limit" if votes.out_of_time
                   else "stop_after_steps" if limits.steps_done(step) else None)
         # An agreed SIGTERM or time limit skips the evaluation: the save starts at this boundary.
         if reason in (None, "stop_after_steps") and job.evaluator is not None and job.evaluator.due(step, t.steps):
             record.update(job.evaluator.evaluate(job.model))
-            if _agree_stop(stop, job.device):  # a SIGTERM during the evaluation: save now, not a step later
+            if count_ranks(stop.requested, job.device):  # a SIGTERM during the evaluation: save now, not a step later
                 reason = "SIGTERM"
         if job.profiler is not None and (trace := job.profiler.after_step(step)):
             job.log.print(f"profiler: rank 0 trace {trace}")
@@ -338,9 +287,9 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
             summary.stopped_by_signal, summary.stop_reason = reason == "SIGTERM", reason
             job.log.print(f"{reason}: saved a final checkpoint at step {step}, stopping")
             break
-        if bad_batches:
+        if votes.bad_batch:
             saver.wait()
-            raise JobFailed(error, int(bad_batches))
+            raise JobFailed(error, votes.bad_batch)
     saver.wait()
     summary.end_step = step
     summary.wall_time_s = time.perf_counter() - started

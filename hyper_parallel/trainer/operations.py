@@ -11,8 +11,12 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.trainer.config import ConfigError
-from hyper_parallel.trainer.config_schema import EXCLUDABLE, EXPORT_DTYPE_NAMES, CheckpointConfig, OptimConfig
+from hyper_parallel.checkpoint import CheckpointError, read_checkpoint_metadata
+from hyper_parallel.checkpoint import is_checkpoint
+from hyper_parallel.checkpoint import load as load_checkpoint
+from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, committed_steps
+from hyper_parallel.trainer.config.compose import ConfigError
+from hyper_parallel.trainer.config.schema import EXPORT_DTYPE_NAMES, CheckpointConfig, OptimConfig
 
 EXPORT_DTYPES = {name: getattr(torch, name) for name in EXPORT_DTYPE_NAMES}
 
@@ -45,16 +49,9 @@ def plan_load(c: CheckpointConfig, state_keys: Sequence[str]) -> Optional[LoadPl
     step 0, else the full state minus ``exclude``, continuing at its step.
 
     Raises:
-        ConfigError: ``load_step`` not found, ``load_from`` not a checkpoint, a bad ``exclude``.
+        ConfigError: ``load_step`` not found, ``load_from`` not a checkpoint.
     """
-    from hyper_parallel.checkpoint import is_checkpoint
-    from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, committed_steps
-
-    exclude = list(c.exclude or [])
-    unknown = [k for k in exclude if k not in EXCLUDABLE]
-    if unknown:
-        raise ConfigError(f"checkpoint.exclude={exclude}: {unknown} not among {list(EXCLUDABLE)}")
-    keys = [k for k in state_keys if k not in exclude]
+    keys = [k for k in state_keys if k not in c.exclude]
     own = committed_steps(c.folder) if c.resume else []
     if own:
         path = _pick(c.folder, own, c.load_step)
@@ -84,9 +81,6 @@ def load(plan: LoadPlan, state: Dict[str, Any]) -> None:
         ConfigError: the checkpoint lacks an entry (e.g. a model-only final checkpoint) or
             does not fit the model.
     """
-    from hyper_parallel.checkpoint import CheckpointError, read_checkpoint_metadata
-    from hyper_parallel.checkpoint import load as load_checkpoint
-
     stored = {key.split(".", 1)[0] for key in read_checkpoint_metadata(plan.path).state_dict_metadata}
     missing = [k for k in plan.keys if k not in stored]
     if missing:

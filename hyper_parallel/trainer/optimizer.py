@@ -9,7 +9,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hyper_parallel.trainer.config_schema import OptimConfig
+from hyper_parallel.trainer.config.schema import OptimConfig
 
 # Devices with a fused AdamW kernel in torch; others (e.g. NPU) take the foreach implementation.
 _FUSED_DEVICE_TYPES = frozenset({"cuda", "cpu"})

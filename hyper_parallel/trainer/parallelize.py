@@ -11,10 +11,14 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.utils.checkpoint import checkpoint
 
+from hyper_parallel.checkpoint import CheckpointError
+from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
+from hyper_parallel.models.hf_llama import load_pretrained
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.parallel import apply_tensor_parallel
-from hyper_parallel.trainer.config import ConfigError
-from hyper_parallel.trainer.config_schema import ModelConfig, ParallelDims, llama_config
+from hyper_parallel.trainer.config.compose import ConfigError
+from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.config.schema import ModelConfig, llama_config
 from hyper_parallel.trainer.float8 import convert_to_float8
 
 
@@ -56,13 +60,11 @@ def shard_model(model: Transformer, mesh: DeviceMesh, *, mixed_precision: str,
                 reshard_after_forward: bool) -> Transformer:
     """``fully_shard`` every block, then the root (which keeps its parameters for backward), over
     ``mesh`` (a data-parallel mesh: see :func:`dp_mesh`)."""
-    import hyper_parallel as hp
-
-    mp_policy = (hp.MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                 if mixed_precision == "bf16" else hp.MixedPrecisionPolicy())
+    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+                 if mixed_precision == "bf16" else MixedPrecisionPolicy())
     for block in model.layers.values():
-        hp.fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
-    hp.fully_shard(model, mesh=mesh, mp_policy=mp_policy)
+        fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
+    fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
 
 
@@ -134,9 +136,6 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
     model.to_empty(device=device)
     model.init_weights(seed)  # the same values on every mesh and world size
     if model_cfg.init_from:
-        from hyper_parallel.checkpoint import CheckpointError
-        from hyper_parallel.models.hf_llama import load_pretrained
-
         try:
             load_pretrained(model, os.path.expanduser(model_cfg.init_from), llama_config(model_cfg))
         except (CheckpointError, KeyError, ValueError, OSError) as err:

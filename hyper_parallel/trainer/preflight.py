@@ -1,10 +1,12 @@
-"""Checks of the machine, the file system and the data before any rank starts.
+"""The pre-start check: the validated config against the machine, the file system, the data
+and the installed packages, before any rank starts (what is checked where: ``config/__init__.py``).
 
 Writable output folders and usable files in them (``output_files.py``), an earlier run's
 checkpoints where a new run would overwrite them, the data against the config (a token file's
-sidecar, the samples available for evaluation, a corpus's files and tokenizer), and a lower
-bound of the memory the job needs against what the machine has. Every check is cheap and reads
-no token or text, so ``recipes/train.py --check`` runs them before torchrun starts.
+sidecar, the samples available for evaluation, a corpus's files and tokenizer), the optional
+packages the settings need, and a lower bound of the memory the job needs against what the
+machine has. Every check is cheap and reads no token or text, so ``recipes/train.py --check``
+runs them before torchrun starts.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from typing import List, NamedTuple, Optional
 
 import torch
 
-from hyper_parallel._optional import MissingDependency, require
+from hyper_parallel._optional import MissingDependency, available, install_hint, require
 from hyper_parallel.utils.fileio import url_scheme
 from hyper_parallel.core.distributed_checkpoint.manager import committed_steps
 from hyper_parallel.core.distributed_checkpoint.object_store import store
@@ -25,11 +27,11 @@ from hyper_parallel.data.text import TEXT_SUFFIXES, expand_paths
 from hyper_parallel.data.tokenizer import check_vocab
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform
-from hyper_parallel.trainer.config import ConfigError, problems_message
-from hyper_parallel.trainer.config_schema import (
-    ParallelDims, SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig, llama_config)
+from hyper_parallel.trainer.config.compose import ConfigError, problems_message
+from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.config.schema import (SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig,
+                                                  llama_config)
 from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
-from hyper_parallel.trainer.float8 import float8_problems
 from hyper_parallel.trainer.output_files import output_file_problems, unusable_folder
 from hyper_parallel.utils.units import format_bytes
 
@@ -51,7 +53,7 @@ def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: i
         folders = output_dir_problems(cfg) + checkpoint
         resume = [] if checkpoint else resume_problems(cfg)  # (an unusable folder is not listed)
     problems = (folders + (output_file_problems(cfg) if not folders else []) + init_from_problems(cfg)
-                + resume + data_problems(cfg) + float8_problems(cfg)
+                + resume + data_problems(cfg) + package_problems(cfg)
                 + memory_problems(cfg, dims, ranks_per_node))
     if problems:
         raise ConfigError(problems_message("cannot start", problems))
@@ -115,16 +117,11 @@ def data_problems(cfg: TrainConfig) -> List[str]:
     ``data.tokenizer``, the file sizes against the sidecars, and the samples the validation
     split holds against ``eval.steps``. ``data=text``: the files exist and the tokenizer loads
     and fits ``model.vocab_size`` (token counts are known only once tokenized, at start-up).
-    ``data=synthetic``: ``eval.steps`` at most ``training.steps`` (its validation data is
-    unbounded; a longer evaluation than the whole training is a typo).
+    Synthetic data reads no file.
     """
     d, t, evaluating = cfg.data, cfg.training, cfg.eval.every > 0
     try:
-        if isinstance(d, SyntheticDataConfig):
-            if evaluating and cfg.eval.steps > t.steps:
-                return [f"eval.steps={cfg.eval.steps} is more than training.steps={t.steps}: each evaluation "
-                        "would take longer than the whole training; lower eval.steps"]
-        elif isinstance(d, TokensDataConfig):
+        if isinstance(d, TokensDataConfig):
             sources = build_sources(cfg, cfg.model.vocab_size, with_val=evaluating)
             if sources.val is not None:
                 check_eval_steps(sources.val, t.global_batch_size, cfg.eval.steps)
@@ -137,6 +134,16 @@ def data_problems(cfg: TrainConfig) -> List[str]:
     except (ValueError, FileNotFoundError, MissingDependency) as err:
         return [f"data={d.kind}: {err}"]
     return []
+
+
+def package_problems(cfg: TrainConfig) -> List[str]:
+    """The optional packages the settings need are installed (each missing one a line naming
+    its extra)."""
+    asked = {"training.float8": ("torchao", cfg.training.float8),
+             "logging.tensorboard": ("tensorboard", cfg.logging.tensorboard),
+             "logging.wandb": ("wandb", cfg.logging.wandb)}
+    return [f"{install_hint(package, f'{key}=true')}, or set {key}=false"
+            for key, (package, on) in asked.items() if on and not available(package)]
 
 
 def resume_problems(cfg: TrainConfig) -> List[str]:

@@ -4,20 +4,19 @@ checkpoint does not fit, and the end-of-run summary."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 from omegaconf import OmegaConf
 
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.trainer import operations
-from hyper_parallel.trainer.config import model_overrides
-from hyper_parallel.trainer.config_schema import ParallelDims, TrainConfig, llama_config, shape
+from hyper_parallel.trainer.config.compose import model_overrides
+from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.config.schema import TrainConfig, llama_config, shape
+from hyper_parallel.trainer.job import RunSummary, TrainingJob
 from hyper_parallel.trainer.metrics import METRICS_FILE
 from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER
-
-if TYPE_CHECKING:
-    from hyper_parallel.trainer.loop import RunSummary, TrainingJob
 
 
 def resume_mismatch(cfg: TrainConfig, path: str, err: Exception) -> str:

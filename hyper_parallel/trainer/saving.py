@@ -13,7 +13,7 @@ import torch
 
 from hyper_parallel.checkpoint import CheckpointError, ModelState, OptimizerState
 from hyper_parallel.trainer.agreement import fail_together
-from hyper_parallel.trainer.config import ConfigError
+from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.utils.units import format_bytes
 
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)

@@ -51,7 +51,7 @@ class TensorBoardSink(MetricsSink):
     """
 
     def __init__(self, folder: str):
-        try:
+        try:  # an optional package (hyper_parallel[tensorboard]): imported only when the sink is on
             from torch.utils.tensorboard import SummaryWriter
         except ImportError:
             raise SinkError(f"{install_hint('tensorboard', 'logging.tensorboard=true')}, "
@@ -129,7 +129,7 @@ class WandbSink(MetricsSink):
     """
 
     def __init__(self, output_dir: str, settings: WandbSettings):
-        try:
+        try:  # an optional package (hyper_parallel[wandb]): imported only when the sink is on
             import wandb
         except ImportError:
             raise SinkError(f"{install_hint('wandb', 'logging.wandb=true')}, or set logging.wandb=false") from None

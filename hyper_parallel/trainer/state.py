@@ -1,16 +1,16 @@
-"""What a training checkpoint holds, and the cooperative stop on SIGTERM."""
+"""What a training checkpoint holds: the job's Stateful objects, saved and restored on any mesh."""
 
 from __future__ import annotations
 
-import signal
 from typing import Any, Dict, Optional, Sequence, Union
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyper_parallel.checkpoint import ModelState, OptimizerState
 from hyper_parallel.data import DistributedBatchLoader
-from hyper_parallel.trainer.config_parallel import ParallelDims
+from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 
 # Entries a checkpoint records but a resumed job does not load (the run's own layout wins).
@@ -61,8 +61,6 @@ def training_state(model: Union[nn.Module, Sequence[nn.Module]], optimizer: torc
     :data:`SAVED_ONLY` entries are saved, not restored). ``model``: the model, or this rank's
     pipeline stage modules (the whole model's parameter names, so any split loads any other)
     and ``pp_group`` the pipeline group (the optimizer's param groups are gathered over it)."""
-    from hyper_parallel.checkpoint import ModelState, OptimizerState
-
     return {
         "model": ModelState(model),
         "optim": OptimizerState(model, optimizer, pp_group=pp_group),
@@ -71,38 +69,3 @@ def training_state(model: Union[nn.Module, Sequence[nn.Module]], optimizer: torc
         "rng": rng,
         "parallel": ParallelLayout(dims),
     }
-
-
-class StopRequest:
-    """Remembers a SIGTERM so that all ranks can agree to stop at the same step boundary.
-
-    The flag travels in the same all-reduce as the step's loss (see :meth:`as_tensor_value`):
-    if any rank got the signal, every rank sees it after that step.
-    """
-
-    def __init__(self) -> None:
-        self.requested = False
-        self._previous = None
-
-    def install(self) -> "StopRequest":
-        self._previous = signal.signal(signal.SIGTERM, self._on_signal)
-        return self
-
-    def _on_signal(self, signum, frame) -> None:
-        self.requested = True
-
-    def uninstall(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
-
-    @property
-    def as_tensor_value(self) -> float:
-        return 1.0 if self.requested else 0.0
-
-
-def all_reduce_sum(values: torch.Tensor) -> torch.Tensor:
-    """Sum over all ranks (a no-op without a process group)."""
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(values)
-    return values

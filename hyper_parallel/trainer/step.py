@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.core.fully_shard import FSDPModule
+from hyper_parallel.core.grad_norm import clip_grad_norm_
 from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.trainer.float8 import precompute_scales
 
@@ -29,8 +30,6 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     ``grad_norm`` before clipping. ``float8_scales``: after the step, compute the next
     all-gathers' float8 scales of all tensorwise float8 weights with one all-reduce.
     """
-    import hyper_parallel as hp
-
     micro_batches = batch.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=batch.device)
     for i, micro in enumerate(micro_batches):
@@ -41,7 +40,7 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
             (loss / grad_accum_steps).backward()
         loss_sum = loss_sum + loss.detach()
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
-    grad_norm = hp.clip_grad_norm_(model.parameters(), clip)
+    grad_norm = clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
     if float8_scales:
         precompute_scales(model)

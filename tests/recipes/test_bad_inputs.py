@@ -14,7 +14,7 @@ import pytest
 from hyper_parallel.checkpoint import save
 from hyper_parallel.trainer import compose_config, validate_config
 from hyper_parallel.trainer import preflight
-from hyper_parallel.trainer.config_schema import DATA_KEYS as DATA_SCHEMA
+from hyper_parallel.trainer.config.schema import DATA_KEYS as DATA_SCHEMA
 from tests.recipes.train_in_process import one_line_error
 
 GIB = 1024**3
@@ -78,14 +78,14 @@ def test_absurd_sizes_fail_fast_with_a_memory_estimate(check, monkeypatch, overr
 
 def test_the_memory_estimate_is_a_lower_bound_that_admits_the_default_job():
     cfg = compose_config(["model.vocab_size=1000", "training.global_batch_size=8", "training.seq_len=16"])
-    est = preflight.estimate_memory(cfg, validate_config(cfg, 2))
+    est = preflight.estimate_memory(cfg, validate_config(cfg, 2).dims)
     llama = 1000 * 64 * 2 + 2 * (64 * 64 * 2 + 64 * 32 * 2 + 3 * 64 * 192 + 2 * 64) + 64
     assert est.parameters == llama
     assert est.model_state == 16 * llama // 2
     assert est.logits == 2 * 4 * (8 // 2) * 16 * 1000
     host, device = preflight.available_memory()
     assert host > 0 and device is None  # this CPU machine
-    assert not preflight.memory_problems(compose_config([]), validate_config(compose_config([]), 2), 2)
+    assert not preflight.memory_problems(compose_config([]), validate_config(compose_config([]), 2).dims, 2)
 
 
 def test_output_folder_under_a_file(check, tmp_path):

@@ -27,7 +27,7 @@ def _train(overrides):
     """Run the recipe's training on this rank; its report line if it failed ("ok" if not)."""
     cfg = compose_config([*TINY, *overrides])
     try:
-        run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+        run_training(validate_config(cfg, dist.get_world_size()), get_platform())
     except JobFailed as failure:
         return failure.report(dist.get_rank(), dist.get_world_size())
     return "ok"
@@ -132,7 +132,7 @@ def test_job_failed_reports():
 def _train_steps(overrides):
     """Run the recipe's training on this rank: (first step, last step) of the run."""
     cfg = compose_config([*TINY, *overrides])
-    summary = run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+    summary = run_training(validate_config(cfg, dist.get_world_size()), get_platform())
     return summary.start_step, summary.end_step
 
 

@@ -7,9 +7,8 @@ import torch.distributed as dist
 from hyper_parallel._torch_compat import local_tensor
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.data import DistributedBatchLoader, MarkovSource
-from hyper_parallel.trainer import compose_config, train_step, validate_config
-from hyper_parallel.trainer import float8 as float8_keys
-from hyper_parallel.trainer.loop import build_optimizer
+from hyper_parallel.trainer import compose_config, preflight, train_step, typed_config, validate_config
+from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from tests.multirank import run_on_ranks
 
@@ -18,17 +17,17 @@ OVERRIDES = ["model.dim=32", "model.n_layers=2", "model.ffn_hidden_dim=64", "mod
 
 
 def test_missing_torchao_is_one_clear_line(monkeypatch):
-    monkeypatch.setattr(float8_keys, "available", lambda package: package != "torchao")
-    assert float8_keys.float8_problems(compose_config(OVERRIDES)) == [
+    monkeypatch.setattr(preflight, "available", lambda package: package != "torchao")
+    assert preflight.package_problems(typed_config(compose_config(OVERRIDES))) == [
         "training.float8=true needs the 'torchao' package: pip install 'hyper_parallel[float8]', "
         "or set training.float8=false"]
-    assert float8_keys.float8_problems(compose_config(OVERRIDES[:-1])) == []
+    assert preflight.package_problems(typed_config(compose_config(OVERRIDES[:-1]))) == []
 
 
 def _float8_steps(recipe):
     torch.manual_seed(0)
     cfg = compose_config(OVERRIDES + [f"training.float8_recipe={recipe}"])
-    dims = validate_config(cfg, dist.get_world_size())
+    dims = validate_config(cfg, dist.get_world_size()).dims
     cpu = torch.device("cpu")
     model = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=cpu, seed=0, float8_recipe=recipe)
     names = sorted({type(m).__name__ for m in (model.layers["0"].attention.wq, model.layers["0"].feed_forward.w1,

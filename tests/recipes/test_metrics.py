@@ -111,7 +111,7 @@ def test_wandb_offline_run_records_every_step(tmp_path, monkeypatch):
 
 
 def test_wandb_without_the_package_is_one_line_naming_the_extra(tmp_path, monkeypatch):
-    from hyper_parallel.trainer import compose_config, validate_config
+    from hyper_parallel.trainer import compose_config, preflight, validate_config
     from hyper_parallel.trainer.config import ConfigError
     from hyper_parallel.trainer.sinks import WandbSettings
 
@@ -119,8 +119,9 @@ def test_wandb_without_the_package_is_one_line_naming_the_extra(tmp_path, monkey
     with pytest.raises(RuntimeError, match=r"needs the 'wandb' package: pip install 'hyper_parallel\[wandb\]'"):
         MetricsLogger(str(tmp_path), total_steps=1, is_main=True, wandb=WandbSettings(project="p"))
     monkeypatch.setattr("importlib.util.find_spec", lambda name, *a: None if name == "wandb" else object())
+    config = validate_config(compose_config(["logging.wandb=true", f"output_dir={tmp_path / 'out'}"]), 1)
     with pytest.raises(ConfigError) as err:
-        validate_config(compose_config(["logging.wandb=true"]), 1)
+        preflight.check_environment(config.cfg, config.dims, ranks_per_node=1)
     assert str(err.value) == ("logging.wandb=true needs the 'wandb' package: pip install 'hyper_parallel[wandb]', "
                               "or set logging.wandb=false")
 
@@ -155,7 +156,7 @@ def _train_two_steps(output_dir):
     from tests.recipes.launch import TINY
 
     cfg = compose_config([*TINY, "training.steps=2", f"output_dir={output_dir}"])
-    run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+    run_training(validate_config(cfg, dist.get_world_size()), get_platform())
 
 
 def test_every_record_says_the_world_size_and_the_mesh(tmp_path):

@@ -5,7 +5,7 @@ import torch.distributed as dist
 
 from hyper_parallel.data import DistributedBatchLoader, MarkovSource
 from hyper_parallel.trainer import compose_config, train_step, validate_config
-from hyper_parallel.trainer.loop import build_optimizer
+from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from tests.multirank import run_on_ranks
 
@@ -13,7 +13,7 @@ from tests.multirank import run_on_ranks
 def _dtypes_in_one_step(precision: str):
     cfg = compose_config(["model.dim=32", "model.n_layers=2", "model.activation_checkpointing=true",
                           f"parallel.mixed_precision={precision}"])
-    dims = validate_config(cfg, dist.get_world_size())
+    dims = validate_config(cfg, dist.get_world_size()).dims
     model = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=torch.device("cpu"), seed=0,
                         mixed_precision=precision)
     seen = {}

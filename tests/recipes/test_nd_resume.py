@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from hyper_parallel.checkpoint import export_hf
 from hyper_parallel.platform import get_platform
-from hyper_parallel.trainer import compose_config, loop, run_training, typed_config, validate_config
+from hyper_parallel.trainer import compose_config, loop, run_training, validate_config
 from tests.multirank import run_on_ranks
 from tests.recipes.launch import TINY, assert_losses_match, last_loss_per_step, read_metrics, run
 
@@ -41,9 +41,8 @@ def _full_state(job: loop.TrainingJob) -> Dict[str, torch.Tensor]:
 
 
 def _job(overrides: List[str]) -> loop.TrainingJob:
-    composed = compose_config([*TINY, *overrides])
-    dims = validate_config(composed, dist.get_world_size())
-    return loop.build_job(typed_config(composed), dims, get_platform())
+    config = validate_config(compose_config([*TINY, *overrides]), dist.get_world_size())
+    return loop.build_job(config.cfg, config.dims, get_platform())
 
 
 def _train_and_save(overrides: List[str]) -> Dict[str, torch.Tensor]:
@@ -94,7 +93,7 @@ def test_every_tensor_loads_bit_exactly_on_another_layout(tmp_path, saved, loade
 
 def _train(overrides: List[str]) -> None:
     cfg = compose_config([*TINY, *overrides])
-    run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+    run_training(validate_config(cfg, dist.get_world_size()), get_platform())
 
 
 def test_resume_matrix_fsdp4_to_tp2xfsdp2_to_fsdp2_continues_the_uninterrupted_losses(tmp_path):
@@ -125,9 +124,8 @@ def _init_from(overrides: List[str]) -> float:
     transformers export (``model.init_from`` in ``overrides``)."""
     from hyper_parallel.trainer.parallelize import build_mesh, build_model
 
-    composed = compose_config([*TINY, *overrides])
-    dims = validate_config(composed, dist.get_world_size())
-    cfg = typed_config(composed)
+    config = validate_config(compose_config([*TINY, *overrides]), dist.get_world_size())
+    cfg, dims = config.cfg, config.dims
     plain = build_model(cfg.model, mesh=None, device=torch.device("cpu"), seed=3)
     sharded = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=torch.device("cpu"), seed=0)
     plain_params = dict(plain.named_parameters())

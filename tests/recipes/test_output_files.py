@@ -83,7 +83,7 @@ def _train(overrides):
     """The recipe's training on this rank without the start-up checks: its report line if it failed."""
     cfg = compose_config([*TINY, *overrides])
     try:
-        run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+        run_training(validate_config(cfg, dist.get_world_size()), get_platform())
     except JobFailed as failure:
         return failure.report(dist.get_rank(), dist.get_world_size())
     return "ok"

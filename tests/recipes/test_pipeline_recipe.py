@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from hyper_parallel.checkpoint import CheckpointManager, export_hf
 from hyper_parallel.platform import get_platform
-from hyper_parallel.trainer import ParallelDims, compose_config, loop, run_training, typed_config, validate_config
+from hyper_parallel.trainer import ParallelDims, compose_config, loop, run_training, validate_config
 from hyper_parallel.trainer.parallelize import build_mesh, dp_mesh
 from tests.multirank import run_on_ranks
 from tests.recipes.launch import TINY, last_loss_per_step, read_metrics, run
@@ -47,7 +47,7 @@ def _train(overrides: List[str], signal_rank: int = -1):
     torch.set_default_dtype(torch.float64)
     try:
         cfg = compose_config([*TINY, *STEPS, *overrides])
-        summary = run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+        summary = run_training(validate_config(cfg, dist.get_world_size()), get_platform())
     finally:
         torch.set_default_dtype(torch.float32)
         loop.pipelined_step = original
@@ -122,8 +122,8 @@ def test_the_mesh_puts_pp_outermost_and_dp_rank_follows_it(dims, names):
 def _describe(overrides: List[str]) -> str:
     from hyper_parallel.trainer.reporting import describe
 
-    cfg = compose_config([*TINY, *overrides])
-    return describe(loop.build_job(typed_config(cfg), validate_config(cfg, dist.get_world_size()), get_platform()))
+    config = validate_config(compose_config([*TINY, *overrides]), dist.get_world_size())
+    return describe(loop.build_job(config.cfg, config.dims, get_platform()))
 
 
 def test_the_start_up_line_counts_the_whole_model_and_this_ranks_stages(tmp_path):
@@ -175,12 +175,13 @@ def _stages_vs_plain(overrides: List[str]):
     from hyper_parallel.trainer import train_step
     from hyper_parallel.trainer.optimizer import build_optimizer
     from hyper_parallel.trainer.parallelize import build_model
-    from hyper_parallel.trainer.pipelined import build_pipeline, pipelined_step
+    from hyper_parallel.trainer.pipeline_parallel import build_pipeline, pipelined_step
 
     torch.set_default_dtype(torch.float64)
     try:
         composed = compose_config([*TINY, "training.global_batch_size=4", "optim.warmup_steps=0", *overrides])
-        dims, cfg = validate_config(composed, dist.get_world_size()), typed_config(composed)
+        config = validate_config(composed, dist.get_world_size())
+        dims, cfg = config.dims, config.cfg
         t, cpu = cfg.training, torch.device("cpu")
         plain = build_model(cfg.model, mesh=None, device=cpu, seed=t.seed)
         pipeline = build_pipeline(cfg.model, cfg.parallel, mesh=build_mesh(dims, "cpu"), device=cpu, seed=t.seed,
@@ -235,7 +236,8 @@ def test_the_memory_estimate_counts_one_stage_one_end_of_the_model_and_one_pipel
     estimates = {}
     for pp in (1, 2):  # llama_8b: the embedding and the output outweigh a block
         cfg = compose_config(["model=llama_8b", "data.path=corpus.bin", "data=tokens", f"parallel.pp={pp}"])
-        estimates[pp] = estimate_memory(typed_config(cfg), validate_config(cfg, 4 * pp))
+        config = validate_config(cfg, 4 * pp)
+        estimates[pp] = estimate_memory(config.cfg, config.dims)
     one, two = estimates[1], estimates[2]
     assert two.parameters == one.parameters and two.model_state * 2 == one.model_state
     assert two.gathered * 2 == one.gathered and two.logits * 4 == one.logits  # 4 samples per rank, 4 micro-batches
@@ -245,10 +247,11 @@ def _init_from_diff(path: str) -> float:
     """The largest difference between this rank's stages initialised from the transformers
     export at ``path`` and the plain model it was exported from (seed 3)."""
     from hyper_parallel.trainer.parallelize import build_model
-    from hyper_parallel.trainer.pipelined import build_pipeline
+    from hyper_parallel.trainer.pipeline_parallel import build_pipeline
 
     composed = compose_config([*TINY, "parallel.pp=2", "parallel.pp_microbatches=2", f"model.init_from={path}"])
-    dims, cfg = validate_config(composed, dist.get_world_size()), typed_config(composed)
+    config = validate_config(composed, dist.get_world_size())
+    dims, cfg = config.dims, config.cfg
     pipeline = build_pipeline(cfg.model, cfg.parallel, mesh=build_mesh(dims, "cpu"), device=torch.device("cpu"),
                               seed=0, grad_accum_steps=1)
     cfg.model.init_from = None

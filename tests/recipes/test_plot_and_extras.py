@@ -142,11 +142,11 @@ def test_missing_packages_at_their_entry_points(tmp_path, monkeypatch, capsys):
         assert err.startswith("error: scripts/") and err.endswith(RECIPES_HINT) and "\n" not in err, err
 
 
-def test_the_tensorboard_config_check_names_its_extra(monkeypatch):
-    from hyper_parallel.trainer import ConfigError, compose_config, validate_config
-    from hyper_parallel.trainer import config_schema as config
+def test_the_tensorboard_config_check_names_its_extra(monkeypatch, tmp_path):
+    from hyper_parallel.trainer import ConfigError, compose_config, preflight, validate_config
 
-    monkeypatch.setattr(config, "available", lambda package: package != "tensorboard")
+    monkeypatch.setattr(preflight, "available", lambda package: package != "tensorboard")
+    config = validate_config(compose_config(["logging.tensorboard=true", f"output_dir={tmp_path}"]), 1)
     with pytest.raises(ConfigError, match=r"logging.tensorboard=true needs the 'tensorboard' package: pip install "
                                           r"'hyper_parallel\[tensorboard\]', or set logging.tensorboard=false"):
-        validate_config(compose_config(["logging.tensorboard=true"]), 1)
+        preflight.check_environment(config.cfg, config.dims, ranks_per_node=1)

@@ -25,7 +25,7 @@ STEPS = ["training.steps=6", "checkpoint.interval=2", "checkpoint.keep_last_n=1"
 
 def _train(overrides: List[str]) -> tuple:
     cfg = compose_config([*TINY, *STEPS, *overrides])
-    summary = run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+    summary = run_training(validate_config(cfg, dist.get_world_size()), get_platform())
     return summary.start_step, summary.end_step
 
 

@@ -33,8 +33,8 @@ def test_schedule_state_round_trip_sets_the_optimizer_lr():
 def test_defaults_validate_and_resolve_the_mesh():
     cfg = compose_config([])
     assert cfg.checkpoint.folder == f"{cfg.output_dir}/checkpoints"
-    assert validate_config(cfg, 2).shard == 2
-    dims = validate_config(compose_config(["parallel=hsdp"]), 4)
+    assert validate_config(cfg, 2).dims.shard == 2
+    dims = validate_config(compose_config(["parallel=hsdp"]), 4).dims
     assert (dims.replicate, dims.shard) == (2, 2)
 
 
@@ -47,6 +47,12 @@ def test_defaults_validate_and_resolve_the_mesh():
     (["training.seq_len=512"], 1, "exceeds model.max_seq_len=256"),
     (["data=tokens"], 1, "required value(s) not set: data.path"),
     (["model.n_heads=5"], 1, "model: dim=64 is not divisible by n_heads=5"),
+    # Where the validation data comes from is a relation of keys: the config check refuses it.
+    (["data=text", "data.paths=c.txt", "data.val_fraction=0.1", "data.val_path=v.txt"], 1,
+     "data.val_fraction=0.1 and data.val_path=v.txt: set one of them, not both"),
+    (["data=tokens", "data.path=t.bin", "eval.every=5"], 1,
+     "eval.every=5 needs validation data: set data.val_fraction or data.val_path"),
+    (["eval.every=10", "eval.steps=300"], 1, "eval.steps=300 is more than training.steps=200"),
 ])
 def test_bad_values_are_named(overrides, world, message):
     with pytest.raises(ConfigError) as err:
@@ -81,7 +87,7 @@ def test_the_typed_config_holds_the_composed_values_in_the_data_kinds_class():
     from omegaconf import OmegaConf
 
     from hyper_parallel.trainer import TrainConfig, typed_config
-    from hyper_parallel.trainer.config_schema import DATA_KINDS
+    from hyper_parallel.trainer.config.schema import DATA_KINDS
 
     for kind, extra in (("synthetic", []), ("text", ["data.paths=[a,b]"]), ("tokens", ["data.path=x"])):
         cfg = compose_config([f"data={kind}", *extra, "training.steps=7", "optim.betas=[0.8,0.9]"])
@@ -92,12 +98,12 @@ def test_the_typed_config_holds_the_composed_values_in_the_data_kinds_class():
 
 
 def test_presets_hold_only_what_differs_from_the_schema():
-    """Defaults live in config_schema.py alone: a preset restating one would drift from it."""
+    """Defaults live in config/schema.py alone: a preset restating one would drift from it."""
     from omegaconf import OmegaConf
 
-    from hyper_parallel.trainer.config import CONFIG_DIR
-    from hyper_parallel.trainer.config_rules import defaults
-    from hyper_parallel.trainer.config_schema import DATA_KINDS, GROUPS, TrainConfig
+    from hyper_parallel.trainer.config.compose import CONFIG_DIR
+    from hyper_parallel.trainer.config.rules import defaults
+    from hyper_parallel.trainer.config.schema import DATA_KINDS, GROUPS, TrainConfig
 
     schemas = {**GROUPS, **{f"data/{kind}": cls for kind, cls in DATA_KINDS.items()}}
     for group, cls in schemas.items():

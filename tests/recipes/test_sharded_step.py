@@ -6,7 +6,7 @@ import torch.distributed as dist
 from hyper_parallel.checkpoint import set_model_state_dict
 from hyper_parallel.data import DistributedBatchLoader, MarkovSource
 from hyper_parallel.trainer import compose_config, train_step, validate_config
-from hyper_parallel.trainer.loop import build_optimizer
+from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from tests.multirank import run_on_ranks
 
@@ -16,7 +16,7 @@ OVERRIDES = ["model.dim=32", "model.n_layers=2", "model.activation_checkpointing
 def _sharded_vs_plain(grad_accum_steps: int):
     torch.manual_seed(0)
     cfg = compose_config(OVERRIDES)
-    dims = validate_config(cfg, dist.get_world_size())
+    dims = validate_config(cfg, dist.get_world_size()).dims
     cpu = torch.device("cpu")
     plain = build_model(cfg.model, mesh=None, device=cpu, seed=3)
     sharded = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=cpu, seed=0)

@@ -2,8 +2,8 @@
 where the outputs are."""
 
 from hyper_parallel.trainer import RunSummary, compose_config
-from hyper_parallel.trainer.config import model_overrides
-from hyper_parallel.trainer.loop import format_summary, starting_point
+from hyper_parallel.trainer.config.compose import model_overrides
+from hyper_parallel.trainer.reporting import format_summary, starting_point
 from hyper_parallel.trainer.operations import LoadPlan
 
 

@@ -35,7 +35,7 @@ def _train_signalled(overrides, rank, at_step, during):
     setattr(*patched, signalled)
     try:
         cfg = compose_config([*TINY, *overrides])
-        summary = run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+        summary = run_training(validate_config(cfg, dist.get_world_size()), get_platform())
     finally:
         setattr(*patched, original)
     return summary.start_step, summary.end_step, summary.stop_reason
@@ -75,7 +75,7 @@ def _resume_with(overrides):
     MetricsLogger.print = lambda self, message: printed.append(message) if self.is_main else None
     try:
         cfg = compose_config([*TINY, *overrides])
-        run_training(cfg, validate_config(cfg, dist.get_world_size()), get_platform())
+        run_training(validate_config(cfg, dist.get_world_size()), get_platform())
     finally:
         loop.build_optimizer, MetricsLogger.print = build, log_print
     return made[0].param_groups[0]["betas"], printed

@@ -10,9 +10,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.data import DistributedBatchLoader, MarkovSource
-from hyper_parallel.trainer import compose_config, train_step, typed_config, validate_config
+from hyper_parallel.trainer import compose_config, train_step, validate_config
 from hyper_parallel.trainer.evaluation import Evaluator
-from hyper_parallel.trainer.loop import build_optimizer
+from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from tests.fully_shard._helpers import TOL
 from tests.multirank import run_on_ranks
@@ -33,8 +33,8 @@ def _parallel_vs_plain(overrides):
     torch.set_default_dtype(torch.float64)
     try:
         cfg = compose_config([*SMALL, *overrides])
-        dims = validate_config(cfg, dist.get_world_size())
-        typed = typed_config(cfg)
+        config = validate_config(cfg, dist.get_world_size())
+        dims, typed = config.dims, config.cfg
         cpu = torch.device("cpu")
         mesh = build_mesh(dims, "cpu")
         plain = build_model(typed.model, mesh=None, device=cpu, seed=0)
@@ -116,10 +116,10 @@ def test_impossible_tensor_parallel_layouts_are_refused_in_one_line(check, overr
 def _tp_losses(variant: str):
     """Two steps of TP2 x FSDP1 in float32: eager, compiled blocks (aot_eager; ``compiled_ac``:
     with activation checkpointing), or bf16 mixed precision; the losses and the parameters' dtype."""
-    cfg = typed_config(compose_config([*SMALL, "parallel.tp=2"]))
+    config = validate_config(compose_config([*SMALL, "parallel.tp=2"]), dist.get_world_size())
+    cfg, dims = config.cfg, config.dims
     cfg.model.activation_checkpointing = variant == "compiled_ac"
     cpu = torch.device("cpu")
-    dims = validate_config(compose_config([*SMALL, "parallel.tp=2"]), dist.get_world_size())
     model = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=cpu, seed=0,
                         mixed_precision="bf16" if variant == "bf16" else "fp32",
                         compile_backend="aot_eager" if variant.startswith("compiled") else None)
@@ -144,8 +144,9 @@ def test_llama_70b_preset_is_tp8_by_fsdp_over_nodes_with_the_documented_state_si
     from hyper_parallel.trainer.preflight import estimate_memory
 
     cfg = compose_config(["+experiment=llama_70b_gpu", "data.path=corpus.bin"])
-    dims = validate_config(cfg, 64)  # 8 nodes of 8 GPUs
+    config = validate_config(cfg, 64)  # 8 nodes of 8 GPUs
+    dims = config.dims
     assert (dims.replicate, dims.shard, dims.tp) == (1, 8, 8)
-    est = estimate_memory(typed_config(cfg), dims)
+    est = estimate_memory(config.cfg, dims)
     assert est.parameters == 70_553_706_496  # docs/recipes.md, "N-D parallelism"
     assert round(est.model_state / 1e9, 1) == 17.6

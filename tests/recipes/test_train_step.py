@@ -6,7 +6,7 @@ import torch
 
 from hyper_parallel.data import DistributedBatchLoader, MarkovSource
 from hyper_parallel.trainer import compose_config, train_step
-from hyper_parallel.trainer.loop import build_optimizer
+from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_model
 
 

@@ -1,5 +1,5 @@
 """Compose the Hydra config from the command line, validate it against the schema
-(``config_schema.py``) before anything starts, and make the typed config the consumers read."""
+(``schema.py``) before anything starts, and make the typed config the consumers read."""
 
 from __future__ import annotations
 
@@ -10,20 +10,32 @@ import re
 import typing
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
+from hydra import compose, initialize_config_dir
+from hydra.errors import HydraException
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
-from hyper_parallel.trainer.config_rules import Range, accepts, build, describe, field_rules, leaves
-from hyper_parallel.trainer.config_schema import (  # noqa: F401 (llama_config: re-exported)
-    DATA_KEYS, DATA_KINDS, DataConfig, ModelConfig, ParallelDims, TrainConfig, llama_config,
-    register_schemas, shape)
+from hyper_parallel.trainer.config.rules import Range, accepts, build, describe, field_rules, leaves
+from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.config.schema import (DATA_KEYS, DATA_KINDS, DataConfig, ModelConfig, TrainConfig,
+                                                  register_schemas, shape)
 
-CONFIG_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "configs"))
+CONFIG_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs"))
 # Hydra's message for an override of a key the config lacks.
 _UNKNOWN_OVERRIDE = re.compile(r"Could not override '([^']+)'\.\s*To append to your config")
 
 
 class ConfigError(ValueError):
     """The configuration cannot run; the message lists every problem found."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ValidConfig:
+    """A config that passed :func:`validate_config`, typed once: what a run reads."""
+
+    cfg: TrainConfig       # the typed config the code reads
+    dims: ParallelDims     # the world's layout
+    composed: DictConfig   # as composed and resolved: the run's config.yaml, its W&B run's config
 
 
 def _rules(data_cls: Optional[type]) -> Dict[str, Tuple[Any, Range]]:
@@ -90,7 +102,8 @@ def _typed(values: Dict[str, Any]) -> TrainConfig:
 
 
 def typed_config(cfg: DictConfig) -> TrainConfig:
-    """The typed config of a composed, validated ``cfg`` (what the consumers read)."""
+    """The typed config of a composed ``cfg``, not validated (a run reads
+    :func:`validate_config`'s)."""
     return _typed(OmegaConf.to_container(cfg, resolve=True))
 
 
@@ -116,10 +129,6 @@ def compose_config(overrides: Sequence[str], config_dir: str = CONFIG_DIR,
         ConfigError: a malformed override, an unknown key or group option, or a value that
             does not resolve (the message says which).
     """
-    from hydra import compose, initialize_config_dir
-    from hydra.errors import HydraException
-    from omegaconf.errors import OmegaConfBaseException
-
     register_schemas()
     try:
         with initialize_config_dir(config_dir=config_dir, version_base=None):
@@ -144,9 +153,9 @@ def _first_lines(message: str, limit: int = 6) -> str:
     return "\n".join(lines[:limit])
 
 
-def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
-    """Check every key against the schema and the keys against each other; return the
-    data-parallel layout.
+def validate_config(cfg: DictConfig, world_size: int) -> ValidConfig:
+    """Check every key against the schema and the keys against each other; return the typed
+    config with the world's layout.
 
     Raises:
         ConfigError: listing all problems found (unknown keys, types, ranges, mesh, batch
@@ -158,11 +167,12 @@ def validate_config(cfg: DictConfig, world_size: int) -> ParallelDims:
                           + " (pass them as overrides, e.g. " + missing[0] + "=...)")
     values = OmegaConf.to_container(cfg, resolve=True)
     problems = schema_problems(values)
-    dims, relations = _typed(values).problems(world_size, lambda name: name not in problems)
+    typed = _typed(values)
+    dims, relations = typed.problems(world_size, lambda name: name not in problems)
     listing = list(problems.values()) + relations
     if listing:
         raise ConfigError(problems_message("invalid configuration", listing))
-    return dims
+    return ValidConfig(typed, dims, cfg)
 
 
 def problems_message(header: str, problems: Sequence[str]) -> str:

@@ -11,12 +11,13 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hyper_parallel.core.grad_norm import clip_grad_norm_
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.pipeline import (Schedule, ShardedPipelineStage, build_schedule, split_stage, stage_indices,
                                      stage_layers)
-from hyper_parallel.trainer.config_parallel import ParallelConfig
-from hyper_parallel.trainer.config_schema import ModelConfig, llama_config
+from hyper_parallel.trainer.config.parallel import ParallelConfig
+from hyper_parallel.trainer.config.schema import ModelConfig, llama_config
 from hyper_parallel.trainer.parallelize import parallelize
 
 
@@ -90,12 +91,10 @@ def pipelined_step(pipeline: Pipeline, batch: torch.Tensor, optimizer: torch.opt
     per accumulation step (``pipeline.grad_accum_steps``), clipping by the norm over all
     stages, the update. Returns 0-dim tensors: ``loss``, this data-parallel rank's mean loss on
     the last stage (0 on the others), and ``grad_norm``."""
-    import hyper_parallel as hp
-
     loss = pipeline.mean_loss(batch, train=True)
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     params = [p for part in pipeline.parts for p in part.parameters()]
-    grad_norm = hp.clip_grad_norm_(params, clip, pp_group=pipeline.pp_group)
+    grad_norm = clip_grad_norm_(params, clip, pp_group=pipeline.pp_group)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return {"loss": loss, "grad_norm": grad_norm}

@@ -3,10 +3,11 @@ with its type, default, range and meaning in one place.
 
 The defaults are registered in Hydra's ConfigStore (:func:`register_schemas`); the YAML files
 under ``configs/`` extend them (``defaults: [schema, _self_]``) and hold only what a preset
-changes. Consumers read the typed :class:`TrainConfig` (``config.typed_config``). Adding a key
-is one line in its class, e.g. ``eval_every: int = key(0, min=0)  # ...``, plus its row in
-docs/recipes.md; a check between keys goes in the class's ``problems``. A new data kind is one
-:class:`DataConfig` subclass in ``DATA_KINDS`` plus its ``configs/data/<kind>.yaml``.
+changes. Consumers read the typed :class:`TrainConfig` that validation makes
+(``compose.validate_config``). Adding a key is one line in its class, e.g.
+``eval_every: int = key(0, min=0)  # ...``, plus its row in docs/recipes.md; a check between keys
+goes in the class's ``problems`` (what is checked where: the package's docstring). A new data
+kind is one :class:`DataConfig` subclass in ``DATA_KINDS`` plus its ``configs/data/<kind>.yaml``.
 
 Each ``problems(ok)`` lists what is wrong between the class's keys; ``ok(name)`` says whether a
 key passed its own type and range check (a check reads only keys that did).
@@ -17,12 +18,14 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Callable, ClassVar, Dict, List, Optional, Tuple, Type, Union
 
+import torch
+from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
-from hyper_parallel._optional import available, install_hint
 from hyper_parallel.models.llama import LlamaConfig, RopeScaling
-from hyper_parallel.trainer.config_parallel import ParallelConfig, ParallelDims
-from hyper_parallel.trainer.config_rules import defaults, field_rules, key
+from hyper_parallel.trainer.config.parallel import ParallelConfig, ParallelDims
+from hyper_parallel.trainer.config.rules import defaults, field_rules, key
+from hyper_parallel.trainer.float8 import RECIPES as FLOAT8_RECIPES, float8_layer_problems
 
 SEED_MAX = 2**32 - 1  # numpy's and the loader's seed range
 # Training-state entries that checkpoint.exclude may name (the model is always loaded).
@@ -30,8 +33,6 @@ EXCLUDABLE = ("optim", "lr_schedule", "data", "rng")
 # dtypes a model-only last checkpoint may be written in (checkpoint.export_dtype).
 EXPORT_DTYPE_NAMES = ("float32", "bfloat16", "float16")
 SCHEMA_NAME = "schema"  # each group's ConfigStore entry, extended by its YAML presets
-# training.float8_recipe's values.
-FLOAT8_RECIPES = ("tensorwise", "rowwise")
 DEFAULT_FLOAT8_RECIPE = "tensorwise"  # training.float8_recipe=null
 
 Ok = Callable[[str], bool]
@@ -84,11 +85,6 @@ class LoggingConfig:
     wandb: bool = key(False)                 # also log to Weights & Biases (WANDB_MODE=offline works)
     wandb_project: str = key("hyper_parallel")
     wandb_run_name: Optional[str] = key(None)  # null: the name of output_dir
-
-    def problems(self, ok: Ok) -> List[str]:
-        asked = {"tensorboard": self.tensorboard, "wandb": self.wandb}
-        return [f"{install_hint(sink, f'logging.{sink}=true')}, or set logging.{sink}=false"
-                for sink, on in asked.items() if on is True and not available(sink)]
 
 
 @dataclass
@@ -175,6 +171,11 @@ class DataConfig:
         """Whether the loader shuffles samples each epoch."""
         return False
 
+    def held_out(self) -> Tuple[float, Optional[str]]:
+        """``(val_fraction, val_path)`` of a corpus: the share of its last samples held out for
+        evaluation, or a separate validation corpus."""
+        return 0.0, None
+
 
 @dataclass
 class SyntheticDataConfig(DataConfig):
@@ -202,6 +203,9 @@ class TextDataConfig(DataConfig):
     def shuffles(self) -> bool:
         return self.shuffle
 
+    def held_out(self) -> Tuple[float, Optional[str]]:
+        return self.val_fraction, self.val_path
+
 
 @dataclass
 class TokensDataConfig(DataConfig):
@@ -218,6 +222,9 @@ class TokensDataConfig(DataConfig):
 
     def shuffles(self) -> bool:
         return self.shuffle
+
+    def held_out(self) -> Tuple[float, Optional[str]]:
+        return self.val_fraction, self.val_path
 
 
 DATA_KINDS: Dict[str, Type[DataConfig]] = {
@@ -326,13 +333,32 @@ class TrainConfig:
             problems.append(f"training.float8=true with parallel.pp={p.pp} is not supported yet "
                             "(untested with pipeline stages); use one or the other")
         if ok("training.float8") and t.float8 is True and llama is not None:
-            from hyper_parallel.trainer.float8 import float8_layer_problems  # (it imports this module)
-
             problems += float8_layer_problems(llama)
+        problems += self._eval_problems(ok)
         problems += t.problems(within("training"))
         problems += self.checkpoint.problems(within("checkpoint"))
-        problems += self.logging.problems(within("logging"))
         return dims, problems
+
+    def _eval_problems(self, ok: Ok) -> List[str]:
+        """Where the validation data comes from: a corpus's ``data.val_fraction`` or
+        ``data.val_path`` (not both; one of them with evaluation on); synthetic data has
+        unbounded validation data, but an evaluation longer than the whole training is a typo."""
+        d, e, t = self.data, self.eval, self.training
+        if not all(ok(name) for name in ("data.kind", "eval.every", "eval.steps", "training.steps")):
+            return []
+        if isinstance(d, SyntheticDataConfig):
+            if e.every > 0 and e.steps > t.steps:
+                return [f"eval.steps={e.steps} is more than training.steps={t.steps}: each evaluation "
+                        "would take longer than the whole training; lower eval.steps"]
+            return []
+        fraction, path = d.held_out()
+        if not (ok("data.val_fraction") and ok("data.val_path")):
+            return []
+        if fraction and path:
+            return [f"data.val_fraction={fraction} and data.val_path={path}: set one of them, not both"]
+        if e.every > 0 and not (fraction or path):
+            return [f"eval.every={e.every} needs validation data: set data.val_fraction or data.val_path"]
+        return []
 
 
 def register_schemas() -> None:
@@ -340,10 +366,8 @@ def register_schemas() -> None:
     ``data/<kind>_schema``, and ``schema`` for train.yaml's own keys).
 
     Stored as plain values, not typed nodes: OmegaConf would refuse a bad value while composing,
-    one at a time, and the recipe reports every problem together (``config.validate_config``).
+    one at a time, and the recipe reports every problem together (``compose.validate_config``).
     """
-    from hydra.core.config_store import ConfigStore
-
     cs = ConfigStore.instance()
     cs.store(name=SCHEMA_NAME, node=defaults(TrainConfig, exclude=(*GROUPS, "data")))
     for group, cls in GROUPS.items():
@@ -353,6 +377,4 @@ def register_schemas() -> None:
 
 
 def _compile_backends() -> List[str]:
-    import torch  # only when training.compile is on: the rest of validation needs no torch
-
     return torch.compiler.list_backends(exclude_tags=())

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
 from hyper_parallel.models.llama import LlamaConfig
-from hyper_parallel.trainer.config_rules import key
+from hyper_parallel.pipeline import stage_layers, stages_per_rank
+from hyper_parallel.trainer.config.rules import key
 
 # torch.distributed.pipelining's schedules, by the names the config takes.
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
@@ -112,8 +113,6 @@ class ParallelConfig:
     @property
     def num_stages(self) -> int:
         """Pipeline stages in all: ``pp`` x the schedule's stages per rank."""
-        from hyper_parallel.pipeline import stages_per_rank
-
         return self.pp * stages_per_rank(self.schedule)
 
     @property
@@ -133,8 +132,6 @@ class ParallelConfig:
             unused = [f"parallel.{k}={v}" for k, v in settings if v is not None]
             return [f"{', '.join(unused)} needs parallel.pp > 1 (it has no effect with parallel.pp=1); "
                     "set parallel.pp or remove it"] if unused else []
-        from hyper_parallel.pipeline import stage_layers
-
         pp, problems = f"parallel.pp={self.pp}", []
         layout = f"{pp} with parallel.pp_schedule={self.schedule} ({self.num_stages} stages)"
         try:
