@@ -21,10 +21,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.distributed.checkpoint import FileSystemWriter as TorchFileSystemWriter
-from torch.distributed.checkpoint import FsspecWriter as TorchFsspecWriter
 from torch.distributed.checkpoint import save as torch_dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
+from hyper_parallel._torch_compat import dcp_fsspec_storage
 from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.destination import OutputKind, check_destination, staged_output
@@ -246,6 +246,6 @@ def export_dcp(src: str, dst: str, *, verify: bool = True, force: bool = False) 
         if isinstance(md, TensorStorageMetadata):
             state[fqn] = torch.empty(md.size, dtype=md.dtype, device="meta")
     with staged_output(src, dst, OutputKind.DCP, force) as out:
-        writer = TorchFsspecWriter(out) if url_scheme(out) else TorchFileSystemWriter(out)
+        writer = dcp_fsspec_storage()[0](out) if url_scheme(out) else TorchFileSystemWriter(out)
         torch_dcp_save(state, storage_writer=writer, planner=_LazyExportPlanner(reader, metadata), no_dist=True)
     return len(state)
