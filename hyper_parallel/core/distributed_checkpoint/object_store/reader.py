@@ -8,7 +8,7 @@ forwarded to the others (``forwarding.py``): every stored byte is fetched once i
 
 Fetched bytes land in host memory; a destination that is not plain host memory of the stored
 dtype (device memory above all) gets them through the staging pool's pinned slabs on the copy
-stream (``filesystem/bounce.py``), the path of local loads.
+stream (``host_memory/bounce.py``), the path of local loads.
 """
 
 from __future__ import annotations
@@ -22,14 +22,13 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem.bounce import BounceReads
+from hyper_parallel.core.distributed_checkpoint.host_memory.bounce import BounceReads
 from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     Metadata,
     MetadataIndex,
     StorageInfo,
-    TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint.format.validation import decode_stored_value
 from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import process_staging_buffers
@@ -69,6 +68,8 @@ class FsspecReader(VerifyingReader):
             all); False: each rank fetches what it needs itself.
     """
 
+    stored_as = "object"
+
     def __init__(self, url: Optional[str] = None, *, verify: bool = True, allow_pickle: bool = False,
                  storage_options: Optional[Dict[str, Any]] = None, forward: bool = True) -> None:
         self.url, self.verify, self.allow_pickle, self.forward = url, verify, allow_pickle, forward
@@ -89,22 +90,14 @@ class FsspecReader(VerifyingReader):
         """The checkpoint's committed metadata; works without a process group."""
         return store.read_metadata(self.fs, self.path, self.url)
 
-    def load_metadata(self, **kwargs: Any) -> Metadata:
-        return self.read_metadata()
-
-    def _check(self, crc: int, info: StorageInfo, what: str) -> None:
-        if crc != info.checksum:
-            raise CheckpointError(f"checksum mismatch in {self.url}/{info.relative_path} bytes {info.offset}.."
-                                  f"{info.offset + info.length} ({what}): the object is corrupt")
+    def stored_at(self, name: str) -> str:
+        return f"{self.url}/{name}"
 
     def _plan_fetch(self, info: StorageInfo, item: ReadItem, duties, whole: bool = False) -> _Fetch:
         if item.type == LoadItemType.BYTE_IO:
             return _Fetch(info, item, info.offset, info.offset + info.length, None, True)
-        key = item.storage_index.fqn
-        md = self.metadata.state_dict_metadata[key]
-        sizes = md.chunks.sizes_at(item.storage_index.offset) if isinstance(md, TensorStorageMetadata) else None
-        if sizes is None or math.prod(sizes) * md.dtype.itemsize != info.length:
-            raise CheckpointError(f"checkpoint metadata of {key!r} chunk {item.storage_index.offset} is inconsistent")
+        md = self.metadata.state_dict_metadata[item.storage_index.fqn]
+        sizes = self._chunk_sizes(item, info)
         checked = self._verifying and (reads_whole(item, sizes) or duties is None or item.storage_index in duties)
         if checked or not sizes or whole:
             return _Fetch(info, item, info.offset, info.offset + info.length, sizes, True)
@@ -124,7 +117,7 @@ class FsspecReader(VerifyingReader):
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Fetch and apply every item of ``plan``; destinations not filled in place (device
         memory, strided views, another dtype) get their bytes through the staging pool's
-        pinned slabs on the copy stream (``filesystem/bounce.py``), as local loads do."""
+        pinned slabs on the copy stream (``host_memory/bounce.py``), as local loads do."""
         exchange = plan.storage_data if isinstance(plan.storage_data, forwarding.ForwardingPlan) else None
         if exchange is not None:
             plan = LoadPlan(plan.items, exchange.verification, plan.planner_data)

@@ -30,12 +30,15 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 from hyper_parallel._optional import require
 from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE, Metadata, check_relative_path
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
+    MAX_METADATA_BYTES,
+    METADATA_FILE,
+    Metadata,
+    check_relative_path,
+)
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata, verify_files
 from hyper_parallel.utils.fileio import fsync_dir, write_file_atomically
 
-MAX_METADATA_BYTES = 4 << 30
-"""As for local checkpoints (``filesystem/commit.py``): larger metadata is refused unread."""
 VERIFY_BLOCK_BYTES = 16 << 20
 """Bytes per request while verifying (each object is read once, front to back)."""
 _TAGGED = re.compile(r"(?:__\d+(?:_\d+)?|\.done\.rank\d+|\.failed\.rank\d+)\.(?P<save_id>[0-9a-f]{32})(?:\..*)?")
