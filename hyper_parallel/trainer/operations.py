@@ -47,8 +47,7 @@ def plan_load(c: CheckpointConfig, state_keys: Sequence[str]) -> Optional[LoadPl
     Raises:
         ConfigError: ``load_step`` not found, ``load_from`` not a checkpoint, a bad ``exclude``.
     """
-    from hyper_parallel.checkpoint import is_checkpoint
-    from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, committed_steps
+    from hyper_parallel.checkpoint import checkpoint_step, committed_steps, is_checkpoint
 
     exclude = list(c.exclude or [])
     unknown = [k for k in exclude if k not in EXCLUDABLE]

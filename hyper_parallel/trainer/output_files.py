@@ -9,7 +9,7 @@ import os
 import tempfile
 from typing import List, Optional
 
-from hyper_parallel.core.distributed_checkpoint.manager import LOCK_FILE
+from hyper_parallel.checkpoint import LOCK_FILE
 from hyper_parallel.trainer.config_schema import TrainConfig
 from hyper_parallel.trainer.metrics import METRICS_FILE
 from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER, SinkError, read_wandb_run_id

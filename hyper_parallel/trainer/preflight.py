@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import uuid
 from typing import List, NamedTuple, Optional
 
 import torch
 
 from hyper_parallel._optional import MissingDependency, require
 from hyper_parallel.utils.fileio import url_scheme
-from hyper_parallel.core.distributed_checkpoint.manager import committed_steps
-from hyper_parallel.core.distributed_checkpoint.object_store import store
+from hyper_parallel.checkpoint import store_for
 from hyper_parallel.data import MarkovSource, load_tokenizer
 from hyper_parallel.data.text import TEXT_SUFFIXES, expand_paths
 from hyper_parallel.data.tokenizer import check_vocab
@@ -58,33 +56,17 @@ def folder_problems(cfg: TrainConfig) -> List[str]:
     URL (``s3://bucket/run``) needs an fsspec file system for its scheme, and an object written
     there (then deleted) as a check."""
     problems = []
-    if url_scheme(cfg.checkpoint.folder):
-        problems += _url_folder_problems("checkpoint.folder", cfg.checkpoint.folder)
-    for key, path in (("output_dir", cfg.output_dir), ("checkpoint.folder", cfg.checkpoint.folder)):
-        if key == "checkpoint.folder" and url_scheme(path):
-            continue
-        if url_scheme(path):  # it would become a local folder named "s3:"
-            problems.append(f"{key}: {path!r} is a URL; {key} must be a local or mounted folder")
-            continue
-        why = unusable_folder(path)
+    if url_scheme(cfg.output_dir):  # it would become a local folder named "s3:"
+        problems.append(f"output_dir: {cfg.output_dir!r} is a URL; output_dir must be a local or mounted folder")
+    else:
+        why = unusable_folder(cfg.output_dir)
         if why:
-            problems.append(f"{key}={path} cannot be used: {why}; choose another {key}")
-    return problems
-
-
-def _url_folder_problems(key: str, url: str) -> List[str]:
-    try:
-        fs, path = store.open_store(url)
-    except ValueError as err:  # no fsspec implementation for the scheme: one line naming it
-        return [f"{key}: {err}"]
-    probe = f"{path}/.hyper_parallel.preflight.{uuid.uuid4().hex}"
-    try:
-        fs.pipe_file(probe, b"")
-        fs.rm(probe)
-    except Exception as err:  # noqa: BLE001 (credentials, endpoint, bucket: whatever the store says)
-        return [f"{key}={url} cannot be written ({type(err).__name__}: {err}); check the bucket, the "
-                "endpoint (AWS_ENDPOINT_URL) and the credentials"]
-    return []
+            problems.append(f"output_dir={cfg.output_dir} cannot be used: {why}; choose another output_dir")
+    try:  # the checkpoint folder's store says whether it can be written
+        why = store_for(cfg.checkpoint.folder).write_problem("checkpoint.folder")
+    except ValueError as err:  # a URL without an fsspec implementation for its scheme: one line naming it
+        why = f"checkpoint.folder: {err}"
+    return problems + ([why] if why else [])
 
 
 def init_from_problems(cfg: TrainConfig) -> List[str]:
@@ -130,7 +112,7 @@ def resume_problems(cfg: TrainConfig) -> List[str]:
     if cfg.checkpoint.resume:
         return []
     try:
-        steps = committed_steps(folder)
+        steps = store_for(folder).committed_steps()
     except ValueError:  # a URL of an unknown scheme: folder_problems names it
         return []
     if not steps:
