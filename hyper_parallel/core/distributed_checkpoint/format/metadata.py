@@ -20,7 +20,8 @@ from hyper_parallel.core.distributed_checkpoint.format.storage_table import (
 )
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "MAX_METADATA_BYTES", "DTYPE_TO_SAFETENSORS", "MAX_DIMS", "MAX_NESTING",
+    "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "MAX_METADATA_BYTES", "DTYPE_TO_SAFETENSORS", "MAX_DIMS",
+    "MAX_NESTING",
     "BytesStorageMetadata", "ChunkStorageMetadata", "ChunkTable", "FileInfo", "Metadata",
     "MetadataIndex", "StorageEntry", "StorageInfo", "StorageMetadata", "StorageTable", "TensorStorageMetadata", "check_relative_path",
     "dtype_from_name", "dtype_name",
