@@ -12,7 +12,7 @@ import torch.distributed as dist
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpReader, is_dcp_checkpoint
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture, AsyncSaver, optimizers_in
-from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.host_memory.staging_buffers import StagingBuffers
 from hyper_parallel.core.distributed_checkpoint.host_memory.snapshot import StagedSave
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.planning.collectives import DistWrapper
@@ -142,7 +142,7 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
                    remove_redundancy, save_to_minimum_rank)
     planned, staged = job.plan_and_stage(snapshot=False)
 
-    def write() -> RankWriteResult:  # the async pipeline, waited on
+    def write() -> RankWriteResult:  # the async save's copy stages, waited on
         return _SAVER.write_while_staging(lambda: staged.write_with(job.writer, planned.plan), staged).result()
 
     if not use_collectives:

@@ -182,7 +182,7 @@ def import_dcp(src: str, dst: str, *, rename: Sequence[Rule] = (), exclude: Sequ
         plan.save_id = ours.save_id = uuid.uuid4().hex
         (plan,) = writer.optimize_global_plan([plan])
         plan = planner.finalize_plan(plan)
-        # The writer asks the planner for one chunk at a time (no staging pipeline reading ahead).
+        # The writer asks the planner for one chunk at a time (no copy stages reading ahead).
         writer.finalize_checkpoint(ours, [writer.execute_write(plan, planner)])
     except BaseException:
         if plan is not None and plan.save_id:

@@ -13,7 +13,7 @@ from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, local_path, read_exact
 from hyper_parallel.core.distributed_checkpoint.filesystem.block_reads import BlockReads
-from hyper_parallel.core.distributed_checkpoint.host_memory.bounce import BounceReads, read_box
+from hyper_parallel.core.distributed_checkpoint.host_memory.bounce import BounceReads, load_bounces, read_box
 from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.format.geometry import BoxGeometry
@@ -23,7 +23,6 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     StorageInfo,
 )
 from hyper_parallel.core.distributed_checkpoint.format.validation import decode_stored_value, open_data_file
-from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import process_staging_buffers
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import VerifyingReader, duties_of, reads_whole
 from hyper_parallel.platform import get_platform
@@ -93,16 +92,14 @@ class FileSystemReader(VerifyingReader):
                     tensors.append((info, item))
 
             duties = duties_of(plan)
-            # The current device and stream are per thread: take the caller's here. Every reader
-            # thread's copy stream is built here (ordered after the caller's stream), and the
-            # readers share one window of slabs (bounce.py: they cannot wait on each other).
-            platform, pool = get_platform(), process_staging_buffers()
-            device, window = platform.current_device(), pool.window(snapshot=False)
+            # Every reader thread's copy stream is built here, on the caller's device (ordered
+            # after the caller's stream), and the readers share one window of slabs (bounce.py:
+            # they cannot wait on each other).
             threads = min(self.thread_count, len(tensors))
-            bounces = [BounceReads(pool, window, planner, device) for _ in range(max(threads, 1))]
+            bounces = load_bounces(planner, max(threads, 1))
 
             def read(group: List[Tuple[StorageInfo, ReadItem]], bounce: BounceReads) -> None:
-                platform.use_device(device)
+                get_platform().use_device(bounce.device)
                 blocks = BlockReads()
                 try:
                     for info, item in group:

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.host_memory.bounce import BounceReads
+from hyper_parallel.core.distributed_checkpoint.host_memory.bounce import BounceReads, load_bounces
 from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
@@ -31,11 +31,9 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     StorageInfo,
 )
 from hyper_parallel.core.distributed_checkpoint.format.validation import decode_stored_value
-from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import process_staging_buffers
 from hyper_parallel.core.distributed_checkpoint.object_store import forwarding, store
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import VerifyingReader, duties_of, reads_whole
-from hyper_parallel.platform import get_platform
 
 BATCH_BYTES = 256 << 20
 """Bytes fetched (and held) at once per rank: the ranges of a batch are requested together."""
@@ -122,8 +120,8 @@ class FsspecReader(VerifyingReader):
         if exchange is not None:
             plan = LoadPlan(plan.items, exchange.verification, plan.planner_data)
         # The caller's device and stream: the copy stream is ordered after its queued work.
-        pool, device = process_staging_buffers(), get_platform().current_device()
-        bounce = BounceReads(pool, pool.window(snapshot=False), planner, device)
+        (bounce,) = load_bounces(planner)
+        device = bounce.device
         try:
             if exchange is None:
                 self._fetch(self._prepare(plan, set()), planner, bounce)
