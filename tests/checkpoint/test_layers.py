@@ -126,7 +126,7 @@ def test_the_documented_layout_lists_the_layers_top_down():
         for lower in rank:
             if rank[lower] < rank[upper]:
                 assert position[upper] <= position[lower], \
-                    f"docs/checkpoint.md lists {lower} above {upper}, which imports from above it"
+                    f"docs/checkpoint.md lists {lower} above {upper}, though {lower} is the lower layer"
 
 
 @pytest.mark.parametrize("row", LAYERS)

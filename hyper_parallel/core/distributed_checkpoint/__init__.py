@@ -139,9 +139,10 @@ from hyper_parallel.core.distributed_checkpoint.state_dict import (
 )
 
 from hyper_parallel.core.distributed_checkpoint.dcp_interop import DcpReader, export_dcp, import_dcp
+from hyper_parallel.core.distributed_checkpoint.cli import main as cli_main
 
 __all__ += [
-    "DcpReader", "export_dcp", "import_dcp",
+    "DcpReader", "export_dcp", "import_dcp", "cli_main",
     "export_hf", "load_hf", "DEFAULT_MAX_SHARD_BYTES", "CheckpointManager", "LOCK_FILE", "committed_steps",
     "resolve_checkpoint", "ModelState", "OptimizerState", "StateDictOptions",
     "get_model_state_dict", "get_optimizer_state_dict", "set_model_state_dict", "set_optimizer_state_dict",

@@ -53,7 +53,7 @@ class ObjectStore(CheckpointStore):
         return store.verify_objects(self.fs, self.path, self.location, allow_pickle)
 
     def child(self, name: str) -> ObjectStore:
-        child = object.__new__(ObjectStore)  # the same file system: nothing to resolve again
+        child = type(self).__new__(type(self))  # on the same file system: nothing to resolve again
         child.location, child.storage_options = f"{self.location}/{name}", self.storage_options
         child.fs, child.path, child._held = self.fs, f"{self.path}/{name}", False
         return child

@@ -78,11 +78,8 @@ class FsspecReader(VerifyingReader):
         self._verifying = verify
 
     def initialize_reader(self, checkpoint_id: Optional[str]) -> None:
-        if checkpoint_id is not None:
-            self.url = checkpoint_id
-        if not self.url:
-            raise ValueError("no checkpoint URL: pass checkpoint_id or FsspecReader(url)")
-        self.fs, self.path = store.open_store(self.url, self.storage_options)
+        self.url, self.fs, self.path = store.open_checkpoint(checkpoint_id, self.url, self.storage_options,
+                                                             type(self).__name__)
 
     def read_metadata(self) -> Metadata:
         """The checkpoint's committed metadata; works without a process group."""

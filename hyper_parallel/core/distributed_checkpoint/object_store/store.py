@@ -65,6 +65,20 @@ def open_store(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tu
     return fs, path.rstrip("/")
 
 
+def open_checkpoint(checkpoint_id: Optional[str], url: Optional[str], storage_options: Optional[Dict[str, Any]],
+                    owner: str) -> Tuple[str, Any, str]:
+    """(URL, fsspec file system, path on it) of the checkpoint an ``owner`` (a writer or reader
+    class) works on: ``checkpoint_id`` when given, else the ``url`` it was built with.
+
+    Raises:
+        ValueError: neither is given, or the URL's scheme is unknown (see :func:`open_store`).
+    """
+    url = checkpoint_id if checkpoint_id is not None else url
+    if not url:
+        raise ValueError(f"no checkpoint URL: pass checkpoint_id or {owner}(url)")
+    return (url, *open_store(url, storage_options))
+
+
 def is_local(fs: Any) -> bool:
     """Whether ``fs`` is the local file system (``file://``): directories, rename, partial writes."""
     protocols = fs.protocol if isinstance(fs.protocol, (tuple, list)) else (fs.protocol,)

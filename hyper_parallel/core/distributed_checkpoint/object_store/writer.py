@@ -54,11 +54,8 @@ class FsspecWriter(AsyncCommitWriter):
         self.rank, self.world_size = 0, 1
 
     def initialize_writer(self, checkpoint_id: Optional[str]) -> None:
-        if checkpoint_id is not None:
-            self.url = checkpoint_id
-        if not self.url:
-            raise ValueError("no checkpoint URL: pass checkpoint_id or FsspecWriter(url)")
-        self.fs, self.path = store.open_store(self.url, self.storage_options)
+        self.url, self.fs, self.path = store.open_checkpoint(checkpoint_id, self.url, self.storage_options,
+                                                             type(self).__name__)
 
     def configure_writer(self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1,
                          use_collectives: bool = True, **kwargs: Any) -> None:
