@@ -17,7 +17,7 @@ import time
 import torch
 
 from hyper_parallel.core.distributed_checkpoint.filesystem.block_reads import BlockReads
-from hyper_parallel.core.distributed_checkpoint.filesystem.bounce import read_box
+from hyper_parallel.core.distributed_checkpoint.host_memory.bounce import read_box
 from hyper_parallel.core.distributed_checkpoint.format.metadata import MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, ReadItem
 from hyper_parallel.core.distributed_checkpoint.format.geometry import BoxGeometry

@@ -8,6 +8,6 @@ import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from hyper_parallel.core.distributed_checkpoint.manager import resolve_checkpoint  # noqa: E402
+from hyper_parallel.checkpoint import resolve_checkpoint  # noqa: E402
 
 __all__ = ["resolve_checkpoint"]

@@ -32,9 +32,8 @@ from typing import Optional
 from _checkpoints import resolve_checkpoint
 from omegaconf import OmegaConf
 
-from hyper_parallel.checkpoint import CheckpointError, export_hf, read_checkpoint_metadata
+from hyper_parallel.checkpoint import DEFAULT_MAX_SHARD_BYTES, CheckpointError, export_hf, read_checkpoint_metadata
 from hyper_parallel.utils.fileio import write_file_atomically
-from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES
 from hyper_parallel.models.hf_llama import NATIVE_ARCHITECTURE, hf_config, to_hf
 from hyper_parallel.trainer.config import llama_config
 from hyper_parallel.trainer.hf_tokenizer import run_tokenizer, special_token_ids, write_tokenizer_files

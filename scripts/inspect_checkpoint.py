@@ -14,14 +14,14 @@ import sys
 
 import _checkpoints  # noqa: F401 - puts the repository on sys.path
 
-from hyper_parallel.core.distributed_checkpoint import cli
+from hyper_parallel.checkpoint import cli_main
 
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1 or argv[0] in ("-h", "--help"):
         print(__doc__)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return cli.main(["inspect", argv[0]])
+    return cli_main(["inspect", argv[0]])
 
 
 if __name__ == "__main__":

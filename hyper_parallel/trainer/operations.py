@@ -11,10 +11,9 @@ from typing import Any, Dict, List, NamedTuple, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.checkpoint import CheckpointError, read_checkpoint_metadata
-from hyper_parallel.checkpoint import is_checkpoint
+from hyper_parallel.checkpoint import (CheckpointError, checkpoint_step, committed_steps, is_checkpoint,
+                                       read_checkpoint_metadata)
 from hyper_parallel.checkpoint import load as load_checkpoint
-from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, committed_steps
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.schema import EXPORT_DTYPE_NAMES, CheckpointConfig, OptimConfig
 

@@ -6,37 +6,13 @@ the path and the way out."""
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import List, Optional
 
-from hyper_parallel.core.distributed_checkpoint.manager import LOCK_FILE
+from hyper_parallel.checkpoint import LOCK_FILE
 from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.metrics import METRICS_FILE
 from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER, SinkError, read_wandb_run_id
-from hyper_parallel.utils.fileio import RefusedFileError, open_regular, url_scheme
-
-
-def unusable_folder(path: str) -> Optional[str]:
-    """Why folder ``path`` cannot be used (None: it can): it is created if missing, and a
-    temporary file is made in it."""
-    try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
-            pass
-    except OSError as err:
-        blocker = _first_file_on_path(path)
-        return f"{blocker} is a file, not a folder" if blocker else (err.strerror or str(err))
-    return None
-
-
-def _first_file_on_path(path: str) -> Optional[str]:
-    """The first existing non-folder among ``path`` and its parents, if any."""
-    parts = os.path.abspath(path).split(os.sep)
-    for i in range(2, len(parts) + 1):
-        prefix = os.sep.join(parts[:i])
-        if os.path.exists(prefix) and not os.path.isdir(prefix):
-            return prefix
-    return None
+from hyper_parallel.utils.fileio import RefusedFileError, open_regular, unusable_folder, url_scheme
 
 
 def _refused(path: str, flags: int, *, unopenable_ok: bool = False) -> Optional[str]:

@@ -13,15 +13,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import uuid
 from typing import List, NamedTuple, Optional
 
 import torch
 
 from hyper_parallel._optional import MissingDependency, available, install_hint, require
-from hyper_parallel.utils.fileio import url_scheme
-from hyper_parallel.core.distributed_checkpoint.manager import committed_steps
-from hyper_parallel.core.distributed_checkpoint.object_store import store
+from hyper_parallel.utils.fileio import unusable_folder, url_scheme
+from hyper_parallel.checkpoint import startup_bounds, store_for
 from hyper_parallel.data import MarkovSource, load_tokenizer
 from hyper_parallel.data.text import TEXT_SUFFIXES, expand_paths
 from hyper_parallel.data.tokenizer import check_vocab
@@ -32,7 +30,7 @@ from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import (SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig,
                                                   llama_config)
 from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
-from hyper_parallel.trainer.output_files import output_file_problems, unusable_folder
+from hyper_parallel.trainer.output_files import output_file_problems
 from hyper_parallel.utils.units import format_bytes
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments.
@@ -48,7 +46,7 @@ def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: i
         ConfigError: listing every problem found.
     """
     # An object store's requests are bounded here: one that never answers is one line, not a hang.
-    with store.bounded_requests(store.STARTUP_BOUNDS):
+    with startup_bounds():
         checkpoint = checkpoint_folder_problems(cfg)
         folders = output_dir_problems(cfg) + checkpoint
         resume = [] if checkpoint else resume_problems(cfg)  # (an unusable folder is not listed)
@@ -66,42 +64,20 @@ def output_dir_problems(cfg: TrainConfig) -> List[str]:
             return [f"output_dir: {cfg.output_dir!r} is a URL; output_dir must be a local or mounted folder"]
     except ValueError as err:  # a form that is neither a path nor a URL
         return [f"output_dir: {err}"]
-    return _local_folder_problems("output_dir", cfg.output_dir)
+    why = unusable_folder(cfg.output_dir)
+    return [f"output_dir={cfg.output_dir} cannot be used: {why}; choose another output_dir"] if why else []
 
 
 def checkpoint_folder_problems(cfg: TrainConfig) -> List[str]:
-    """``checkpoint.folder`` can be created and written; a URL (``s3://bucket/run``) needs an
-    fsspec file system for its scheme, and an object written there (then deleted) as a check
-    (within ``store.bounded_requests``: an endpoint that never answers is one line)."""
-    key, folder = "checkpoint.folder", cfg.checkpoint.folder
+    """``checkpoint.folder`` can be created and written, as its store says (an object store:
+    an object written there, then deleted, within :func:`startup_bounds`: an endpoint that
+    never answers is one line)."""
+    key = "checkpoint.folder"
     try:
-        if url_scheme(folder):
-            return _url_folder_problems(key, folder)
-    except ValueError as err:  # credentials, a query, a chained URL: one line, the URL redacted
-        return [f"{key}: {err}"]
-    return _local_folder_problems(key, folder)
-
-
-def _local_folder_problems(key: str, path: str) -> List[str]:
-    why = unusable_folder(path)
-    return [f"{key}={path} cannot be used: {why}; choose another {key}"] if why else []
-
-
-def _url_folder_problems(key: str, url: str) -> List[str]:
-    try:
-        fs, path = store.open_store(url)
-    except ValueError as err:  # no fsspec implementation for the scheme: one line naming it
-        return [f"{key}: {err}"]
-    probe = f"{path}/.hyper_parallel.preflight.{uuid.uuid4().hex}"
-    try:
-        fs.pipe_file(probe, b"", **store.call_deadline(fs))
-        fs.rm(probe, **store.call_deadline(fs))
-    except store.unreachable_errors() as err:  # refused, reset, or no answer within the bounds
-        return [f"{key}: {store.unreachable_message(url, err)}"]
-    except Exception as err:  # noqa: BLE001 (credentials, endpoint, bucket: whatever the store says)
-        return [f"{key}={url} cannot be written ({type(err).__name__}: {err}); check the bucket, the "
-                "endpoint (AWS_ENDPOINT_URL) and the credentials"]
-    return []
+        why = store_for(cfg.checkpoint.folder).write_problem(key)
+    except ValueError as err:  # credentials, a query, a chained URL, no fsspec implementation: one line
+        why = f"{key}: {err}"
+    return [why] if why else []
 
 
 def init_from_problems(cfg: TrainConfig) -> List[str]:
@@ -152,7 +128,7 @@ def resume_problems(cfg: TrainConfig) -> List[str]:
     if cfg.checkpoint.resume:
         return []
     try:
-        steps = committed_steps(folder)
+        steps = store_for(folder).committed_steps()
     except ValueError:  # a URL of an unknown scheme: checkpoint_folder_problems names it
         return []
     if not steps:

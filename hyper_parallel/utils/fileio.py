@@ -13,6 +13,7 @@ import errno
 import os
 import re
 import stat
+import tempfile
 import uuid
 from typing import Optional
 
@@ -222,3 +223,26 @@ def url_scheme(path) -> Optional[str]:
                          "a prefix of objects (fsspec would put every object of a save under one key, or "
                          "read one version of one object); remove it")
     return match.group("scheme")
+
+
+def unusable_folder(path: str) -> Optional[str]:
+    """Why folder ``path`` cannot be written (None: it can): it is created if missing, and a
+    temporary file is made in it. A file in the way is named (``X is a file, not a folder``)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as err:
+        blocker = _first_file_on_path(path)
+        return f"{blocker} is a file, not a folder" if blocker else (err.strerror or str(err))
+    return None
+
+
+def _first_file_on_path(path: str) -> Optional[str]:
+    """The first existing non-folder among ``path`` and its parents, if any."""
+    parts = os.path.abspath(path).split(os.sep)
+    for i in range(2, len(parts) + 1):
+        prefix = os.sep.join(parts[:i])
+        if os.path.exists(prefix) and not os.path.isdir(prefix):
+            return prefix
+    return None

@@ -19,8 +19,8 @@ import pytest
 import torch
 
 from hyper_parallel import checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint.filesystem.bounce import BounceReads
-from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.host_memory.bounce import BounceReads
+from hyper_parallel.core.distributed_checkpoint.host_memory.staging_buffers import StagingBuffers
 from hyper_parallel.platform.copy_stream import CopyStream
 from tests.checkpoint.helpers import BOX_COLS, BOX_ROWS, AppliedBoxes, FailingStagingPlanner, FullDiskWriter, box_read
 

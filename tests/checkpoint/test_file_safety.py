@@ -14,7 +14,7 @@ import torch
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.filesystem import commit
 from hyper_parallel.core.distributed_checkpoint.cli import main as cli_main
-from hyper_parallel.core.distributed_checkpoint.manager import LOCK_FILE
+from hyper_parallel.checkpoint import LOCK_FILE
 from tests.checkpoint.helpers import refused
 
 # ---------------------------------------------------------------- the manager's lock file

@@ -1,4 +1,5 @@
-"""The staging pipeline: bounded, reusable host slabs for saves and loads, each byte copied once.
+"""The staging buffers: bounded, reusable host slabs for saves (their copy stages) and loads
+(bounced boxes), each byte copied once.
 
 A CPU "device" exercises the accelerator code path: an async save copies host tensors
 through the slabs exactly as it copies device tensors (the copy stream and its events are
@@ -22,7 +23,7 @@ import pytest
 import torch
 
 from hyper_parallel import checkpoint as hdcp
-from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.host_memory.staging_buffers import StagingBuffers
 from hyper_parallel.platform import Platform
 from hyper_parallel.platform import platform as platform_module
 from hyper_parallel.platform.platform import _clear_cuda_error

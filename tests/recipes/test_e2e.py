@@ -15,8 +15,7 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
-from hyper_parallel.checkpoint import CheckpointManager, ModelState, is_checkpoint
-from hyper_parallel.core.distributed_checkpoint.manager import LOCK_FILE
+from hyper_parallel.checkpoint import LOCK_FILE, CheckpointManager, ModelState, is_checkpoint
 from hyper_parallel.models.llama import LlamaConfig, Transformer
 from hyper_parallel.platform import free_port
 from hyper_parallel.trainer import compose_config, typed_config

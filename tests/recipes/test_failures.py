@@ -11,8 +11,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.checkpoint import CheckpointManager, ModelState, load
-from hyper_parallel.core.distributed_checkpoint.manager import committed_steps
+from hyper_parallel.checkpoint import CheckpointManager, ModelState, committed_steps, load
 from hyper_parallel.data import TokenWindows
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform

@@ -10,7 +10,7 @@ import os
 import pytest
 import torch.distributed as dist
 
-from hyper_parallel.core.distributed_checkpoint.manager import LOCK_FILE
+from hyper_parallel.checkpoint import LOCK_FILE
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import compose_config, run_training, validate_config
 from hyper_parallel.trainer.agreement import JobFailed

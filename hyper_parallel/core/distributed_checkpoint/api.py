@@ -9,24 +9,18 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpReader, is_dcp_checkpoint
-from hyper_parallel.core.distributed_checkpoint.filesystem import commit
-from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
-from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture, AsyncSaver, optimizers_in
-from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import StagingBuffers
+from hyper_parallel.core.distributed_checkpoint.host_memory.staging_buffers import StagingBuffers
 from hyper_parallel.core.distributed_checkpoint.host_memory.snapshot import StagedSave
-from hyper_parallel.core.distributed_checkpoint.object_store import store
-from hyper_parallel.core.distributed_checkpoint.object_store.reader import FsspecReader
-from hyper_parallel.core.distributed_checkpoint.object_store.writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.planning.collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.planning.load_planner import StandardLoadPlanner
 from hyper_parallel.core.distributed_checkpoint.planning.plan_cache import PlannedSave, SavePlanCache
 from hyper_parallel.core.distributed_checkpoint.planning.save_planner import StandardSavePlanner
 from hyper_parallel.core.distributed_checkpoint.stateful import resolve_stateful
+from hyper_parallel.core.distributed_checkpoint.stores import store_for
 from hyper_parallel.core.distributed_checkpoint.storage import (
     AsyncCommitWriter,
     RankWriteResult,
@@ -47,15 +41,18 @@ def _dist_ready(no_dist: bool) -> bool:
 
 
 def _default_writer(checkpoint_id: Optional[str]) -> AsyncCommitWriter:
-    """FsspecWriter for a URL checkpoint_id (``s3://``, ``memory://``, ``file://``), else the POSIX writer."""
-    return FsspecWriter() if url_scheme(checkpoint_id) else FileSystemWriter()
+    """The writer of ``checkpoint_id``'s store (``store_for``)."""
+    if checkpoint_id is None:
+        raise ValueError("no checkpoint path: pass checkpoint_id or FileSystemWriter(path)")
+    return store_for(checkpoint_id).writer()
 
 
 def _default_reader(checkpoint_id: Optional[str]) -> StorageReader:
-    if url_scheme(checkpoint_id):
-        return FsspecReader()
-    # a torch DCP directory (``.metadata``, none of ours) is read as it is
-    return DcpReader() if is_dcp_checkpoint(checkpoint_id) else FileSystemReader()
+    """The reader of ``checkpoint_id``'s store (``store_for``); a torch DCP directory
+    (``.metadata``, none of ours) is read as it is."""
+    if checkpoint_id is None:
+        raise ValueError("no checkpoint path: pass checkpoint_id or FileSystemReader(path)")
+    return DcpReader() if is_dcp_checkpoint(checkpoint_id) else store_for(checkpoint_id).reader()
 
 
 class _SaveJob:
@@ -145,7 +142,7 @@ def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
                    remove_redundancy, save_to_minimum_rank)
     planned, staged = job.plan_and_stage(snapshot=False)
 
-    def write() -> RankWriteResult:  # the async pipeline, waited on
+    def write() -> RankWriteResult:  # the async save's copy stages, waited on
         return _SAVER.write_while_staging(lambda: staged.write_with(job.writer, planned.plan), staged).result()
 
     if not use_collectives:
@@ -329,38 +326,25 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
 def is_checkpoint(checkpoint_id: str) -> bool:
     """True only for a committed checkpoint: a directory with committed metadata, or an fsspec
     URL whose ``metadata.json`` object exists."""
-    checkpoint_id = os.fspath(checkpoint_id)
-    if url_scheme(checkpoint_id):
-        fs, path = store.open_store(checkpoint_id)
-        return store.is_committed(fs, path)
-    return commit.is_checkpoint(checkpoint_id)
+    return store_for(checkpoint_id).is_checkpoint()
 
 
 def read_checkpoint_metadata(checkpoint_id: str) -> Metadata:
     """The committed metadata of a checkpoint (a directory or an fsspec URL), without a
-    process group (``filesystem/commit.read_checkpoint_metadata`` for directories).
+    process group.
 
     Raises:
         CheckpointError: nothing committed there, or the metadata is corrupt.
     """
-    checkpoint_id = os.fspath(checkpoint_id)
-    if url_scheme(checkpoint_id):
-        fs, path = store.open_store(checkpoint_id)
-        return store.read_metadata(fs, path, checkpoint_id)
-    return commit.read_checkpoint_metadata(checkpoint_id)
+    return store_for(checkpoint_id).read_metadata()
 
 
 def verify_checkpoint(checkpoint_id: str, *, allow_pickle: bool = False) -> Metadata:
-    """Run every check ``load`` runs, without loading (``filesystem/commit.verify_checkpoint``):
-    the metadata, every file's size and every item's and file's checksum (each byte read
-    once), every value decodes. ``checkpoint_id``: a directory or an fsspec URL.
+    """Run every check ``load`` runs, without loading: the metadata, every file's size and
+    every item's and file's checksum (each byte read once), every value decodes.
+    ``checkpoint_id``: a directory or an fsspec URL.
 
     Returns the metadata. Raises:
         CheckpointError: names what is uncommitted, inconsistent, missing, truncated or corrupt.
     """
-    checkpoint_id = os.fspath(checkpoint_id)
-    if url_scheme(checkpoint_id):
-        fs, path = store.open_store(checkpoint_id)
-        return store.verify_objects(fs, path, checkpoint_id, allow_pickle)
-    return commit.verify_checkpoint(checkpoint_id, allow_pickle=allow_pickle)
-
+    return store_for(checkpoint_id).verify(allow_pickle=allow_pickle)

@@ -18,7 +18,8 @@ from hyper_parallel.core.distributed_checkpoint.dcp_interop.commands import add_
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.destination import DestinationRefused
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.hf import DEFAULT_MAX_SHARD_BYTES, export_hf
-from hyper_parallel.core.distributed_checkpoint.manager import checkpoint_step, committed_steps, resolve_checkpoint
+from hyper_parallel.core.distributed_checkpoint.manager import committed_steps, resolve_checkpoint
+from hyper_parallel.core.distributed_checkpoint.storage import checkpoint_step
 from hyper_parallel.core.distributed_checkpoint.object_store import store
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     FORMAT_NAME,

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
-import shutil
 import weakref
 from typing import Any, Dict, List, Optional, Tuple, Union
 
@@ -13,42 +11,30 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint import api
-from hyper_parallel.core.distributed_checkpoint._fileio import local_path, url_scheme
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import is_checkpoint, pending_target
-from hyper_parallel.core.distributed_checkpoint.filesystem.folder_lock import LOCK_FILE, lock_folder, unlock_folder
 from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture
-from hyper_parallel.core.distributed_checkpoint.object_store import store
-from hyper_parallel.core.distributed_checkpoint.object_store.folder import ObjectFolder
+from hyper_parallel.core.distributed_checkpoint.stores import store_for
 from hyper_parallel.platform import get_platform
 
-__all__ = ["CheckpointManager", "LOCK_FILE", "checkpoint_step", "committed_steps", "resolve_checkpoint"]
+__all__ = ["CheckpointManager", "committed_steps", "resolve_checkpoint"]
 
-_STEP_DIR = re.compile(r"step-(\d+)")
 _log = logging.getLogger(__name__)
-
-
-def checkpoint_step(path: Union[str, os.PathLike]) -> Optional[int]:
-    """The step encoded in a ``step-{N}`` directory name, or None."""
-    match = _STEP_DIR.fullmatch(os.path.basename(os.path.normpath(os.fspath(path))))
-    return int(match.group(1)) if match else None
 
 
 def committed_steps(folder: Union[str, os.PathLike]) -> List[int]:
     """Steps of the committed ``step-N`` checkpoints in ``folder`` (a directory or an fsspec
-    URL), ascending (pending/partial dirs and uncommitted prefixes ignored)."""
-    if url_scheme(folder):
-        return ObjectFolder(folder, checkpoint_step).committed_steps()
-    if not os.path.isdir(folder):
-        return []
-    steps = (checkpoint_step(name) for name in os.listdir(folder))
-    return sorted(s for s in steps if s is not None and is_checkpoint(os.path.join(folder, f"step-{s}")))
+    URL), ascending (pending/partial dirs and uncommitted prefixes ignored).
+
+    Raises:
+        ValueError: ``folder`` is a URL of a scheme fsspec does not know.
+    """
+    return store_for(folder).committed_steps()
 
 
 def resolve_checkpoint(path: Union[str, os.PathLike]) -> str:
     """``path`` if it is a committed checkpoint, else the newest committed ``step-N`` in it
-    (a :class:`CheckpointManager` folder); ``path`` may be an fsspec URL. A directory holding
+    (a :class:`CheckpointManager` folder); ``path`` may be an fsspec URL. A location holding
     neither is returned as it is when it has metadata files (reading it then names what is
     wrong with them).
 
@@ -57,21 +43,13 @@ def resolve_checkpoint(path: Union[str, os.PathLike]) -> str:
         ValueError: ``path`` is a URL of a scheme fsspec does not know.
     """
     path = os.fspath(path)
-    if url_scheme(path):
-        folder = ObjectFolder(path, checkpoint_step)
-        if store.is_committed(folder.fs, folder.path):
-            return path
-        steps = folder.committed_steps()
-        if steps:
-            return folder.step_url(steps[-1])
-        raise CheckpointError(f"{path} is not a committed checkpoint ({METADATA_FILE} is missing) nor a folder "
-                              "holding committed step-N checkpoints")
-    if is_checkpoint(path):
+    store = store_for(path)
+    if store.is_checkpoint():
         return path
-    steps = committed_steps(path)
+    steps = store.committed_steps()
     if steps:
-        return os.path.join(path, f"step-{steps[-1]}")
-    if os.path.isdir(path) and any(name.startswith("metadata.") for name in os.listdir(path)):
+        return store.step(steps[-1]).location
+    if any(name.startswith("metadata.") for name in store.names()):
         return path
     raise CheckpointError(f"{path} is not a committed checkpoint ({METADATA_FILE} is missing) nor a folder "
                           "holding committed step-N checkpoints")
@@ -124,10 +102,8 @@ class CheckpointManager:
             raise ValueError(f"interval must be an integer >= 1, got {interval!r}")
         if keep_last_n is not None and (not isinstance(keep_last_n, int) or keep_last_n < 1):
             raise ValueError(f"keep_last_n must be None or an integer >= 1, got {keep_last_n!r}")
-        folder = os.fspath(folder)
-        # An fsspec URL: step-N prefixes on an object store (no lock: see docs, "Object storage").
-        self._objects = ObjectFolder(folder, checkpoint_step) if url_scheme(folder) else None
-        self.folder = self._objects.url if self._objects is not None else local_path(folder)
+        self._store = store_for(folder)
+        self.folder = self._store.location
         self.interval = interval
         self.keep_last_n = keep_last_n
         if stage_in_background and not async_save:
@@ -136,49 +112,20 @@ class CheckpointManager:
         self.stage_in_background = stage_in_background
         self._pending: Optional[AsyncSaveFuture] = None
         self._pending_step: Optional[int] = None
-        self._unlock: Optional[weakref.finalize] = None
         refusal = None
-        if self._objects is not None:
-            if get_platform().rank == 0:
-                refusal = self._lock_objects()
-        elif get_platform().rank == 0:
-            try:
-                os.makedirs(self.folder, exist_ok=True)
-                refusal = lock_folder(self.folder)
-            except OSError as exc:  # told to every rank below instead of leaving them waiting
-                refusal = f"cannot use checkpoint folder {self.folder}: {exc}"
-            if refusal is None:  # held until close(), the manager is collected, or the process ends
-                self._unlock = weakref.finalize(self, unlock_folder, self.folder)
-            if refusal is None:
-                # We hold the folder and write nothing yet: pending dirs of step-N are from crashed runs.
-                for name in os.listdir(self.folder):
-                    target = pending_target(name)
-                    if target is not None and checkpoint_step(target) is not None:
-                        shutil.rmtree(os.path.join(self.folder, name), ignore_errors=True)
+        if get_platform().rank == 0:
+            # Held until close(), the manager is collected, or the process ends.
+            refusal = self._store.hold()
+        self._unlock = weakref.finalize(self, self._store.release)
         if self._agree(0 if refusal is None else None) is None:
             raise CheckpointError(refusal or f"{self.folder} is in use by another job (see rank 0)")
         self._barrier()
 
-    def _lock_objects(self) -> Optional[str]:
-        """Rank 0 of a URL folder: take its lease (``object_store/lease.py``), then remove what
-        killed saves left (nothing of this job is in flight yet)."""
-        try:
-            refusal = self._objects.lock()
-        except PermissionError as exc:  # read-only access, e.g. only to resume from: as for directories
-            _log.warning("cannot lock %s (%s): a second job on this folder would not be detected", self.folder, exc)
-            return None
-        except OSError as exc:  # the store refused the lock object itself (endpoint, bucket)
-            return f"cannot lock checkpoint folder {self.folder}: {exc}"
-        if refusal is None:
-            self._unlock = weakref.finalize(self, self._objects.unlock)
-            self._objects.remove_abandoned_uploads()
-        return refusal
-
     def _check_lock(self) -> None:
-        """Every rank: refuse to save once rank 0 lost a URL folder's lease to another job."""
-        if self._objects is None:
+        """Every rank: refuse to save once rank 0 lost the folder's lock (a lease) to another job."""
+        if not self._store.lock_can_be_lost:
             return
-        problem = self._objects.lock_problem() if get_platform().rank == 0 else None
+        problem = self._store.lock_problem() if get_platform().rank == 0 else None
         if self._agree(0 if problem is None else None) is None:
             raise CheckpointError(f"{problem or 'rank 0 lost the lock of ' + self.folder}; this job saves no more "
                                   "checkpoints there (another job took the folder over)")
@@ -186,21 +133,17 @@ class CheckpointManager:
     def close(self) -> None:
         """Wait for a pending save, then release the folder lock (another job may then use it)."""
         self.wait()
-        if self._unlock is not None:
-            self._unlock()  # runs once
+        self._unlock()  # runs once
 
     # ------------------------------------------------------------------ queries
 
     def checkpoint_path(self, step: int) -> str:
-        if self._objects is not None:
-            return self._objects.step_url(step)
-        return os.path.join(self.folder, f"step-{step}")
+        """Where checkpoint ``step`` is (``folder/step-{N}``)."""
+        return self._store.step(step).location
 
     def committed_steps(self) -> List[int]:
         """Steps of committed checkpoints in ``folder``, ascending (pending/partial dirs ignored)."""
-        if self._objects is not None:
-            return self._objects.committed_steps()
-        return committed_steps(self.folder)
+        return self._store.committed_steps()
 
     def latest_step(self) -> Optional[int]:
         """The highest step with a committed checkpoint, or None."""
@@ -262,24 +205,17 @@ class CheckpointManager:
         self._apply_retention(step)
 
     def _apply_retention(self, saved_step: int) -> None:
-        if self._objects is not None and get_platform().rank == 0:
-            try:
-                self._objects.fence(f"delete old checkpoints and uploads in {self.folder}")
-            except CheckpointError as exc:  # another job's folder now: delete nothing
-                _log.error("%s", exc)
+        if get_platform().rank == 0:
+            if self._store.lock_problem() is not None:  # another job's folder now: delete nothing
                 self._barrier()
                 return
-            self._objects.abort_incomplete_uploads()  # no save of this job is in flight now
+            self._store.after_commit()  # no save of this job is in flight now
         if self.keep_last_n is not None and get_platform().rank == 0:
             steps = self.committed_steps()
             keep = set(steps[-self.keep_last_n:]) | {saved_step, steps[-1] if steps else saved_step}
             for old in steps:
-                if old in keep:
-                    continue
-                if self._objects is not None:
-                    self._objects.remove(old)
-                else:
-                    shutil.rmtree(self.checkpoint_path(old), ignore_errors=True)
+                if old not in keep:
+                    self._store.step(old).remove()
         self._barrier()
 
     # ------------------------------------------------------------------ load

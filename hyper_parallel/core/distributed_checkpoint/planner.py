@@ -92,16 +92,28 @@ class SavePlanner(abc.ABC):
     ``finalize_plan`` -> ``get_data`` per item while writing."""
 
     @abc.abstractmethod
-    def configure_planner(self, state_dict: Dict[str, Any], **kwargs: Any) -> None: ...
+    def configure_planner(self, state_dict: Dict[str, Any], **kwargs: Any) -> None:
+        """Take the flattened-to-be ``state_dict`` of this save (Stateful values already
+        resolved to their state dicts). Keyword arguments ``save`` passes: ``rank``,
+        ``is_coordinator``, ``remove_redundancy``, ``save_to_minimum_rank``, ``allow_pickle``
+        (the writer's) and ``use_collectives``; a planner ignores those it does not use."""
 
     @abc.abstractmethod
-    def build_local_plan(self) -> SavePlan: ...
+    def build_local_plan(self) -> SavePlan:
+        """This rank's :class:`SavePlan`: a :class:`WriteItem` per chunk or value it holds (and
+        writes: which replica writes a replicated chunk is decided here, without
+        communication), its DTensors' layouts and the crc32 of every plain value it holds."""
 
     @abc.abstractmethod
-    def build_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]: ...
+    def build_global_plan(self, all_plans: List[SavePlan]) -> Tuple[List[SavePlan], Metadata]:
+        """Coordinator only: every rank's local plan in, each rank's plan to write and the
+        checkpoint's :class:`Metadata` (without storage locations yet) out. Refuses plain values
+        that differ between ranks (``CheckpointError`` naming the key and two ranks)."""
 
     @abc.abstractmethod
-    def finalize_plan(self, plan: SavePlan) -> SavePlan: ...
+    def finalize_plan(self, plan: SavePlan) -> SavePlan:
+        """Every rank, with the plan the coordinator sent it (``save_id`` set): the plan the
+        writer executes. Planners that stage their data prepare it here."""
 
     @abc.abstractmethod
     def get_data(self, item: WriteItem) -> Any:
@@ -119,28 +131,41 @@ class LoadPlanner(abc.ABC):
     ``acquire_tensor``/``apply_tensor``/``apply_bytes`` per item while reading."""
 
     @abc.abstractmethod
-    def configure_planner(self, state_dict: Dict[str, Any], metadata: Metadata, **kwargs: Any) -> None: ...
+    def configure_planner(self, state_dict: Dict[str, Any], metadata: Metadata, **kwargs: Any) -> None:
+        """Take the ``state_dict`` to fill in place and the checkpoint's ``metadata`` (the same
+        on every rank). Keyword arguments ``load`` passes: ``rank``, ``is_coordinator`` and
+        ``use_collectives``; a planner ignores those it does not use."""
 
     @abc.abstractmethod
-    def build_local_plan(self) -> LoadPlan: ...
+    def build_local_plan(self) -> LoadPlan:
+        """This rank's :class:`LoadPlan`: a :class:`ReadItem` per overlap of a stored chunk with
+        a destination this rank holds (any saved layout onto any current one), and one per
+        value. Missing keys and shape or dtype mismatches raise ``CheckpointError`` naming the
+        key, or are recorded by a lenient planner."""
 
     @abc.abstractmethod
-    def build_global_plan(self, all_plans: List[LoadPlan]) -> List[LoadPlan]: ...
+    def build_global_plan(self, all_plans: List[LoadPlan]) -> List[LoadPlan]:
+        """Coordinator only: every rank's local plan in, each rank's plan out (e.g. checked
+        that the replicas of a group will run the same broadcasts)."""
 
     @abc.abstractmethod
-    def finalize_plan(self, plan: LoadPlan) -> LoadPlan: ...
+    def finalize_plan(self, plan: LoadPlan) -> LoadPlan:
+        """Every rank, with the plan the coordinator sent it: the plan the reader executes."""
 
     @abc.abstractmethod
     def acquire_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        """The destination view ``read_item`` is copied into."""
+        """The destination view ``read_item`` is copied into (of the box's ``lengths``); the
+        reader fills it in place or copies into it, then calls :meth:`apply_tensor`. May be
+        called from several reader threads, for different boxes."""
 
     @abc.abstractmethod
     def apply_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
-        """Store ``tensor`` (the acquired view, or a tensor to copy into it)."""
+        """Store ``tensor`` (the acquired view once filled, or a tensor to copy into it); called
+        once per tensor item, after its bytes were checked where the read verifies them."""
 
     @abc.abstractmethod
     def apply_bytes(self, read_item: ReadItem, value: Any) -> None:
-        """Store a decoded non-tensor value."""
+        """Store the decoded non-tensor ``value`` of ``read_item`` (replacing it in its container)."""
 
     def broadcasts(self) -> List[Tuple[torch.Tensor, int, Any]]:
         """``(tensor, src_global_rank, group)`` fills to run after reading, in this order on

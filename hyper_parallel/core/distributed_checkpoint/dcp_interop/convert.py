@@ -25,7 +25,6 @@ from torch.distributed.checkpoint import save as torch_dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from hyper_parallel._torch_compat import dcp_fsspec_storage
-from hyper_parallel.core.distributed_checkpoint import api
 from hyper_parallel.core.distributed_checkpoint._fileio import url_scheme
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.destination import OutputKind, check_destination, staged_output
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.fused_split import FusedSplit, part_chunks, part_sizes
@@ -39,10 +38,6 @@ from hyper_parallel.core.distributed_checkpoint.dcp_interop.key_mapping import (
 )
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpFiles, translate_metadata
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
-from hyper_parallel.core.distributed_checkpoint.filesystem.writer import FileSystemWriter
-from hyper_parallel.core.distributed_checkpoint.object_store.reader import FsspecReader
-from hyper_parallel.core.distributed_checkpoint.object_store.writer import FsspecWriter
 from hyper_parallel.core.distributed_checkpoint.planning.global_save_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.planning.load_planner import StandardLoadPlanner
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
@@ -52,6 +47,7 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     MetadataIndex,
     TensorStorageMetadata,
 )
+from hyper_parallel.core.distributed_checkpoint.format.values import encode_value
 from hyper_parallel.core.distributed_checkpoint.planner import (
     BytesIOWriteData,
     SavePlan,
@@ -60,8 +56,8 @@ from hyper_parallel.core.distributed_checkpoint.planner import (
     WriteItem,
     WriteItemType,
 )
-
-from hyper_parallel.core.distributed_checkpoint.format.values import encode_value
+from hyper_parallel.core.distributed_checkpoint.storage import StorageReader
+from hyper_parallel.core.distributed_checkpoint.stores import store_for
 
 __all__ = ["export_dcp", "import_dcp", "map_keys"]
 
@@ -176,7 +172,7 @@ def import_dcp(src: str, dst: str, *, rename: Sequence[Rule] = (), exclude: Sequ
     check_destination(src, dst, OutputKind.OURS, force)
     metadata = translate_metadata(src)
     planner = _DcpImportPlanner(src, metadata, {"rename": rename, "exclude": exclude, "split": split})
-    writer = FsspecWriter(dst) if url_scheme(dst) else FileSystemWriter(dst)
+    writer = store_for(dst).writer()
     writer.initialize_writer(dst)
     plan = None
     try:
@@ -186,7 +182,7 @@ def import_dcp(src: str, dst: str, *, rename: Sequence[Rule] = (), exclude: Sequ
         plan.save_id = ours.save_id = uuid.uuid4().hex
         (plan,) = writer.optimize_global_plan([plan])
         plan = planner.finalize_plan(plan)
-        # The writer asks the planner for one chunk at a time (no staging pipeline reading ahead).
+        # The writer asks the planner for one chunk at a time (no copy stages reading ahead).
         writer.finalize_checkpoint(ours, [writer.execute_write(plan, planner)])
     except BaseException:
         if plan is not None and plan.save_id:
@@ -201,7 +197,7 @@ class _LazyExportPlanner(DefaultSavePlanner):
     """torch's planner over meta tensors of our checkpoint's shapes; each tensor is loaded
     from our checkpoint only when torch's writer resolves it."""
 
-    def __init__(self, reader: FileSystemReader, metadata: Metadata) -> None:
+    def __init__(self, reader: StorageReader, metadata: Metadata) -> None:
         super().__init__()
         self._reader, self._metadata = reader, metadata
 
@@ -231,8 +227,9 @@ def export_dcp(src: str, dst: str, *, verify: bool = True, force: bool = False) 
     """
     src, dst = os.fspath(src), os.fspath(dst)
     check_destination(src, dst, OutputKind.DCP, force)
-    metadata = api.read_checkpoint_metadata(src)
-    reader = FsspecReader(src, verify=verify) if url_scheme(src) else FileSystemReader(src, verify=verify)
+    source = store_for(src)
+    metadata = source.read_metadata()
+    reader = source.reader(verify=verify)
     reader.initialize_reader(src)
     reader.configure_reader(metadata, True)
     state: Dict[str, Any] = {}

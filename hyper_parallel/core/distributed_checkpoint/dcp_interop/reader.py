@@ -47,8 +47,9 @@ _told_unverified: Set[str] = set()
 
 
 def is_dcp_checkpoint(directory: Any) -> bool:
-    """True when ``directory`` holds a torch DCP ``.metadata`` and no metadata of ours."""
-    if directory is None:
+    """True when the local ``directory`` holds a torch DCP ``.metadata`` and no metadata of
+    ours (False for URLs: ``load`` reads DCP checkpoints from file systems only)."""
+    if directory is None or url_scheme(directory):
         return False
     path = os.fspath(directory)
     return (os.path.isfile(os.path.join(path, DCP_METADATA_FILE))

@@ -26,8 +26,7 @@ from torch.distributed.checkpoint import metadata as dcp_md
 from hyper_parallel._torch_compat import dcp_mem_format_encoding, dcp_storage_info, get_layout
 from hyper_parallel.core.distributed_checkpoint._fileio import read_regular_file, url_scheme
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem.commit import MAX_METADATA_BYTES
-from hyper_parallel.core.distributed_checkpoint.format.metadata import MAX_DIMS, check_relative_path
+from hyper_parallel.core.distributed_checkpoint.format.metadata import MAX_DIMS, MAX_METADATA_BYTES, check_relative_path
 from hyper_parallel.core.distributed_checkpoint.object_store import store
 
 __all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "torch_dtype", "unpickle_dcp_metadata"]

@@ -1,3 +1,4 @@
-"""Checkpoints as directories on a file system: the writer and reader, the data files, the
-commit protocol (pending directory, markers, committed metadata), and the read paths (whole
-blocks, bounced boxes)."""
+"""The file system backend: checkpoints as directories on a local or mounted file system.
+:class:`~.folder.LocalStore`, the writer and reader, the data files as local files, the commit
+protocol (pending directory, markers, committed metadata), a folder's ``flock`` and the block
+reads. Imports nothing of ``object_store/``."""

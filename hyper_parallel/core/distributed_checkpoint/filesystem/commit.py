@@ -16,7 +16,6 @@
 from __future__ import annotations
 
 import glob
-import json
 import os
 import re
 import threading
@@ -30,17 +29,16 @@ from hyper_parallel.core.distributed_checkpoint._fileio import (
     replace_dir,
     write_file_atomically,
 )
+from hyper_parallel.core.distributed_checkpoint.encoding.results import DoneMarkers, results_from_json, results_to_json
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
+    MAX_METADATA_BYTES,
     METADATA_FILE,
-    FileInfo,
     Metadata,
-    MetadataIndex,
-    StorageInfo,
     TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata, verify_files
-from hyper_parallel.core.distributed_checkpoint.storage import RankWriteResult, WriteResult
+from hyper_parallel.core.distributed_checkpoint.storage import RankWriteResult
 from hyper_parallel.utils.fileio import fsync_dir
 
 RANK_METADATA = "metadata.rank{}.json"
@@ -49,9 +47,6 @@ _FAILED_MARKER = ".failed.rank{}"
 _ALIVE_MARKER = ".alive.rank{}"
 HEARTBEAT_S = 0.5  # how often a writing rank touches its alive marker
 DEAD_AFTER_S = 5.0  # a rank whose marker has not changed for this long is presumed dead
-MAX_METADATA_BYTES = 4 << 30
-"""A metadata file larger than this is refused unread. 16,384 FSDP ranks' model-only metadata is
-367 MB (benchmarks/RESULTS.md), about 1.1 GB with AdamW state; parsing takes ~6x its size."""
 # ``.old``: a checkpoint swapped out by a commit where the OS has no atomic exchange.
 _PENDING_DIR = re.compile(r"\.(?P<target>.+)\.staging-[0-9a-f]+(\.old)?")
 
@@ -88,34 +83,6 @@ def commit_pending_dir(pending: str, path: str, metadata: Metadata, sync: bool) 
 def commit_rank_metadata(path: str, metadata: Metadata, sync: bool) -> None:
     """One rank of a save without collectives: commit its rank-local metadata."""
     write_file_atomically(os.path.join(path, RANK_METADATA.format(metadata.rank)), metadata.to_json().encode(), sync)
-
-
-# ------------------------------------------------------------------- write results <-> JSON
-
-def results_to_json(result: RankWriteResult) -> str:
-    """A rank's write results as the JSON text of its async "done" marker."""
-    return json.dumps({
-        "items": [[r.index.fqn, r.index.offset, r.index.index, r.storage.relative_path, r.storage.offset,
-                   r.storage.length, r.storage.checksum, r.storage.encoding] for r in result.items],
-        "files": {n: [f.size, f.checksum] for n, f in result.files.items()},
-    })
-
-
-def results_from_json(text: str) -> RankWriteResult:
-    """The write results of a "done" marker's JSON text."""
-    doc = json.loads(text)
-    items = [WriteResult(MetadataIndex(fqn, None if off is None else tuple(off), idx),
-                         StorageInfo(path, start, length, crc, enc))
-             for fqn, off, idx, path, start, length, crc, enc in doc["items"]]
-    return RankWriteResult(items, {n: FileInfo(s, c) for n, (s, c) in doc["files"].items()})
-
-
-def record_results(metadata: Metadata, results: List[RankWriteResult]) -> None:
-    """Add every rank's written items and files to ``metadata``."""
-    for result in results:
-        for r in result.items:
-            metadata.storage_data[r.index] = r.storage
-        metadata.files.update(result.files)
 
 
 # ---------------------------------------------------------------- async commit by markers
@@ -212,17 +179,10 @@ def _poll(pending: str, path: str, timeout_s: float, done: Callable[[List[str]],
 
 def collect_results(pending: str, path: str, world_size: int, timeout_s: float) -> List[RankWriteResult]:
     """Coordinator: wait for every rank's done marker (bounded by ``timeout_s``) and read them."""
-    markers = [_DONE_MARKER.format(r) for r in range(world_size)]
-    missing = set(markers)
-
-    def all_done(names: List[str]) -> bool:
-        missing.difference_update(names)
-        return not missing
-
-    _poll(pending, path, timeout_s, all_done, lambda: f"ranks did not finish writing (missing {sorted(missing)[:8]})",
-          lambda: [int(m[len(".done.rank"):-len(".json")]) for m in missing])
+    markers = DoneMarkers({r: _DONE_MARKER.format(r) for r in range(world_size)})
+    _poll(pending, path, timeout_s, markers.seen, markers.waiting_for, markers.missing_ranks)
     results = []
-    for marker in markers:
+    for marker in markers.names:
         with open(os.path.join(pending, marker)) as f:
             results.append(results_from_json(f.read()))
         os.remove(os.path.join(pending, marker))

@@ -7,15 +7,13 @@ checks a chunk several ranks share is ``planning/verify_plan.py``.
 from __future__ import annotations
 
 import functools
-import math
 import os
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, local_path, read_exact
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem.block_reads import BlockReads
-from hyper_parallel.core.distributed_checkpoint.filesystem.bounce import BounceReads, read_box
+from hyper_parallel.core.distributed_checkpoint.host_memory.bounce import BounceReads, load_bounces, read_box
 from hyper_parallel.core.distributed_checkpoint.filesystem.commit import read_checkpoint_metadata
 from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.format.geometry import BoxGeometry
@@ -23,10 +21,8 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     Metadata,
     MetadataIndex,
     StorageInfo,
-    TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint.format.validation import decode_stored_value, open_data_file
-from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import process_staging_buffers
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import VerifyingReader, duties_of, reads_whole
 from hyper_parallel.platform import get_platform
@@ -71,18 +67,11 @@ class FileSystemReader(VerifyingReader):
         """The checkpoint's metadata; works without a process group."""
         return read_checkpoint_metadata(self.path)
 
-    def load_metadata(self, **kwargs: Any) -> Metadata:
-        return self.read_metadata()
+    def stored_at(self, name: str) -> str:
+        return os.path.join(self.path, name)
 
     def _open(self, name: str) -> int:
         return open_data_file(self.path, name, self.metadata)
-
-    def _check(self, crc: int, info: StorageInfo, what: str) -> None:
-        if crc != info.checksum:
-            raise CheckpointError(
-                f"checksum mismatch in {os.path.join(self.path, info.relative_path)} bytes "
-                f"{info.offset}..{info.offset + info.length} ({what}): the file is corrupt"
-            )
 
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Read every item of ``plan``; with ``thread_count > 1`` several tensor reads are in
@@ -103,16 +92,14 @@ class FileSystemReader(VerifyingReader):
                     tensors.append((info, item))
 
             duties = duties_of(plan)
-            # The current device and stream are per thread: take the caller's here. Every reader
-            # thread's copy stream is built here (ordered after the caller's stream), and the
-            # readers share one window of slabs (bounce.py: they cannot wait on each other).
-            platform, pool = get_platform(), process_staging_buffers()
-            device, window = platform.current_device(), pool.window(snapshot=False)
+            # Every reader thread's copy stream is built here, on the caller's device (ordered
+            # after the caller's stream), and the readers share one window of slabs (bounce.py:
+            # they cannot wait on each other).
             threads = min(self.thread_count, len(tensors))
-            bounces = [BounceReads(pool, window, planner, device) for _ in range(max(threads, 1))]
+            bounces = load_bounces(planner, max(threads, 1))
 
             def read(group: List[Tuple[StorageInfo, ReadItem]], bounce: BounceReads) -> None:
-                platform.use_device(device)
+                get_platform().use_device(bounce.device)
                 blocks = BlockReads()
                 try:
                     for info, item in group:
@@ -134,7 +121,7 @@ class FileSystemReader(VerifyingReader):
 
     def _read_value(self, fd: int, info: StorageInfo, key: str) -> Any:
         data = bytearray(info.length)
-        read_exact(fd, data, info.offset, os.path.join(self.path, info.relative_path))
+        read_exact(fd, data, info.offset, self.stored_at(info.relative_path))
         if self._verifying:
             self._check(crc32(data), info, key)
         return decode_stored_value(bytes(data), info.encoding, key, allow_pickle=self.allow_pickle)
@@ -143,10 +130,8 @@ class FileSystemReader(VerifyingReader):
                      bounce: BounceReads, blocks: BlockReads, duties: Optional[FrozenSet[MetadataIndex]]) -> None:
         key = item.storage_index.fqn
         md = self.metadata.state_dict_metadata[key]
-        sizes = md.chunks.sizes_at(item.storage_index.offset) if isinstance(md, TensorStorageMetadata) else None
-        if sizes is None or math.prod(sizes) * md.dtype.itemsize != info.length:
-            raise CheckpointError(f"checkpoint metadata of {key!r} chunk {item.storage_index.offset} is inconsistent")
-        path = os.path.join(self.path, info.relative_path)
+        sizes = self._chunk_sizes(item, info)
+        path = self.stored_at(info.relative_path)
         dest = planner.acquire_tensor(item)
         plain = dest.is_contiguous() and dest.device.type == "cpu" and dest.dtype == md.dtype
         whole = reads_whole(item, sizes)

@@ -23,11 +23,9 @@ from hyper_parallel.core.distributed_checkpoint._fileio import local_path
 from hyper_parallel.utils.fileio import fsync_dir
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.filesystem import commit
-from hyper_parallel.core.distributed_checkpoint.filesystem.data_files import (
-    rank_data_files,
-    write_safetensors,
-    write_values,
-)
+from hyper_parallel.core.distributed_checkpoint.encoding.data_files import rank_data_files
+from hyper_parallel.core.distributed_checkpoint.encoding.results import record_results
+from hyper_parallel.core.distributed_checkpoint.filesystem.data_files import write_safetensors, write_values
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.storage import (
@@ -88,7 +86,7 @@ class FileSystemWriter(AsyncCommitWriter):
         os.makedirs(directory, exist_ok=True)
         if self.use_collectives:  # lets async saves' waiting ranks notice if this process dies
             commit.start_heartbeat(directory, self.rank, self.commit_timeout_s)
-        # Snapshotted saves stream tensor bytes from the snapshot pipeline (host_memory/snapshot.py).
+        # Snapshotted saves stream tensor bytes from the snapshot's copy stages (host_memory/snapshot.py).
         source = planner if isinstance(planner, ChunkSource) else DirectChunks(planner)
         jobs = []
         for file in rank_data_files(plan, self.rank, self.thread_count, self.allow_pickle):
@@ -121,7 +119,7 @@ class FileSystemWriter(AsyncCommitWriter):
         return result
 
     def finalize_checkpoint(self, metadata: Metadata, results: List[RankWriteResult]) -> None:
-        commit.record_results(metadata, results)
+        record_results(metadata, results)
         if not self.use_collectives:
             metadata.rank = self.rank
             commit.commit_rank_metadata(self.path, metadata, self.sync_files)

@@ -20,7 +20,8 @@ from hyper_parallel.core.distributed_checkpoint.format.storage_table import (
 )
 
 __all__ = [
-    "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "DTYPE_TO_SAFETENSORS", "MAX_DIMS", "MAX_NESTING",
+    "FORMAT_NAME", "FORMAT_VERSION", "METADATA_FILE", "MAX_METADATA_BYTES", "DTYPE_TO_SAFETENSORS", "MAX_DIMS",
+    "MAX_NESTING",
     "BytesStorageMetadata", "ChunkStorageMetadata", "ChunkTable", "FileInfo", "Metadata",
     "MetadataIndex", "StorageEntry", "StorageInfo", "StorageMetadata", "StorageTable", "TensorStorageMetadata", "check_relative_path",
     "dtype_from_name", "dtype_name",
@@ -29,6 +30,10 @@ __all__ = [
 FORMAT_NAME = "hyper_parallel.checkpoint"
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
+MAX_METADATA_BYTES = 4 << 30
+"""A metadata file or object larger than this is refused unread (ours and torch DCP's). 16,384 FSDP
+ranks' model-only metadata is 367 MB (benchmarks/RESULTS.md), about 1.1 GB with AdamW state;
+parsing takes ~6x its size."""
 
 # torch dtype <-> safetensors dtype tag. Only dtypes safetensors can hold are saved.
 DTYPE_TO_SAFETENSORS: Dict[torch.dtype, str] = {

@@ -1,3 +1,4 @@
-"""Host memory of saves and loads: the process-wide pool of slabs (``slabs.py``), a save's
-snapshot copied through it (``snapshot.py``) and the background saver of async saves
-(``background.py``)."""
+"""Host memory of saves and loads: the process's staging buffers, a pool of fixed-size slabs
+(``staging_buffers.py``), a save's snapshot copied through them by its copy stages
+(``snapshot.py``), loads' boxes bounced through them (``bounce.py``) and the background saver
+of async saves (``background.py``)."""

@@ -29,7 +29,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Protocol, runt
 
 import torch
 
-from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import process_staging_buffers
+from hyper_parallel.core.distributed_checkpoint.host_memory.staging_buffers import process_staging_buffers
 from hyper_parallel.core.distributed_checkpoint.host_memory.snapshot import StagedSave
 
 
@@ -81,7 +81,7 @@ def _resolve(target: concurrent.futures.Future, source: concurrent.futures.Futur
 
 class AsyncSaver:
     """Runs saves' staging and writes on two background threads, one save at a time, fed by
-    the snapshot pipeline (snapshot.py) from reusable buffers. Callers wait for the previous
+    the snapshot's copy stages (snapshot.py) from reusable buffers. Callers wait for the previous
     save (:meth:`wait`) before planning the next one."""
 
     def __init__(self) -> None:

@@ -1,7 +1,7 @@
-"""A save's snapshot: the pipeline that copies a save's tensor chunks into slabs of the host pool
-(slabs.py) for the writer, chunk by chunk.
+"""A save's snapshot: the copy stages that copy a save's tensor chunks into slabs of the
+staging buffers (staging_buffers.py) for the writer, chunk by chunk.
 
-[Note: the save pipeline]
+[Note: the save's copy stages]
 One producer (:meth:`StagedSave.produce`: the caller's thread, or the staging thread of an
 async save with ``stage_in_background``) walks the plan's tensor items
 in plan order and copies each chunk's bytes into slabs on a side stream, one piece at a time
@@ -18,7 +18,7 @@ is full, so copying piece i+1 overlaps writing piece i and host memory stays bou
   written. ``async_save`` returns then, or right after planning with ``stage_in_background``
   (background.py: the producer then runs on a staging thread, and in-place updates wait
   for it).
-- The copy stream is ordered after the caller's queued work when the pipeline is created
+- The copy stream is ordered after the caller's queued work when the stages are created
   (``StagedSave(...)``, in the caller's thread: the current device and stream are per
   thread). It is a stream of the caller's current device; a chunk on another accelerator
   device is refused (``check_copy_device``): its copy would not run on that stream.
@@ -39,7 +39,7 @@ from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, MetadataIndex
 from hyper_parallel.core.distributed_checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 
-from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import Slab, StagingBuffers, check_copy_device
+from hyper_parallel.core.distributed_checkpoint.host_memory.staging_buffers import Slab, StagingBuffers, check_copy_device
 from hyper_parallel.core.distributed_checkpoint.storage import ChunkSource, RankWriteResult, StorageWriter
 from hyper_parallel.platform import get_platform
 from hyper_parallel.platform.copy_stream import CopyStream, wait_event
@@ -61,7 +61,7 @@ class _End(NamedTuple):
 
 
 class StagedSave(SavePlanner, ChunkSource):
-    """One save's staging pipeline (see [Note: the save pipeline]). It stands in for the
+    """One save's copy stages (see [Note: the save's copy stages]). It stands in for the
     planner while writing: planning steps go to the original planner, tensor bytes come
     from :meth:`chunks`, serialised values from planning.
 
@@ -115,7 +115,7 @@ class StagedSave(SavePlanner, ChunkSource):
     # --- producer -------------------------------------------------------------------
 
     def produce(self, start_writer: Callable[[], None]) -> None:
-        """Copy every tensor chunk into the pipeline, in plan order. ``start_writer()`` is
+        """Copy every tensor chunk into the staging buffers, in plan order. ``start_writer()`` is
         called the first time the window is full (the writer must drain it from another
         thread); if it never fills, the caller starts the writer afterwards. Returns (or
         raises) once every copy it issued has completed: a snapshot's later in-place updates

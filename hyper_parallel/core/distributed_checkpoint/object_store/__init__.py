@@ -1,3 +1,5 @@
-"""Checkpoints on object stores through fsspec (``s3://`` with s3fs, ``gs://``, ``az://``,
-``memory://``, ``file://``): same files and metadata as a local checkpoint; the commit point is
-the ``metadata.json`` object, written last (``store.py`` describes the protocol)."""
+"""The object store backend: checkpoints on object stores through fsspec (``s3://`` with s3fs,
+``gs://``, ``az://``, ``memory://``, ``file://``). :class:`~.folder.ObjectStore`, the writer and
+reader; same files and metadata as a local checkpoint; the commit point is the
+``metadata.json`` object, written last (``store.py`` describes the protocol). Imports nothing of
+``filesystem/``."""

@@ -23,7 +23,7 @@ rank's plan only when some chunk is forwarded):
    each target in turn a fixed-size *status* (``STATUS_BYTES``: OK, or FAILED with the first
    error's message), then on OK the piece's bytes; a FAILED status ends that chunk for both
    sides. A source stages each piece from the fetched bytes through the load's pinned slabs and
-   copy stream (``filesystem/bounce.py``) into its piece buffer; a target receives into its own
+   copy stream (``host_memory/bounce.py``) into its piece buffer; a target receives into its own
    and copies the boxes it needs straight into their destinations.
 
 Every rank walks every send and receive of the exchange whatever happens (a rank that failed
@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem.bounce import BounceReads
+from hyper_parallel.core.distributed_checkpoint.host_memory.bounce import BounceReads
 from hyper_parallel.core.distributed_checkpoint.format.chunk_table import ChunkStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow, overlap
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, MetadataIndex

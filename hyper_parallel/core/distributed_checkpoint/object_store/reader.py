@@ -8,7 +8,7 @@ forwarded to the others (``forwarding.py``): every stored byte is fetched once i
 
 Fetched bytes land in host memory; a destination that is not plain host memory of the stored
 dtype (device memory above all) gets them through the staging pool's pinned slabs on the copy
-stream (``filesystem/bounce.py``), the path of local loads.
+stream (``host_memory/bounce.py``), the path of local loads.
 """
 
 from __future__ import annotations
@@ -22,21 +22,18 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem.bounce import BounceReads
+from hyper_parallel.core.distributed_checkpoint.host_memory.bounce import BounceReads, load_bounces
 from hyper_parallel.core.distributed_checkpoint.format.checksum import crc32
 from hyper_parallel.core.distributed_checkpoint.format.geometry import narrow
 from hyper_parallel.core.distributed_checkpoint.format.metadata import (
     Metadata,
     MetadataIndex,
     StorageInfo,
-    TensorStorageMetadata,
 )
 from hyper_parallel.core.distributed_checkpoint.format.validation import decode_stored_value
-from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import process_staging_buffers
 from hyper_parallel.core.distributed_checkpoint.object_store import forwarding, store
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner, ReadItem
 from hyper_parallel.core.distributed_checkpoint.planning.verify_plan import VerifyingReader, duties_of, reads_whole
-from hyper_parallel.platform import get_platform
 
 BATCH_BYTES = 256 << 20
 """Bytes fetched (and held) at once per rank: the ranges of a batch are requested together."""
@@ -69,6 +66,8 @@ class FsspecReader(VerifyingReader):
             all); False: each rank fetches what it needs itself.
     """
 
+    stored_as = "object"
+
     def __init__(self, url: Optional[str] = None, *, verify: bool = True, allow_pickle: bool = False,
                  storage_options: Optional[Dict[str, Any]] = None, forward: bool = True) -> None:
         self.url, self.verify, self.allow_pickle, self.forward = url, verify, allow_pickle, forward
@@ -79,32 +78,21 @@ class FsspecReader(VerifyingReader):
         self._verifying = verify
 
     def initialize_reader(self, checkpoint_id: Optional[str]) -> None:
-        if checkpoint_id is not None:
-            self.url = checkpoint_id
-        if not self.url:
-            raise ValueError("no checkpoint URL: pass checkpoint_id or FsspecReader(url)")
-        self.fs, self.path = store.open_store(self.url, self.storage_options)
+        self.url, self.fs, self.path = store.open_checkpoint(checkpoint_id, self.url, self.storage_options,
+                                                             type(self).__name__)
 
     def read_metadata(self) -> Metadata:
         """The checkpoint's committed metadata; works without a process group."""
         return store.read_metadata(self.fs, self.path, self.url)
 
-    def load_metadata(self, **kwargs: Any) -> Metadata:
-        return self.read_metadata()
-
-    def _check(self, crc: int, info: StorageInfo, what: str) -> None:
-        if crc != info.checksum:
-            raise CheckpointError(f"checksum mismatch in {self.url}/{info.relative_path} bytes {info.offset}.."
-                                  f"{info.offset + info.length} ({what}): the object is corrupt")
+    def stored_at(self, name: str) -> str:
+        return f"{self.url}/{name}"
 
     def _plan_fetch(self, info: StorageInfo, item: ReadItem, duties, whole: bool = False) -> _Fetch:
         if item.type == LoadItemType.BYTE_IO:
             return _Fetch(info, item, info.offset, info.offset + info.length, None, True)
-        key = item.storage_index.fqn
-        md = self.metadata.state_dict_metadata[key]
-        sizes = md.chunks.sizes_at(item.storage_index.offset) if isinstance(md, TensorStorageMetadata) else None
-        if sizes is None or math.prod(sizes) * md.dtype.itemsize != info.length:
-            raise CheckpointError(f"checkpoint metadata of {key!r} chunk {item.storage_index.offset} is inconsistent")
+        md = self.metadata.state_dict_metadata[item.storage_index.fqn]
+        sizes = self._chunk_sizes(item, info)
         checked = self._verifying and (reads_whole(item, sizes) or duties is None or item.storage_index in duties)
         if checked or not sizes or whole:
             return _Fetch(info, item, info.offset, info.offset + info.length, sizes, True)
@@ -124,13 +112,13 @@ class FsspecReader(VerifyingReader):
     def execute_read(self, plan: LoadPlan, planner: LoadPlanner) -> None:
         """Fetch and apply every item of ``plan``; destinations not filled in place (device
         memory, strided views, another dtype) get their bytes through the staging pool's
-        pinned slabs on the copy stream (``filesystem/bounce.py``), as local loads do."""
+        pinned slabs on the copy stream (``host_memory/bounce.py``), as local loads do."""
         exchange = plan.storage_data if isinstance(plan.storage_data, forwarding.ForwardingPlan) else None
         if exchange is not None:
             plan = LoadPlan(plan.items, exchange.verification, plan.planner_data)
         # The caller's device and stream: the copy stream is ordered after its queued work.
-        pool, device = process_staging_buffers(), get_platform().current_device()
-        bounce = BounceReads(pool, pool.window(snapshot=False), planner, device)
+        (bounce,) = load_bounces(planner)
+        device = bounce.device
         try:
             if exchange is None:
                 self._fetch(self._prepare(plan, set()), planner, bounce)

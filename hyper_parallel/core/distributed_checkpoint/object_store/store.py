@@ -39,12 +39,15 @@ from hyper_parallel.core.distributed_checkpoint.object_store.conditional import 
     protocols,
 )
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE, Metadata, check_relative_path
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
+    MAX_METADATA_BYTES,
+    METADATA_FILE,
+    Metadata,
+    check_relative_path,
+)
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata, verify_files
 from hyper_parallel.utils.fileio import fsync_dir, redact_url, write_file_atomically
 
-MAX_METADATA_BYTES = 4 << 30
-"""As for local checkpoints (``filesystem/commit.py``): larger metadata is refused unread."""
 VERIFY_BLOCK_BYTES = 16 << 20
 """Bytes per request while verifying (each object is read once, front to back)."""
 _TAGGED = re.compile(r"(?:__\d+(?:_\d+)?|\.done\.rank\d+|\.failed\.rank\d+)\.(?P<save_id>[0-9a-f]{32})(?:\..*)?")
@@ -139,6 +142,20 @@ def unreachable_message(url: str, error: BaseException) -> str:
     return (f"{redact_url(url)}: no answer from the object store at {redact_url(endpoint)}{within}: "
             f"{type(error).__name__}; check the endpoint (for S3: AWS_ENDPOINT_URL or storage_options), "
             "the network and that the store is running")
+
+
+def open_checkpoint(checkpoint_id: Optional[str], url: Optional[str], storage_options: Optional[Dict[str, Any]],
+                    owner: str) -> Tuple[str, Any, str]:
+    """(URL, fsspec file system, path on it) of the checkpoint an ``owner`` (a writer or reader
+    class) works on: ``checkpoint_id`` when given, else the ``url`` it was built with.
+
+    Raises:
+        ValueError: neither is given, or the URL's scheme is unknown (see :func:`open_store`).
+    """
+    url = checkpoint_id if checkpoint_id is not None else url
+    if not url:
+        raise ValueError(f"no checkpoint URL: pass checkpoint_id or {owner}(url)")
+    return (url, *open_store(url, storage_options))
 
 
 def is_local(fs: Any) -> bool:

@@ -8,12 +8,17 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Dict, List, Optional
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.filesystem import commit
-from hyper_parallel.core.distributed_checkpoint.filesystem.data_files import (
+from hyper_parallel.core.distributed_checkpoint.encoding.data_files import (
     DataFile,
     encode_values,
     rank_data_files,
     stream_safetensors,
+)
+from hyper_parallel.core.distributed_checkpoint.encoding.results import (
+    DoneMarkers,
+    record_results,
+    results_from_json,
+    results_to_json,
 )
 from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE, Metadata
 from hyper_parallel.core.distributed_checkpoint.object_store import lease, store
@@ -52,11 +57,8 @@ class FsspecWriter(AsyncCommitWriter):
         self.rank, self.world_size = 0, 1
 
     def initialize_writer(self, checkpoint_id: Optional[str]) -> None:
-        if checkpoint_id is not None:
-            self.url = checkpoint_id
-        if not self.url:
-            raise ValueError("no checkpoint URL: pass checkpoint_id or FsspecWriter(url)")
-        self.fs, self.path = store.open_store(self.url, self.storage_options)
+        self.url, self.fs, self.path = store.open_checkpoint(checkpoint_id, self.url, self.storage_options,
+                                                             type(self).__name__)
 
     def configure_writer(self, is_coordinator: bool, *, rank: int = 0, world_size: int = 1,
                          use_collectives: bool = True, **kwargs: Any) -> None:
@@ -100,7 +102,7 @@ class FsspecWriter(AsyncCommitWriter):
         Raises:
             CheckpointError: the folder's lease was taken over by another job (not committed).
         """
-        commit.record_results(metadata, results)
+        record_results(metadata, results)
         lease.fence(self.url, f"commit {self.url}")
         store.put_atomically(self.fs, self._object(METADATA_FILE), metadata.to_json().encode())
         try:
@@ -119,7 +121,7 @@ class FsspecWriter(AsyncCommitWriter):
 
     def publish_result(self, plan: SavePlan, result: RankWriteResult) -> None:
         self.fs.pipe_file(self._object(store.DONE_MARKER.format(self.rank, plan.save_id)),
-                          commit.results_to_json(result).encode())
+                          results_to_json(result).encode())
 
     def publish_failure(self, plan: SavePlan, error: BaseException) -> None:
         try:
@@ -128,18 +130,12 @@ class FsspecWriter(AsyncCommitWriter):
             pass
 
     def collect_results(self, plan: SavePlan) -> List[RankWriteResult]:
-        markers = [store.DONE_MARKER.format(r, plan.save_id) for r in range(self.world_size)]
-        missing = set(markers)
-
-        def all_done(names: List[str]) -> bool:
-            missing.difference_update(names)
-            return not missing
-
-        store.poll(self.fs, self.path, self.url, plan.save_id, self.commit_timeout_s, all_done,
-                   lambda: f"ranks did not finish writing (missing {sorted(missing)[:8]})")
-        paths = [self._object(m) for m in markers]
+        markers = DoneMarkers({r: store.DONE_MARKER.format(r, plan.save_id) for r in range(self.world_size)})
+        store.poll(self.fs, self.path, self.url, plan.save_id, self.commit_timeout_s, markers.seen,
+                   markers.waiting_for)
+        paths = [self._object(m) for m in markers.names]
         texts = self.fs.cat(paths)  # one batch: concurrent GETs on s3fs
-        results = [commit.results_from_json(texts[p].decode()) for p in paths]
+        results = [results_from_json(texts[p].decode()) for p in paths]
         self.fs.rm(paths)
         return results
 

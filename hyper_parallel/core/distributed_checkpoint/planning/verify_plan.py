@@ -16,13 +16,19 @@ A chunk some verifying rank reads whole anyway needs no duty: that read checks i
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 import math
 from collections import defaultdict
 from typing import Any, Dict, FrozenSet, List, NamedTuple, Optional, Sequence, Tuple
 
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
-from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, MetadataIndex, StorageInfo
+from hyper_parallel.core.distributed_checkpoint.format.metadata import (
+    Metadata,
+    MetadataIndex,
+    StorageInfo,
+    TensorStorageMetadata,
+)
 from hyper_parallel.core.distributed_checkpoint.planner import LoadItemType, LoadPlan, ReadItem
 from hyper_parallel.core.distributed_checkpoint.storage import StorageReader
 
@@ -98,11 +104,25 @@ def assign_duties(plans: List[LoadPlan], chunk_bytes: Dict[MetadataIndex, Tuple[
 class VerifyingReader(StorageReader):
     """A reader of checkpoints of our format (whatever stores its files) that checks chunks
     cooperatively: each rank marks its plan, the coordinator assigns the duties above.
-    Subclasses set ``verify`` and read ``metadata`` / ``_verifying`` in ``execute_read``."""
+    Subclasses set ``verify``, say where a stored file is (:meth:`stored_at`) and read
+    ``metadata`` / ``_verifying`` in ``execute_read``."""
 
     verify: bool = True
     metadata: Optional[Metadata] = None
     _verifying: bool = True
+    stored_as: str = "file"
+    """What a stored data file is called in messages (``file``, ``object``)."""
+
+    @abc.abstractmethod
+    def read_metadata(self) -> Metadata:
+        """The checkpoint's committed metadata; works without a process group."""
+
+    @abc.abstractmethod
+    def stored_at(self, name: str) -> str:
+        """Where the checkpoint's data file ``name`` is (a path or a URL), for messages."""
+
+    def load_metadata(self, **kwargs: Any) -> Metadata:
+        return self.read_metadata()
 
     def configure_reader(self, metadata: Metadata, is_coordinator: bool, **kwargs: Any) -> None:
         self.metadata = metadata
@@ -126,4 +146,21 @@ class VerifyingReader(StorageReader):
         if info is None:
             raise CheckpointError(f"checkpoint metadata has no storage location for {index}")
         return info
+
+    def _chunk_sizes(self, item: ReadItem, info: StorageInfo) -> Tuple[int, ...]:
+        """The sizes of the stored chunk ``item`` reads from, checked against its stored length."""
+        key = item.storage_index.fqn
+        md = self.metadata.state_dict_metadata[key]
+        sizes = md.chunks.sizes_at(item.storage_index.offset) if isinstance(md, TensorStorageMetadata) else None
+        if sizes is None or math.prod(sizes) * md.dtype.itemsize != info.length:
+            raise CheckpointError(f"checkpoint metadata of {key!r} chunk {item.storage_index.offset} is inconsistent")
+        return sizes
+
+    def _check(self, crc: int, info: StorageInfo, what: str) -> None:
+        """Raise naming the stored bytes of ``info`` (``what`` they hold) unless ``crc`` is theirs."""
+        if crc != info.checksum:
+            raise CheckpointError(
+                f"checksum mismatch in {self.stored_at(info.relative_path)} bytes "
+                f"{info.offset}..{info.offset + info.length} ({what}): the {self.stored_as} is corrupt"
+            )
 

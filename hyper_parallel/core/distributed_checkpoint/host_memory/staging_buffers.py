@@ -1,4 +1,5 @@
-"""The process's pool of host staging memory: slabs (pinned on accelerators) allocated on
+"""The process's staging buffers: a pool of host memory in fixed-size slabs (pinned on
+accelerators; ``hdcp.staging_buffers()``) allocated on
 first use, lent to saves (snapshot.py) and loads (bounce.py) within a window each, reused
 across them, and released on request: a released slab's pages are unlocked and given back
 to the system (``Platform.pinned_host_buffer``); where they came from the caching host
@@ -39,7 +40,7 @@ class SlabWindow:
 
 
 class StagingBuffers:
-    """The process's pool of host slabs, allocated on first use and reused by later saves
+    """The process's staging buffers: host slabs allocated on first use and reused by later saves
     and loads; :meth:`release` gives the memory back.
 
     Args:
@@ -114,7 +115,7 @@ class StagingBuffers:
         calling ``before_waiting()`` (which must start whatever frees slabs).
 
         Raises:
-            the window's error, once it has one (the other side of the pipeline failed).
+            the window's error, once it has one (the other side of the copy stages failed).
         """
         with self._cond:
             waited = False
@@ -197,7 +198,7 @@ def return_host_memory(dropped: int) -> None:
 def check_copy_device(stream: CopyStream, tensor: torch.Tensor, key: str) -> None:
     """Refuse to stage ``key``'s ``tensor`` through ``stream`` when it is on another device
     of the accelerator: its copy would run on that device's current stream, unordered with
-    the events the pipeline waits on (silently wrong bytes).
+    the events the copy stages wait on (silently wrong bytes).
 
     Raises:
         CheckpointError: naming ``key``, the tensor's device and the stream's device.

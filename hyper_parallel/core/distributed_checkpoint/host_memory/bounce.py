@@ -11,18 +11,19 @@ from __future__ import annotations
 import math
 import os
 from collections import deque
-from typing import Any, Deque, NamedTuple, Optional, Sequence
+from typing import Any, Deque, List, NamedTuple, Optional, Sequence
 
 import torch
 
 from hyper_parallel.core.distributed_checkpoint._fileio import flat_bytes, read_exact
 from hyper_parallel.core.distributed_checkpoint.format.geometry import BoxGeometry
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, ReadItem
-from hyper_parallel.core.distributed_checkpoint.host_memory.slabs import (
+from hyper_parallel.core.distributed_checkpoint.host_memory.staging_buffers import (
     Slab,
     SlabWindow,
     StagingBuffers,
     check_copy_device,
+    process_staging_buffers,
     return_host_memory,
 )
 from hyper_parallel.platform import get_platform
@@ -72,7 +73,7 @@ class BounceReads:
     """
 
     def __init__(self, pool: StagingBuffers, window: SlabWindow, planner: LoadPlanner, device: torch.device) -> None:
-        self._pool, self._window, self._planner = pool, window, planner
+        self._pool, self._window, self._planner, self.device = pool, window, planner, device
         self._stream = CopyStream(get_platform(), device)
         self._stream.after_current_work()  # destinations may still be in use by queued work
         self._slabs: Deque[Slab] = deque()  # in order of use; the last one is being filled
@@ -179,3 +180,12 @@ class BounceReads:
         """In the caller's thread, after :meth:`finish`: order its later work on the device
         after the copies."""
         self._stream.make_current_wait()
+
+
+def load_bounces(planner: LoadPlanner, readers: int = 1) -> List[BounceReads]:
+    """The bounce buffers of one load's ``readers`` reader threads: the process's staging
+    buffers, one window shared by them (``sync_window_bytes``), copies on the caller's current
+    device. Call in the caller's thread (its device and stream are per thread)."""
+    pool = process_staging_buffers()
+    window, device = pool.window(snapshot=False), get_platform().current_device()
+    return [BounceReads(pool, window, planner, device) for _ in range(readers)]

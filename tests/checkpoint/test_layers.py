@@ -1,0 +1,136 @@
+"""The checkpoint package's layers, from its import graph: each subpackage or top-level module
+imports only the layers below it (so no two of them import each other, and the two storage
+backends never import one another), and docs/checkpoint.md's "Code layout" lists the layers in
+this order. Imports are read with ``ast`` (function-level ones too); nothing is imported."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import os
+from typing import Dict, Iterator, List, Set, Tuple
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PACKAGE = "hyper_parallel.core.distributed_checkpoint"
+PACKAGE_DIR = os.path.join(ROOT, *PACKAGE.split("."))
+DOC = os.path.join(ROOT, "docs", "checkpoint.md")
+
+# Bottom to top. A unit (subpackage or top-level module) may import only units of lower rows;
+# units of one row never import each other. The package's __init__.py (its face) is above all.
+LAYERS: Tuple[Tuple[str, ...], ...] = (
+    ("errors",),
+    ("_fileio",),
+    ("format",),
+    ("planner", "stateful"),
+    ("storage",),
+    ("planning", "host_memory", "encoding"),
+    ("filesystem", "object_store"),
+    ("stores",),
+    ("dcp_interop",),
+    ("api",),
+    ("state_dict",),
+    ("manager", "hf", "optimizer_state_dict"),
+    ("cli",),
+)
+
+
+def _unit(module: str) -> str:
+    """The unit of a module of the package (``filesystem.writer`` -> ``filesystem``)."""
+    return module[len(PACKAGE) + 1:].split(".")[0]
+
+
+def _imports(path: str, module: str) -> Iterator[str]:
+    """Every module of the package that ``path`` (module ``module``) imports."""
+    tree = ast.parse(open(path).read(), path)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            yield from (alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:  # relative to the module's package
+                package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
+                base = importlib.util.resolve_name("." * node.level + base, package)
+            yield base
+            yield from (f"{base}.{alias.name}" for alias in node.names)
+
+
+def import_graph(package_dir: str = PACKAGE_DIR) -> Dict[str, Set[Tuple[str, str]]]:
+    """unit -> {(imported unit, importing file)} over the package's files (not its face)."""
+    graph: Dict[str, Set[Tuple[str, str]]] = {}
+    for folder, _, files in os.walk(package_dir):
+        for name in files:
+            path = os.path.join(folder, name)
+            if not name.endswith(".py") or path == os.path.join(package_dir, "__init__.py"):
+                continue
+            relative = os.path.relpath(path, package_dir)[:-3].replace(os.sep, ".").removesuffix(".__init__")
+            module = f"{PACKAGE}.{relative}"
+            unit = _unit(module)
+            graph.setdefault(unit, set())
+            for imported in _imports(path, module):
+                if imported.startswith(PACKAGE + ".") and _unit(imported) != unit:
+                    graph[unit].add((_unit(imported), os.path.relpath(path, package_dir)))
+    return graph
+
+
+def layer_violations(graph: Dict[str, Set[Tuple[str, str]]], layers=LAYERS) -> List[str]:
+    """Each import that does not run to a lower layer, and each unit no layer places."""
+    rank = {unit: i for i, row in enumerate(layers) for unit in row}
+    problems = [f"{unit} is in no layer: place it in LAYERS and in docs/checkpoint.md" for unit in graph
+                if unit not in rank]
+    for unit, edges in sorted(graph.items()):
+        for imported, path in sorted(edges):
+            if unit in rank and imported in rank and rank[imported] >= rank[unit]:
+                where = "its own layer" if rank[imported] == rank[unit] else "a higher layer"
+                problems.append(f"{path} imports {imported}, which is in {where} than {unit}")
+    return problems
+
+
+def test_every_import_runs_to_a_lower_layer():
+    graph = import_graph()
+    assert {"filesystem", "object_store", "api", "manager"} <= set(graph)
+    assert layer_violations(graph) == []
+
+
+def test_a_sideways_or_upward_import_is_named():
+    graph = {"filesystem": {("object_store", "filesystem/x.py")}, "format": {("api", "format/y.py")},
+             "api": {("format", "api.py")}, "newcomer": set()}
+    assert layer_violations(graph) == [
+        "newcomer is in no layer: place it in LAYERS and in docs/checkpoint.md",
+        "filesystem/x.py imports object_store, which is in its own layer than filesystem",
+        "format/y.py imports api, which is in a higher layer than format",
+    ]
+
+
+def _doc_rows() -> List[List[str]]:
+    """The units named in the first column of each row of docs/checkpoint.md's layout table."""
+    section = open(DOC).read().split("## Code layout", 1)[1]
+    rows = []
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            first = line.split("|")[1]
+            rows.append([name.strip("`").removesuffix("/").removesuffix(".py")
+                         for name in first.replace(",", " ").split() if name.startswith("`")])
+    return rows
+
+
+def test_the_documented_layout_lists_the_layers_top_down():
+    rows = _doc_rows()
+    documented = [unit for row in rows for unit in row]
+    expected = [unit for row in reversed(LAYERS) for unit in sorted(row)]
+    assert sorted(documented) == sorted(expected), "docs/checkpoint.md's layout table names other units"
+    position = {unit: i for i, row in enumerate(rows) for unit in row}
+    rank = {unit: i for i, row in enumerate(LAYERS) for unit in row}
+    for upper in rank:
+        for lower in rank:
+            if rank[lower] < rank[upper]:
+                assert position[upper] <= position[lower], \
+                    f"docs/checkpoint.md lists {lower} above {upper}, though {lower} is the lower layer"
+
+
+@pytest.mark.parametrize("row", LAYERS)
+def test_units_of_a_layer_exist(row):
+    for unit in row:
+        assert os.path.exists(os.path.join(PACKAGE_DIR, unit)) or os.path.exists(
+            os.path.join(PACKAGE_DIR, unit + ".py")), unit
