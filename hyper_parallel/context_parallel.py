@@ -12,7 +12,9 @@ their log-sum-exp. Everything is plain torch ops, so it runs (and is tested) on 
 
 Memory: the ring saves only this rank's queries, keys, values, output and log-sum-exp for the
 backward, which recomputes the attention block by block and sends the K/V gradients round the
-ring back to their owners, so a rank's activation memory is ~1/cp of the whole sequence's.
+ring back to their owners, so a rank's activation memory is ~1/cp of the whole sequence's. The
+scores are computed in tiles of query rows (``_TILE_SCORES``), so their transient memory does not
+grow with the sequence. The block math is in ``hyper_parallel.block_attention``.
 Activation checkpointing recomputes forwards during the backward: run the backward inside the
 context as well.
 """
@@ -27,7 +29,11 @@ from typing import Iterator, List, Optional, Tuple, Union
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
+
+from hyper_parallel.block_attention import (BlockMask, accumulation_dtype, block_attention, block_attention_backward,
+                                            merge_attention)
 
 __all__ = [
     "BlockMask", "ContextParallel", "Layout", "Rotate", "block_attention", "context_parallel",
@@ -55,83 +61,6 @@ class Rotate(enum.Enum):
 
     RING = "ring"  # each step sends the block to the next rank (batch_isend_irecv): two blocks in memory
     ALLGATHER = "allgather"  # one all-gather of every rank's block (backward: a reduce-scatter)
-
-
-class BlockMask(enum.Enum):
-    """Which keys of a block a query sees."""
-
-    FULL = "full"
-    CAUSAL = "causal"  # query i sees keys 0..i (top-left aligned, as SDPA's is_causal)
-    MASKED = "masked"  # none
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.promote_types(dtype, torch.float32)
-
-
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, scale: float) -> torch.Tensor:
-    """Scaled scores (B, Hkv, G, Sq, Sk) in the accumulation dtype; masked entries -inf.
-
-    Grouped-query attention: q's H = Hkv * G heads are viewed as (Hkv, G) and k is broadcast
-    over G, so K/V are never expanded into a copy."""
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) are not a multiple of key/value heads ({k.shape[1]})")
-    acc = _acc_dtype(q.dtype)
-    qg = q.to(acc).unflatten(1, (k.shape[1], -1))
-    s = qg @ k.to(acc).unsqueeze(2).transpose(-1, -2) * scale
-    if mask is BlockMask.CAUSAL:
-        hidden = torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1)
-        s = s.masked_fill(hidden, float("-inf"))
-    return s
-
-
-def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask = BlockMask.FULL,
-                    scale: Optional[float] = None) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention of q (B, H, Sq, D) over one block k, v (B, Hkv, Sk, D), H a multiple of Hkv.
-
-    Returns (out (B, H, Sq, Dv), lse (B, H, Sq)), both in at least float32: ``lse`` is the
-    log-sum-exp of each query's scaled scores over the block (-inf where it sees no key; its
-    ``out`` is then 0). Differentiable. ``scale`` defaults to D ** -0.5.
-    """
-    # TODO(cuda): on CUDA the block's (out, lse) could come from torch's fused SDPA kernels
-    # (aten._scaled_dot_product_efficient_attention with compute_log_sumexp=True); not done here
-    # because no GPU was available to test it.
-    scale = q.shape[-1] ** -0.5 if scale is None else scale
-    bsz, heads, sq, _ = q.shape
-    acc = _acc_dtype(q.dtype)
-    if mask is BlockMask.MASKED:
-        return (q.new_zeros((bsz, heads, sq, v.shape[-1]), dtype=acc),
-                q.new_full((bsz, heads, sq), float("-inf"), dtype=acc))
-    s = _scores(q, k, mask, scale)
-    lse = s.logsumexp(-1)
-    p = torch.exp(s - lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1))
-    out = p @ v.to(acc).unsqueeze(2)
-    return out.flatten(1, 2), lse.flatten(1, 2)
-
-
-def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tensor,
-                    lse_b: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Attention over the union of two key sets from each set's (out, lse): exact, differentiable
-    where at least one lse is finite; a side with lse -inf (no key seen) contributes nothing."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    ref = lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1)
-    out = out_a * torch.exp(lse_a.unsqueeze(-1) - ref) + out_b * torch.exp(lse_b.unsqueeze(-1) - ref)
-    return out, lse
-
-
-def _block_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor, lse: torch.Tensor,
-                    delta: torch.Tensor, mask: BlockMask, scale: float
-                    ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dq, dk, dv) of one block given the queries' final lse and delta = sum(dout * out, -1)
-    (grouped as (B, Hkv, G, Sq[, D])); accumulation dtype, K/V gradients summed over the group."""
-    acc = dout.dtype
-    p = torch.exp(_scores(q, k, mask, scale) - lse.unsqueeze(-1))
-    vg = v.to(acc).unsqueeze(2)
-    dv = (p.transpose(-1, -2) @ dout).sum(2)
-    ds = p * (dout @ vg.transpose(-1, -2) - delta.unsqueeze(-1))
-    dq = (ds @ k.to(acc).unsqueeze(2)) * scale
-    dk = (ds.transpose(-1, -2) @ q.to(acc).unflatten(1, (k.shape[1], -1))).sum(2) * scale
-    return dq.flatten(1, 2), dk, dv
 
 
 # --------------------------------------------------------------------------- sequence layout
@@ -222,6 +151,11 @@ def context_parallel(mesh: Union[DeviceMesh, dist.ProcessGroup], *, layout: Unio
     inputs must be this rank's part of each sequence (``cp.shard(x)``); RoPE uses the tokens'
     global positions (:func:`rope_rows`). Run the backward inside as well.
     """
+    try:
+        layout, rotate = Layout(layout), Rotate(rotate)
+    except ValueError as err:
+        raise ValueError(f"context_parallel: {err}; layouts: {[m.value for m in Layout]}, "
+                         f"rotate: {[m.value for m in Rotate]}") from None
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
             raise ValueError(f"context_parallel needs a 1-D mesh (e.g. mesh['cp']), got a {mesh.ndim}-D mesh")
@@ -230,16 +164,12 @@ def context_parallel(mesh: Union[DeviceMesh, dist.ProcessGroup], *, layout: Unio
         group = mesh
     else:
         raise ValueError(f"context_parallel needs a 1-D DeviceMesh or a ProcessGroup, got {type(mesh).__name__}")
-    try:
-        cp = ContextParallel(group, Layout(layout), Rotate(rotate))
-    except ValueError as err:
-        raise ValueError(f"context_parallel: {err}; layouts: {[m.value for m in Layout]}, "
-                         f"rotate: {[m.value for m in Rotate]}") from None
+    cp = ContextParallel(group, layout, rotate)
     _ACTIVE.append(cp)
     try:
         yield cp
     finally:
-        _ACTIVE.remove(cp)
+        _ACTIVE.pop()
 
 
 def rope_rows(cos: torch.Tensor, sin: torch.Tensor, local_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -278,6 +208,26 @@ def _plan(rank: int, size: int, src: int, layout: Layout, causal: bool, n: int
         else:
             plan.append((slice(i * chunk, (i + 1) * chunk), seen, BlockMask.FULL))
     return plan
+
+
+# Scores computed at once (per batch x head): bounds a block's transient memory (2 MiB of float32
+# for a batch x heads of 1) however long the sequence; larger tiles are fewer, faster matmuls.
+_TILE_SCORES = 2**19
+_MIN_TILE_ROWS = 16
+
+
+def _tiles(plan: List[Tuple[slice, int, BlockMask]], budget: int) -> Iterator[Tuple[slice, int, BlockMask, int]]:
+    """The plan's computations cut into tiles of query rows of at most ``budget`` scores each:
+    (rows, keys seen, mask, first row within the causal block). A causal tile sees only the keys
+    up to its last row."""
+    for rows, seen, mask in plan:
+        step = max(_MIN_TILE_ROWS, budget // seen)
+        for start in range(rows.start, rows.stop, step):
+            stop = min(start + step, rows.stop)
+            if mask is BlockMask.CAUSAL:  # the whole diagonal block: rows and keys start together
+                yield slice(start, stop), stop, mask, start
+            else:
+                yield slice(start, stop), seen, mask, 0
 
 
 def _shift(flat: torch.Tensor, cp: ContextParallel, tag: int) -> Tuple[List[dist.Work], torch.Tensor]:
@@ -325,13 +275,14 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, causal: bool, scale: float):  # type: ignore[override]
-        n, acc = q.shape[2], _acc_dtype(q.dtype)
+        n, acc = q.shape[2], accumulation_dtype(q.dtype)
         out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=acc)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
+        budget = _TILE_SCORES // (q.shape[0] * q.shape[1])
         for src, block in _kv_blocks(_flat_kv(k, v), cp):
             kb, vb = _split_kv(block, k, v)
-            for rows, seen, mask in _plan(cp.rank, cp.size, src, cp.layout, causal, n):
-                o, l = block_attention(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen], mask, scale)
+            for rows, seen, mask, first in _tiles(_plan(cp.rank, cp.size, src, cp.layout, causal, n), budget):
+                o, l = block_attention(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen], mask, scale, first)
                 out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows], o, l)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -339,6 +290,7 @@ class _RingAttention(torch.autograd.Function):
         return out
 
     @staticmethod
+    @once_differentiable
     def backward(ctx, dout):  # type: ignore[override]
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
@@ -348,13 +300,14 @@ class _RingAttention(torch.autograd.Function):
         dout_g, lse_g = grouped(dout), grouped(lse)
         delta_g = grouped((dout * out.to(acc)).sum(-1))
         dq = torch.zeros_like(q, dtype=acc)
+        budget = _TILE_SCORES // (q.shape[0] * q.shape[1])
 
         def add_block(src: int, block: torch.Tensor, grads: torch.Tensor) -> None:
             (kb, vb), (dkb, dvb) = _split_kv(block, k, v), _split_kv(grads, k, v)
-            for rows, seen, mask in _plan(cp.rank, size, src, cp.layout, ctx.causal, n):
-                dq_b, dk_b, dv_b = _block_backward(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen],
+            for rows, seen, mask, first in _tiles(_plan(cp.rank, size, src, cp.layout, ctx.causal, n), budget):
+                dq_b, dk_b, dv_b = block_attention_backward(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen],
                                                    dout_g[..., rows, :], lse_g[..., rows], delta_g[..., rows],
-                                                   mask, ctx.scale)
+                                                   mask, ctx.scale, first)
                 dq[:, :, rows] += dq_b
                 dkb[:, :, :seen] += dk_b
                 dvb[:, :, :seen] += dv_b
@@ -414,7 +367,7 @@ def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[
     (what FSDP's reduction computes). A collective over ``group``.
     """
     flat_logits = logits.flatten(0, -2)
-    total = F.cross_entropy(flat_logits.to(_acc_dtype(flat_logits.dtype)), labels.flatten(),
+    total = F.cross_entropy(flat_logits.to(accumulation_dtype(flat_logits.dtype)), labels.flatten(),
                             ignore_index=ignore_index, reduction="sum")
     count = (labels != ignore_index).sum().to(torch.float64)
     size = 1

@@ -20,7 +20,7 @@ from hyper_parallel.context_parallel import (
     BlockMask, Layout, Rotate, block_attention, context_parallel, cp_attention, current_context,
     gather_sequence, mean_token_loss, merge_attention, rope_rows, sequence_positions, shard_sequence,
 )
-from hyper_parallel.context_parallel import _plan
+from hyper_parallel.context_parallel import _MIN_TILE_ROWS, _plan, _tiles
 from hyper_parallel.models import build_llama
 from tests.fully_shard._helpers import CountingBackend
 from tests.multirank import run_on_ranks
@@ -94,10 +94,11 @@ def test_layouts_shard_positions_and_errors():
 
 
 @pytest.mark.parametrize("layout", list(Layout))
-def test_ring_plan_covers_each_causal_pair_once(layout):
-    """The blocks each rank computes over the ring cover every (query, key) pair with key <= query
-    exactly once, and no other pair (load-balanced: every rank the same number of pairs)."""
-    seq = 24
+@pytest.mark.parametrize("budget", [10**9, 1])  # whole blocks; tiles of the fewest rows
+def test_ring_plan_covers_each_causal_pair_once(layout, budget):
+    """The blocks (or tiles) each rank computes over the ring cover every (query, key) pair with
+    key <= query exactly once, and no other pair (load-balanced: every rank the same number of pairs)."""
+    seq = 24 * _MIN_TILE_ROWS // 4  # tiles of the fewest rows cut the chunks of cp 1..4
     for size in (1, 2, 3, 4):
         counts = torch.zeros(seq, seq, dtype=torch.long)
         work = []
@@ -106,10 +107,10 @@ def test_ring_plan_covers_each_causal_pair_once(layout):
             pairs = 0
             for src in range(size):
                 kpos = sequence_positions(seq // size, src, size, layout)
-                for rows, seen, mask in _plan(rank, size, src, layout, True, seq // size):
+                for rows, seen, mask, first in _tiles(_plan(rank, size, src, layout, True, seq // size), budget):
                     ok = torch.ones(rows.stop - rows.start, seen, dtype=torch.bool)
                     if mask is BlockMask.CAUSAL:
-                        ok = ok.tril()
+                        ok = ok.tril(first)
                     grid = counts[qpos[rows]][:, kpos[:seen]] + ok.long()
                     counts[qpos[rows].unsqueeze(1), kpos[:seen].unsqueeze(0)] = grid
                     pairs += int(ok.sum())
@@ -141,34 +142,78 @@ def test_context_rejects_bad_arguments():
     with pytest.raises(ValueError, match="needs a 1-D DeviceMesh or a ProcessGroup, got int"):
         with context_parallel(3):
             pass
+    with pytest.raises(ValueError, match="'zigzag' is not a valid Layout; layouts: .'contiguous', 'head_tail'."):
+        with context_parallel(dist.group.WORLD, layout="zigzag"):
+            pass
+    assert current_context() is None
+
+
+def _errors_on_rank() -> list:
+    """The one-line errors of bad input under CP on a rank."""
+    found = []
+    mesh = hp.init_device_mesh("cpu", (1, dist.get_world_size()))
+    q, k, v, _ = _qkv(3, seq=9)
+    with context_parallel(dist.group.WORLD) as cp:
+        for call in (lambda: rope_rows(torch.zeros(8, 4), torch.zeros(8, 4), 8),
+                     lambda: cp_attention(q, k, v),
+                     lambda: cp_attention(q, k[:, :, :4], v[:, :, :4])):
+            with pytest.raises(ValueError) as err:
+                call()
+            found.append(str(err.value))
+    with pytest.raises(ValueError) as err:
+        with context_parallel(mesh):
+            pass
+    return found + [str(err.value)]
+
+
+def test_bad_input_under_cp_raises_one_line_errors():
+    for found in run_on_ranks(2, _errors_on_rank, timeout=60):
+        assert found == [
+            "the global sequence length 16 (local 8 x cp 2) exceeds the RoPE tables' 8 rows (max_seq_len)",
+            "sequence length 18 is not divisible by the 4 chunks of the head_tail layout over 2 "
+            "context-parallel rank(s)",
+            "context-parallel attention needs queries, keys and values of the same local length, got 9, 4, 4",
+            "context_parallel needs a 1-D mesh (e.g. mesh['cp']), got a 2-D mesh",
+        ], found
 
 
 # --------------------------------------------------------------------------- the attention on ranks
 
 
 def _attention_on_rank(seq: int) -> dict:
-    """Max differences to whole-sequence attention (outputs, q/k/v gradients) per setting."""
+    """Max differences to whole-sequence attention (outputs, q/k/v gradients) per setting; with
+    whole blocks and with tiles of the fewest query rows."""
+    from hyper_parallel import context_parallel as module
+
     group = dist.group.WORLD
     rank, size = dist.get_rank(), dist.get_world_size()
     diffs = {}
-    for causal, layout, rotate, kv_heads in itertools.product((True, False), Layout, Rotate, (1, 4)):
-        q, k, v, dout = _qkv(10 + kv_heads, heads=4, kv_heads=kv_heads, seq=seq)
-        ref_out, ref_grads = _grads(lambda q, k, v: _sdpa(q, k, v, causal), (q, k, v), dout)
-        with context_parallel(group, layout=layout.value, rotate=rotate.value) as cp:
-            part = [cp.shard(t, dim=2) for t in (q, k, v)]
-            out, grads = _grads(lambda q, k, v: cp_attention(q, k, v, is_causal=causal), part, cp.shard(dout, dim=2))
-            gathered = cp.gather(out, dim=2)
-        errors = [(out - shard_sequence(ref_out, rank, size, layout, 2)).abs().max(),
-                  (gathered - ref_out).abs().max()]
-        errors += [(g - shard_sequence(r, rank, size, layout, 2)).abs().max() for g, r in zip(grads, ref_grads)]
-        diffs[f"causal={causal} {layout.value} {rotate.value} kv_heads={kv_heads}"] = max(e.item() for e in errors)
+    default = module._TILE_SCORES
+    try:
+        for setting in itertools.product((True, False), Layout, Rotate, (1, 4), (default, 1)):
+            module._TILE_SCORES = setting[-1]
+            diffs[" ".join(map(str, setting))] = _attention_diff(rank, size, group, seq, *setting[:-1])
+    finally:
+        module._TILE_SCORES = default
     return diffs
+
+
+def _attention_diff(rank, size, group, seq, causal, layout, rotate, kv_heads) -> float:
+    q, k, v, dout = _qkv(10 + kv_heads, heads=4, kv_heads=kv_heads, seq=seq)
+    ref_out, ref_grads = _grads(lambda q, k, v: _sdpa(q, k, v, causal), (q, k, v), dout)
+    with context_parallel(group, layout=layout.value, rotate=rotate.value) as cp:
+        part = [cp.shard(t, dim=2) for t in (q, k, v)]
+        out, grads = _grads(lambda q, k, v: cp_attention(q, k, v, is_causal=causal), part, cp.shard(dout, dim=2))
+        gathered = cp.gather(out, dim=2)
+    errors = [(out - shard_sequence(ref_out, rank, size, layout, 2)).abs().max(), (gathered - ref_out).abs().max()]
+    errors += [(g - shard_sequence(r, rank, size, layout, 2)).abs().max() for g, r in zip(grads, ref_grads)]
+    return max(e.item() for e in errors)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_equals_whole_sequence_attention(world):
-    for diffs in run_on_ranks(world, _attention_on_rank, 8 * world, timeout=120):
-        assert len(diffs) == 16 and max(diffs.values()) < TOL, diffs
+    for diffs in run_on_ranks(world, _attention_on_rank, 2 * _MIN_TILE_ROWS * world, timeout=120):
+        assert len(diffs) == 32 and max(diffs.values()) < TOL, diffs
 
 
 # --------------------------------------------------------------------------- the Llama model on ranks
