@@ -15,7 +15,8 @@ step (after an unmeasured step of the same shape) minus the RSS before it, maxim
 activations, unsharded parameters, gradients and communication buffers; the parameters, their
 shards and the optimizer state exist before the step and do not count. Only the activations
 change with ``cp``. Time: ``--steps`` steps per (seq, cp), the CP degrees alternating in order
-per round; median of the slowest rank's step; tokens/s counts all ranks' tokens.
+per round; median of the slowest rank's step (wall and process CPU time: on a shared machine the
+CPU time is the steadier figure); tokens/s counts all ranks' tokens.
 """
 
 from __future__ import annotations
@@ -100,13 +101,14 @@ def run(args: argparse.Namespace) -> Dict[Tuple[int, int], dict]:
             _reset_peak_rss()
             _step(model, optimizer, tokens, mesh, args)
             peak = _over_ranks(_rss_bytes("VmHWM") - before)
-            results[seq, cp] = {"peak_mb": peak / MB, "times": []}
+            results[seq, cp] = {"peak_mb": peak / MB, "times": [], "cpu": []}
         for r in range(args.steps):
             order = args.cps if r % 2 == 0 else args.cps[::-1]
             for cp in order:
                 dist.barrier()
-                start = time.perf_counter()
+                start, cpu_start = time.perf_counter(), time.process_time()
                 _step(model, optimizer, batches[cp], settings[cp][0], args)
+                results[seq, cp]["cpu"].append(_over_ranks(time.process_time() - cpu_start))
                 results[seq, cp]["times"].append(_over_ranks(time.perf_counter() - start))
     return results
 
@@ -115,8 +117,9 @@ def _report(args: argparse.Namespace, results: Dict[Tuple[int, int], dict]) -> N
     world = dist.get_world_size()
     print(f"\nllama {args.model} dim {args.dim} x {args.layers} layers, {world} gloo ranks, FSDP over all, "
           f"one sequence per CP group per step, rotate={args.rotate}, torch {torch.__version__}")
-    print("| seq | CP | tokens/rank | peak step MB/rank | vs CP1 | step s (median) | tokens/s (all ranks) | vs CP1 |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| seq | CP | tokens/rank | peak step MB/rank | vs CP1 | step s (median) | CPU s/rank | tokens/s (all ranks) "
+          "| vs CP1 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for seq in args.seqs:
         base = results.get((seq, 1))
         for cp in args.cps:
@@ -125,8 +128,8 @@ def _report(args: argparse.Namespace, results: Dict[Tuple[int, int], dict]) -> N
             tps = (world // cp) * seq / step
             mem_ratio = f"{res['peak_mb'] / base['peak_mb']:.2f}" if base else "-"
             tps_ratio = f"{tps / ((world * seq) / statistics.median(base['times'])):.2f}" if base else "-"
-            print(f"| {seq} | {cp} | {seq // cp} | {res['peak_mb']:.1f} | {mem_ratio} | {step:.3f} | {tps:.0f} "
-                  f"| {tps_ratio} |")
+            print(f"| {seq} | {cp} | {seq // cp} | {res['peak_mb']:.1f} | {mem_ratio} | {step:.3f} "
+                  f"| {statistics.median(res['cpu']):.3f} | {tps:.0f} | {tps_ratio} |")
 
 
 def _main_in_group(args: argparse.Namespace) -> None:
