@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.context_parallel import cp_attention, rope_rows
 from hyper_parallel.core.layout import local_part
 
 
@@ -209,10 +210,11 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        # Under context parallelism (hyper_parallel.context_parallel) x holds this rank's part of
+        # each sequence: RoPE takes the tokens' global positions and attention runs as ring attention.
+        cos, sin = rope_rows(cos, sin, seq)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        out = cp_attention(q, k, v, is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
 
 

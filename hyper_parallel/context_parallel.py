@@ -1,0 +1,379 @@
+"""Context parallelism (CP): attention over a sequence split across the ranks of a CP group.
+
+Each rank of the group holds a part of every sequence (:class:`Layout`); attention runs as ring
+attention: every rank computes its queries against one block of keys/values at a time while the
+K/V blocks travel round the group (``rotate="ring"``: send/recv to the neighbours; or
+``"allgather"``: all blocks gathered at once), and the partial results are merged exactly with
+their log-sum-exp. Everything is plain torch ops, so it runs (and is tested) on CPU with gloo.
+
+    with context_parallel(mesh["cp"]) as cp:          # tells the model's attention it runs under CP
+        loss = mean_token_loss(model(cp.shard(inputs)), cp.shard(labels), group=dp_cp_group)
+        loss.backward()                                # inside the context too (see below)
+
+Memory: the ring saves only this rank's queries, keys, values, output and log-sum-exp for the
+backward, which recomputes the attention block by block and sends the K/V gradients round the
+ring back to their owners, so a rank's activation memory is ~1/cp of the whole sequence's. The
+scores are computed in tiles of query rows (``_TILE_SCORES``), so their transient memory does not
+grow with the sequence. The block math is in ``hyper_parallel.block_attention``.
+Activation checkpointing recomputes forwards during the backward: run the backward inside the
+context as well.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+from dataclasses import dataclass
+from typing import Iterator, List, Optional, Tuple, Union
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.autograd.function import once_differentiable
+from torch.distributed.device_mesh import DeviceMesh
+
+from hyper_parallel.block_attention import (BlockMask, accumulation_dtype, block_attention, block_attention_backward,
+                                            merge_attention)
+
+__all__ = [
+    "BlockMask", "ContextParallel", "Layout", "Rotate", "block_attention", "context_parallel",
+    "cp_attention", "current_context", "gather_sequence", "mean_token_loss", "merge_attention",
+    "rope_rows", "sequence_positions", "shard_sequence",
+]
+
+
+class Layout(enum.Enum):
+    """How a sequence of length S is split over a CP group of ``cp`` ranks."""
+
+    CONTIGUOUS = "contiguous"  # S cut in cp chunks; rank r holds chunk r
+    HEAD_TAIL = "head_tail"  # S cut in 2*cp chunks; rank r holds chunks r and 2*cp-1-r (causal load balance)
+
+    def chunks(self, rank: int, size: int) -> Tuple[int, ...]:
+        """The (increasing) indices of the chunks ``rank`` holds, out of :meth:`n_chunks`."""
+        return (rank,) if self is Layout.CONTIGUOUS else (rank, 2 * size - 1 - rank)
+
+    def n_chunks(self, size: int) -> int:
+        return size if self is Layout.CONTIGUOUS else 2 * size
+
+
+class Rotate(enum.Enum):
+    """How the K/V blocks reach every rank."""
+
+    RING = "ring"  # each step sends the block to the next rank (batch_isend_irecv): two blocks in memory
+    ALLGATHER = "allgather"  # one all-gather of every rank's block (backward: a reduce-scatter)
+
+
+# --------------------------------------------------------------------------- sequence layout
+
+
+def _check_divisible(length: int, size: int, layout: Layout, what: str) -> int:
+    n = layout.n_chunks(size)
+    if length % n:
+        raise ValueError(f"{what} {length} is not divisible by the {n} chunks of the {layout.value} "
+                         f"layout over {size} context-parallel rank(s)")
+    return length // n
+
+
+def sequence_positions(local_len: int, rank: int, size: int, layout: Layout = Layout.HEAD_TAIL,
+                       device: Optional[torch.device] = None) -> torch.Tensor:
+    """Global positions (int64, ``local_len``) of the tokens ``rank`` holds."""
+    chunk = _check_divisible(local_len * size, size, layout, "sequence length")
+    return torch.cat([torch.arange(c * chunk, (c + 1) * chunk, device=device) for c in layout.chunks(rank, size)])
+
+
+def shard_sequence(x: torch.Tensor, rank: int, size: int, layout: Layout = Layout.HEAD_TAIL,
+                   dim: int = 1) -> torch.Tensor:
+    """The part of the whole-sequence ``x`` (sequence on ``dim``) that ``rank`` holds."""
+    chunk = _check_divisible(x.shape[dim], size, layout, "sequence length")
+    return torch.cat([x.narrow(dim, c * chunk, chunk) for c in layout.chunks(rank, size)], dim=dim)
+
+
+def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, layout: Layout = Layout.HEAD_TAIL,
+                    dim: int = 1) -> torch.Tensor:
+    """The whole sequence from every rank's part ``x`` (inverse of :func:`shard_sequence`)."""
+    size = dist.get_world_size(group)
+    parts = [torch.empty_like(x) for _ in range(size)]
+    dist.all_gather(parts, x.contiguous(), group=group)
+    chunks: List[Optional[torch.Tensor]] = [None] * layout.n_chunks(size)
+    for rank, part in enumerate(parts):
+        mine = layout.chunks(rank, size)
+        for c, piece in zip(mine, part.chunk(len(mine), dim=dim)):
+            chunks[c] = piece
+    return torch.cat(chunks, dim=dim)
+
+
+# --------------------------------------------------------------------------- the CP context
+
+
+@dataclass(frozen=True)
+class ContextParallel:
+    """A CP group and how sequences are laid out and K/V blocks exchanged over it."""
+
+    group: dist.ProcessGroup
+    layout: Layout = Layout.HEAD_TAIL
+    rotate: Rotate = Rotate.RING
+
+    @property
+    def rank(self) -> int:
+        return dist.get_rank(self.group)
+
+    @property
+    def size(self) -> int:
+        return dist.get_world_size(self.group)
+
+    def shard(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """This rank's part of the whole-sequence ``x``."""
+        return shard_sequence(x, self.rank, self.size, self.layout, dim)
+
+    def gather(self, x: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """The whole sequence from every rank's part (a collective over the group)."""
+        return gather_sequence(x, self.group, self.layout, dim)
+
+    def positions(self, local_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
+        """Global positions of this rank's ``local_len`` tokens."""
+        return sequence_positions(local_len, self.rank, self.size, self.layout, device)
+
+
+_ACTIVE: List[ContextParallel] = []  # a stack; module-level (not a ContextVar), so autograd threads see it
+
+
+def current_context() -> Optional[ContextParallel]:
+    """The innermost active :func:`context_parallel`, or None."""
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+@contextlib.contextmanager
+def context_parallel(mesh: Union[DeviceMesh, dist.ProcessGroup], *, layout: Union[Layout, str] = Layout.HEAD_TAIL,
+                     rotate: Union[Rotate, str] = Rotate.RING) -> Iterator[ContextParallel]:
+    """Run attention (:func:`cp_attention`, e.g. the Llama model's) under CP over ``mesh``.
+
+    ``mesh``: a 1-D DeviceMesh (e.g. ``mesh["cp"]``) or a process group. Inside, the model's
+    inputs must be this rank's part of each sequence (``cp.shard(x)``); RoPE uses the tokens'
+    global positions (:func:`rope_rows`). Run the backward inside as well.
+    """
+    try:
+        layout, rotate = Layout(layout), Rotate(rotate)
+    except ValueError as err:
+        raise ValueError(f"context_parallel: {err}; layouts: {[m.value for m in Layout]}, "
+                         f"rotate: {[m.value for m in Rotate]}") from None
+    if isinstance(mesh, DeviceMesh):
+        if mesh.ndim != 1:
+            raise ValueError(f"context_parallel needs a 1-D mesh (e.g. mesh['cp']), got a {mesh.ndim}-D mesh")
+        group = mesh.get_group()
+    elif isinstance(mesh, dist.ProcessGroup):
+        group = mesh
+    else:
+        raise ValueError(f"context_parallel needs a 1-D DeviceMesh or a ProcessGroup, got {type(mesh).__name__}")
+    cp = ContextParallel(group, layout, rotate)
+    _ACTIVE.append(cp)
+    try:
+        yield cp
+    finally:
+        _ACTIVE.pop()
+
+
+def rope_rows(cos: torch.Tensor, sin: torch.Tensor, local_len: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The RoPE table rows of this rank's ``local_len`` tokens: under CP those of their global
+    positions, else the tables unchanged (their first rows are the positions)."""
+    cp = current_context()
+    if cp is None:
+        return cos, sin
+    positions = cp.positions(local_len, cos.device)
+    if local_len * cp.size > cos.shape[0]:
+        raise ValueError(f"the global sequence length {local_len * cp.size} (local {local_len} x cp "
+                         f"{cp.size}) exceeds the RoPE tables' {cos.shape[0]} rows (max_seq_len)")
+    return cos[positions], sin[positions]
+
+
+# --------------------------------------------------------------------------- ring attention
+
+
+def _plan(rank: int, size: int, src: int, layout: Layout, causal: bool, n: int
+          ) -> List[Tuple[slice, int, BlockMask]]:
+    """The block computations of this rank's ``n`` queries against the K/V block of rank ``src``:
+    (query rows, number of leading keys seen, mask); none for queries that see none of its keys."""
+    if not causal:
+        return [(slice(0, n), n, BlockMask.FULL)]
+    if src == rank:  # a rank's chunks are in increasing order: its own block is causal as a whole
+        return [(slice(0, n), n, BlockMask.CAUSAL)]
+    q_chunks, k_chunks = layout.chunks(rank, size), layout.chunks(src, size)
+    chunk = n // len(q_chunks)
+    plan: List[Tuple[slice, int, BlockMask]] = []
+    for i, qc in enumerate(q_chunks):
+        seen = sum(kc < qc for kc in k_chunks) * chunk  # the earlier chunks are the leading ones
+        if not seen:
+            continue
+        if plan and plan[-1][0].stop == i * chunk and plan[-1][1] == seen:  # one call for both
+            plan[-1] = (slice(plan[-1][0].start, (i + 1) * chunk), seen, BlockMask.FULL)
+        else:
+            plan.append((slice(i * chunk, (i + 1) * chunk), seen, BlockMask.FULL))
+    return plan
+
+
+# Scores computed at once (per batch x head): bounds a block's transient memory (2 MiB of float32
+# for a batch x heads of 1) however long the sequence; larger tiles are fewer, faster matmuls.
+_TILE_SCORES = 2**19
+_MIN_TILE_ROWS = 16
+
+
+def _tiles(plan: List[Tuple[slice, int, BlockMask]], budget: int) -> Iterator[Tuple[slice, int, BlockMask, int]]:
+    """The plan's computations cut into tiles of query rows of at most ``budget`` scores each:
+    (rows, keys seen, mask, first row within the causal block). A causal tile sees only the keys
+    up to its last row."""
+    for rows, seen, mask in plan:
+        step = max(_MIN_TILE_ROWS, budget // seen)
+        for start in range(rows.start, rows.stop, step):
+            stop = min(start + step, rows.stop)
+            if mask is BlockMask.CAUSAL:  # the whole diagonal block: rows and keys start together
+                yield slice(start, stop), stop, mask, start
+            else:
+                yield slice(start, stop), seen, mask, 0
+
+
+def _shift(flat: torch.Tensor, cp: ContextParallel, tag: int) -> Tuple[List[dist.Work], torch.Tensor]:
+    """Start sending ``flat`` to the next rank of the ring and receiving the previous one's."""
+    received = torch.empty_like(flat)
+    ops = [dist.P2POp(dist.isend, flat, group=cp.group, group_peer=(cp.rank + 1) % cp.size, tag=tag),
+           dist.P2POp(dist.irecv, received, group=cp.group, group_peer=(cp.rank - 1) % cp.size, tag=tag)]
+    return dist.batch_isend_irecv(ops), received
+
+
+def _wait(pending: Tuple[List[dist.Work], torch.Tensor]) -> torch.Tensor:
+    for work in pending[0]:
+        work.wait()
+    return pending[1]
+
+
+def _kv_blocks(flat: torch.Tensor, cp: ContextParallel) -> Iterator[Tuple[int, torch.Tensor]]:
+    """(source rank, its flat K/V block) for every rank: own first, then rank-1, rank-2, ...
+    (ring: the next block is received while the caller works on the current one)."""
+    rank, size = cp.rank, cp.size
+    if cp.rotate is Rotate.ALLGATHER and size > 1:
+        gathered = flat.new_empty((size, flat.numel()))
+        dist.all_gather_single(gathered.view(-1), flat, group=cp.group)
+        for i in range(size):
+            yield (rank - i) % size, gathered[(rank - i) % size]
+        return
+    for i in range(size):
+        pending = _shift(flat, cp, tag=0) if i < size - 1 else None
+        yield (rank - i) % size, flat
+        if pending is not None:
+            flat = _wait(pending)
+
+
+def _flat_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return torch.cat([k.reshape(-1), v.reshape(-1)])
+
+
+def _split_kv(flat: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Views of ``flat`` shaped as ``k`` and ``v``."""
+    return flat[:k.numel()].view(k.shape), flat[k.numel():].view(v.shape)
+
+
+class _RingAttention(torch.autograd.Function):
+    """Ring attention; saves only the local q, k, v, output and lse, recomputes in backward."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, cp: ContextParallel, causal: bool, scale: float):  # type: ignore[override]
+        n, acc = q.shape[2], accumulation_dtype(q.dtype)
+        out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=acc)
+        lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
+        budget = _TILE_SCORES // (q.shape[0] * q.shape[1])
+        for src, block in _kv_blocks(_flat_kv(k, v), cp):
+            kb, vb = _split_kv(block, k, v)
+            for rows, seen, mask, first in _tiles(_plan(cp.rank, cp.size, src, cp.layout, causal, n), budget):
+                o, l = block_attention(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen], mask, scale, first)
+                out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows], o, l)
+        out = out.to(q.dtype)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.cp, ctx.causal, ctx.scale = cp, causal, scale
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dout):  # type: ignore[override]
+        q, k, v, out, lse = ctx.saved_tensors
+        cp: ContextParallel = ctx.cp
+        n, acc, size = q.shape[2], lse.dtype, cp.size
+        grouped = lambda t: t.unflatten(1, (k.shape[1], -1))  # noqa: E731 - (B, Hkv, G, ...)
+        dout = dout.to(acc)
+        dout_g, lse_g = grouped(dout), grouped(lse)
+        delta_g = grouped((dout * out.to(acc)).sum(-1))
+        dq = torch.zeros_like(q, dtype=acc)
+        budget = _TILE_SCORES // (q.shape[0] * q.shape[1])
+
+        def add_block(src: int, block: torch.Tensor, grads: torch.Tensor) -> None:
+            (kb, vb), (dkb, dvb) = _split_kv(block, k, v), _split_kv(grads, k, v)
+            for rows, seen, mask, first in _tiles(_plan(cp.rank, size, src, cp.layout, ctx.causal, n), budget):
+                dq_b, dk_b, dv_b = block_attention_backward(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen],
+                                                   dout_g[..., rows, :], lse_g[..., rows], delta_g[..., rows],
+                                                   mask, ctx.scale, first)
+                dq[:, :, rows] += dq_b
+                dkb[:, :, :seen] += dk_b
+                dvb[:, :, :seen] += dv_b
+
+        flat = _flat_kv(k, v)
+        if cp.rotate is Rotate.ALLGATHER and size > 1:
+            grads = flat.new_zeros((size, flat.numel()), dtype=acc)
+            for src, block in _kv_blocks(flat, cp):
+                add_block(src, block, grads[src])
+            own = grads.new_empty(flat.numel())
+            dist.reduce_scatter_single(own, grads.view(-1), op=dist.ReduceOp.SUM, group=cp.group)
+        else:  # each block's gradients travel with it and reach its owner after the last step
+            own = flat.new_zeros(flat.numel(), dtype=acc)
+            for src, block in _kv_blocks(flat, cp):
+                add_block(src, block, own)
+                if size > 1:
+                    own = _wait(_shift(own, cp, tag=1))
+        dk, dv = _split_kv(own, k, v)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+
+
+@torch.compiler.disable  # dynamo cannot trace the point-to-point exchange: a graph break
+def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel, causal: bool,
+                    scale: Optional[float]) -> torch.Tensor:
+    n = q.shape[2]
+    if k.shape[2] != n or v.shape[2] != n:
+        raise ValueError(f"context-parallel attention needs queries, keys and values of the same local "
+                         f"length, got {n}, {k.shape[2]}, {v.shape[2]}")
+    _check_divisible(n * cp.size, cp.size, cp.layout, "sequence length")
+    return _RingAttention.apply(q, k, v, cp, causal, q.shape[-1] ** -0.5 if scale is None else scale)
+
+
+def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal: bool = True,
+                 scale: Optional[float] = None, cp: Optional[ContextParallel] = None) -> torch.Tensor:
+    """Attention of q (B, H, S, D) over k, v (B, Hkv, S, D), H a multiple of Hkv (GQA).
+
+    Under CP (``cp``, default: the active :func:`context_parallel`), q, k and v hold this rank's
+    part of each sequence in the context's layout and the result is this rank's rows of the
+    attention over the whole sequence (ring attention; K/V travel with their Hkv heads). Without
+    CP: torch's ``scaled_dot_product_attention``.
+    """
+    cp = cp if cp is not None else current_context()
+    if cp is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
+                                              enable_gqa=q.shape[1] != k.shape[1])
+    return _ring_attention(q, k, v, cp, is_causal, scale)
+
+
+def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                    ignore_index: int = -100) -> torch.Tensor:
+    """This rank's share of the cross entropy averaged over every token of the global batch.
+
+    ``group``: all the ranks whose gradients are averaged (data parallel x CP: FSDP's mesh), each
+    holding some of the batch's tokens; None: this process alone (plain mean). The result is
+    (this rank's summed token losses) x (group size) / (tokens in the group, ``ignore_index``
+    excluded), so its mean over the ranks is the global mean, and so is the mean of its gradients
+    (what FSDP's reduction computes). A collective over ``group``.
+    """
+    flat_logits = logits.flatten(0, -2)
+    total = F.cross_entropy(flat_logits.to(accumulation_dtype(flat_logits.dtype)), labels.flatten(),
+                            ignore_index=ignore_index, reduction="sum")
+    count = (labels != ignore_index).sum().to(torch.float64)
+    size = 1
+    if group is not None:
+        dist.all_reduce(count, group=group)
+        size = dist.get_world_size(group)
+    if count.item() == 0:
+        raise ValueError(f"mean_token_loss: no token to average over (every label is ignore_index={ignore_index})")
+    return total * (size / count.item())
