@@ -206,7 +206,9 @@ class CheckpointManager:
 
     def _apply_retention(self, saved_step: int) -> None:
         if get_platform().rank == 0:
-            if self._store.lock_problem() is not None:  # another job's folder now: delete nothing
+            problem = self._store.confirm_lock(f"delete old checkpoints and uploads in {self.folder}")
+            if problem is not None:  # another job's folder now: delete nothing
+                _log.error("%s", problem)
                 self._barrier()
                 return
             self._store.after_commit()  # no save of this job is in flight now

@@ -285,6 +285,12 @@ class CheckpointStore(abc.ABC):
         """Why this process no longer holds the folder (its lock was lost), or None."""
         return None
 
+    def confirm_lock(self, doing: str) -> Optional[str]:
+        """Why this process may not ``doing`` (e.g. delete old checkpoints) because it lost the
+        folder's lock, asked of the backend now rather than from the last renewal; None: it
+        may. Nothing to confirm by default (a lock that cannot be lost)."""
+        return None
+
     def after_commit(self) -> None:
         """Rank 0, after a save of this job committed and while none is in flight: reclaim what
         failed saves left that their own cleanup could not. Nothing by default."""

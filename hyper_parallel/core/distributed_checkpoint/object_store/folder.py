@@ -87,14 +87,13 @@ class ObjectStore(CheckpointStore):
             lease.release_folder(self.location)
 
     def lock_problem(self) -> Optional[str]:
-        """Why this process no longer holds the folder's lease, or None. The lease is confirmed
-        with the store first (a renewal conditional on its ETag, ``lease.fence``), so a job taken
-        over while it was stalled learns it here, before it deletes or writes anything."""
-        problem = lease.lease_problem(self.location)
-        if problem is not None:
-            return problem
+        return lease.lease_problem(self.location)
+
+    def confirm_lock(self, doing: str) -> Optional[str]:
+        """The lease confirmed with the store now (a renewal conditional on its ETag,
+        ``lease.fence``): a job taken over while it was stalled learns it here."""
         try:
-            lease.fence(self.url, f"write to {self.location}")
+            lease.fence(self.location, doing)
         except CheckpointError as exc:
             return str(exc)
         return None
