@@ -379,7 +379,7 @@ def test_release_empties_the_host_cache_where_pinned_memory_is_cached(monkeypatc
 def test_a_load_empties_the_host_cache_after_buffers_bigger_than_a_slab(tmp_path, monkeypatch):
     """NPU: a box row bigger than a slab is read through a pinned buffer of its own, which the
     caching host allocator keeps once dropped: the load empties that cache when it finishes."""
-    from hyper_parallel.core.distributed_checkpoint.filesystem import bounce
+    from hyper_parallel.core.distributed_checkpoint.host_memory import bounce
     from tests.checkpoint.helpers import BOX_COLS, BOX_ROWS, AppliedBoxes, box_read
 
     platform, host = _RegisteringPlatform(device_type="npu"), bounce.get_platform()
