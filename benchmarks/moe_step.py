@@ -131,6 +131,10 @@ def run(args: argparse.Namespace) -> Dict[int, tuple]:
         _use_mmap_for_large_blocks()
     tokens = torch.randint(0, 256, (args.batch, args.seq + 1), generator=torch.Generator().manual_seed(
         1000 + dist.get_rank())).to(get_platform().current_device())
+    world = dist.get_world_size()
+    bad = [ep for ep in args.eps if ep < 2 or world % ep or args.experts % ep]
+    if bad:  # ep 1: the experts' mesh would be dp_shard's process group, which torch's FSDP2 refuses
+        raise SystemExit(f"--eps {bad}: each must be >= 2 and divide the {world} ranks and --experts {args.experts}")
     out = {}
     for ep in args.eps:
         results, a2a = {name: ImplResult() for name in IMPLS}, {}
