@@ -2,7 +2,8 @@
 # What a session lent a GPU machine runs, in the order that matters, each part within one
 # device call (at most 10 minutes): the accelerator tests first (correctness on CUDA), plain
 # and again under the CUDA stream sanitizer; then the step benchmark eager and compiled and
-# the optimizer step; then the checkpoint benchmark from GPU memory, verification off and on.
+# the optimizer step and the MoE step with expert parallelism; then the checkpoint benchmark
+# from GPU memory, verification off and on.
 # tests/accelerator covers (besides float64/bf16/inductor/post-optimizer-event training):
 # HSDP on a (1, 1) mesh (a real NCCL all-reduce on one GPU), CPU offload on CUDA, activation
 # checkpointing, async_save through a small staging budget, loads checked and unchecked with
@@ -80,6 +81,10 @@ step | all)
     step compiled --compile
     run optimizer_step "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
         benchmarks/optimizer_step.py --device cuda
+    if [ "$NGPU" -ge 2 ]; then  # expert parallelism: EP2 x FSDP on the rest (needs 2+ GPUs)
+        run moe_step "$PY" -m torch.distributed.run --standalone --nproc_per_node="$NGPU" \
+            benchmarks/moe_step.py --device cuda --eps 2 --seq 1024 --dim 256 --json "$OUT/moe_step.json"
+    fi
     ;;&
 checkpoint | all)
     for verify in off on; do
