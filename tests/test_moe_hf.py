@@ -120,3 +120,12 @@ def test_a_directory_of_another_shape_or_an_unsupported_model_is_refused(tmp_pat
         keys, "model.safetensors")}))
     with pytest.raises(KeyError, match=re.escape("does not hold ['model.layers.2.mlp.experts.5.up_proj.weight']")):
         hf_moe.load_pretrained(MoETransformer(cfg), str(tmp_path), cfg)
+
+
+def test_hf_config_names_float64_and_refuses_what_configs_cannot_name():
+    from hyper_parallel.models.moe import MOE_CONFIGS
+
+    cfg = MoEConfig(**MOE_CONFIGS["moe_debug"])
+    assert hf_moe.hf_config(cfg, torch.float64)["torch_dtype"] == "float64"
+    with pytest.raises(ValueError, match="cannot export weights of dtype torch.int32"):
+        hf_moe.hf_config(cfg, torch.int32)

@@ -23,7 +23,9 @@ from hyper_parallel.core.layout import local_part
 from hyper_parallel.models.llama import LlamaConfig, RopeScaling
 
 CONFIG_FILE = "config.json"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+HF_DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
+                  torch.float16: "float16"}
+"""config.json's ``torch_dtype`` of each dtype a checkpoint may be exported in."""
 # Our name -> transformers name; {i} is the layer index.
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -81,6 +83,18 @@ def to_hf(name: str, tensor: torch.Tensor, cfg: LlamaConfig) -> Optional[Tuple[s
     return hf_name(name), (interleaved_to_halves(tensor, heads) if heads else tensor).contiguous()
 
 
+def hf_dtype_name(dtype: torch.dtype) -> str:
+    """``dtype`` as config.json's ``torch_dtype``.
+
+    Raises:
+        ValueError: a dtype transformers' configs do not name (e.g. an integer type).
+    """
+    if dtype not in HF_DTYPE_NAMES:
+        raise ValueError(f"cannot export weights of dtype {dtype}: config.json's torch_dtype takes "
+                         f"{', '.join(HF_DTYPE_NAMES.values())}")
+    return HF_DTYPE_NAMES[dtype]
+
+
 def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> Dict[str, Any]:
     """``config.json`` for ``transformers.LlamaForCausalLM``; RoPE scaling as both
     ``rope_scaling`` (Llama 3.1's own configs, transformers 4) and ``rope_parameters`` (transformers 5)."""
@@ -94,7 +108,7 @@ def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> Dict[str, Any]:
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
         "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "torch_dtype": _DTYPE_NAMES[dtype],
+        "mlp_bias": False, "torch_dtype": hf_dtype_name(dtype),
     }
 
 

@@ -24,14 +24,13 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (ChunkSto
                                                                          MetadataIndex, TensorStorageMetadata)
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata
 from hyper_parallel.core.distributed_checkpoint.hf import Converted, hf_metadata
-from hyper_parallel.models.hf_llama import (CONFIG_FILE, hf_rope_scaling, interleaved_to_halves, read_config,
-                                            rows_to_interleaved_)
+from hyper_parallel.models.hf_llama import (CONFIG_FILE, hf_dtype_name, hf_rope_scaling, interleaved_to_halves,
+                                            read_config, rows_to_interleaved_)
 from hyper_parallel.models.moe import MoEConfig
 
 __all__ = ["check_config", "hf_config", "hf_names", "load_pretrained", "moe_config", "stacked_metadata", "to_hf"]
 
 MODEL_TYPE = "qwen3_moe"
-_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
@@ -126,7 +125,7 @@ def hf_config(cfg: MoEConfig, dtype: torch.dtype) -> Dict[str, Any]:
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "use_sliding_window": False, "torch_dtype": _DTYPE_NAMES[dtype],
+        "use_sliding_window": False, "torch_dtype": hf_dtype_name(dtype),
     }
 
 
