@@ -52,7 +52,8 @@ def _assert_close(expected: Dict[int, float], actual: Dict[int, float]) -> None:
 
 # name: (world size, overrides)
 RUNS = {"cp1": (1, []), "dp2": (2, []), "cp2": (2, CP2),
-        "hsdp2_cp2_allgather": (4, [*CP2, "parallel.dp_replicate=2", "parallel.cp_rotate=allgather"])}
+        "hsdp2_cp2_allgather_ac_accum": (4, [*CP2, "parallel.dp_replicate=2", "parallel.cp_rotate=allgather",
+                                             "model.activation_checkpointing=true", "training.grad_accum_steps=2"])}
 
 
 @pytest.fixture(scope="module")
@@ -66,7 +67,8 @@ def runs(tmp_path_factory):
 
 def test_cp2_trains_and_evaluates_like_cp1_and_dp2(runs):
     """The same losses and validation losses at every step, whatever the CP degree and rotation,
-    also with HSDP over two data-parallel ranks x CP2."""
+    also with HSDP over two data-parallel ranks x CP2, activation checkpointing and gradient
+    accumulation."""
     curves = {name: _curves(str(runs / name)) for name in RUNS}
     expected = curves["cp1"]
     assert len(expected["loss"]) == 4 and sorted(expected["val_loss"]) == [2, 4], expected
