@@ -12,9 +12,12 @@
 # (16 KiB pinned slabs side by side, a host shard broadcast over NCCL through a device copy,
 # the HSDP all-reduce on its own stream). `accel` runs only that file, plain and sanitized
 # (a minute), for a session short of device time. `tests` then runs the object-store loads
-# into device memory (tests/checkpoint/test_object_store_failures.py).
+# into device memory (tests/checkpoint/test_object_store_failures.py). `cp` (also the start of
+# `tests` and `all`) runs the context-parallel tests: the machine has one GPU, so its ranks are
+# gloo ranks on the CPU cores (ring attention and the Llama model under CP, exact against one
+# process, and the recipe's CP runs), checked on that machine's CUDA build of torch.
 #
-#   benchmarks/gpu_session.sh accel|tests|step|checkpoint|all
+#   benchmarks/gpu_session.sh accel|cp|tests|step|checkpoint|all
 #
 # Logs go to $OUT (the device tool's output folder; default ./gpu_out): one log per run and
 # summary.txt with each command and its exit status. On the GPU machine the recipe's three
@@ -58,6 +61,10 @@ accel)
     run accel_paths_sanitizer env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
         tests/accelerator/test_accel_paths.py
     ;;
+cp | tests | all)
+    run context_parallel_tests "$PY" -m pytest -q -p no:cacheprovider tests/test_context_parallel.py \
+        tests/recipes/test_cp_recipe.py
+    ;;&
 tests | all)
     nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
     "$PY" -c "import torch; print(torch.__version__, torch.version.cuda, torch.cuda.get_device_name())" \
@@ -92,9 +99,9 @@ checkpoint | all)
             --verify "$verify" --dir /tmp/hp_ckpt_bench
     done
     ;;
-tests | step) ;;
+cp | tests | step) ;;
 *)
-    echo "usage: $0 accel|tests|step|checkpoint|all" >&2
+    echo "usage: $0 accel|cp|tests|step|checkpoint|all" >&2
     exit 2
     ;;
 esac

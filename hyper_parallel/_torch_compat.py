@@ -43,6 +43,7 @@ __all__ = [
     "dcp_storage_info",
     "disable_functorch_if_active",
     "dtensor_spec",
+    "flatten_mesh",
     "dump_cuda_memory_snapshot",
     "foreach_mul_",
     "fsdp2_export_modules",
@@ -93,6 +94,12 @@ def set_local_tensor(dtensor: torch.Tensor, local: torch.Tensor) -> None:
     """Re-point a DTensor at ``local`` (same shape and dtype): fully_shard binds its sharded
     parameters to views of the group's flat shard buffer, as FSDP2 does."""
     dtensor._local_tensor = local
+
+
+def flatten_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """``mesh`` (a slice of a root mesh) as one dim ``name``, row-major, its process group
+    created on every rank (torch has no public flatten)."""
+    return mesh._flatten(name)
 
 
 def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: Tuple[int, ...], names: Tuple[str, ...]) -> DeviceMesh:

@@ -20,6 +20,7 @@ from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindow
 from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.trainer.agreement import all_reduce_sum
 from hyper_parallel.trainer.config.schema import TrainConfig
+from hyper_parallel.trainer.context import SequenceSplit
 from hyper_parallel.trainer.pipeline_parallel import Pipeline
 
 # Synthetic validation samples are drawn with this offset added to training.seed.
@@ -110,14 +111,15 @@ class Evaluator:
         return step % self.every == 0 or step == last_step
 
     @torch.no_grad()
-    def evaluate(self, model: Union[nn.Module, Pipeline]) -> Dict[str, float]:
+    def evaluate(self, model: Union[nn.Module, Pipeline], cp: Optional[SequenceSplit] = None) -> Dict[str, float]:
         """``val_loss`` (nats/token, averaged over every token of the data-parallel group) and
         ``val_ppl``. Collective: every rank calls.
 
         Every rank scores the same number of tokens, so the group's mean is the mean of the
         ranks' means (accumulated in float64 on the host, reduced as one float32 per rank; the
         ``tp_size`` ranks of a data-parallel rank hold the same mean). Through a pipeline, the
-        last stage's ranks hold it and the others add 0.
+        last stage's ranks hold it and the others add 0. ``cp``: context parallelism (each CP
+        rank scores its part of the same samples' sequences, the same number of tokens).
         """
         loader = DistributedBatchLoader(self.source, self.global_batch_size, dp_rank=self.dp_rank,
                                         dp_size=self.dp_size, shuffle=False)
@@ -127,8 +129,13 @@ class Evaluator:
             if isinstance(model, Pipeline):
                 local += model.mean_loss(batch, train=False).item()
                 continue
+            if cp is not None:
+                with cp.context() as context:
+                    local += cp.loss(model, batch, context).item()
+                continue
             with loss_parallel():
                 local += cross_entropy(model(batch[:, :-1]), batch[:, 1:]).item()
         mean = torch.tensor([local / self.steps], device=self.device)
-        val_loss = all_reduce_sum(mean).item() / (self.dp_size * self.tp_size)
+        cp_size = cp.size if cp is not None else 1
+        val_loss = all_reduce_sum(mean).item() / (self.dp_size * cp_size * self.tp_size)
         return {"val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700.0))}

@@ -14,6 +14,7 @@ from hyper_parallel.data import DistributedBatchLoader
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import TrainConfig
+from hyper_parallel.trainer.context import SequenceSplit
 from hyper_parallel.trainer.evaluation import Evaluator
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput
@@ -43,6 +44,7 @@ class TrainingJob:
     evaluator: Optional[Evaluator] = None
     profiler: Optional[ProfilerWindow] = None
     pipeline: Optional[Pipeline] = None  # parallel.pp > 1
+    cp: Optional[SequenceSplit] = None  # parallel.cp > 1
 
     @property
     def model(self) -> Union[nn.Module, Pipeline]:

@@ -20,6 +20,7 @@ from hyper_parallel.trainer.agreement import JobFailed, count_ranks, fail_togeth
 from hyper_parallel.trainer.config.compose import ConfigError, ValidConfig
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import TrainConfig, llama_config
+from hyper_parallel.trainer.context import split_sequences
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
 from hyper_parallel.trainer.metrics import MetricsLogger
@@ -127,6 +128,7 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
                               tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.world_size,
                               peak=peak_tflops(platform, t.peak_tflops)),
         started_at=started_at, evaluator=evaluator, profiler=profiler, pipeline=pipeline,
+        cp=split_sequences(mesh, cfg.parallel.cp_rotate),
     )
 
 
@@ -243,7 +245,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         else:
             result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
                                 max_grad_norm=t.max_grad_norm,
-                                float8_scales=t.float8_mode == "tensorwise")
+                                float8_scales=t.float8_mode == "tensorwise", cp=job.cp)
         job.loader.advance()
         step += 1
         batch, error = _peek_batch(job, step + 1) if step < t.steps else (None, None)
@@ -251,7 +253,8 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         # out of time, and how many ranks cannot read their next batch.
         votes = step_votes(result["loss"], sigterm=stop.requested, bad_batch=error is not None,
                            out_of_time=limits.out_of_time(time.perf_counter() - step_start))
-        # Each tensor-parallel rank of the last pipeline stage holds its data-parallel rank's loss.
+        # Each tensor-parallel rank of the last pipeline stage holds its data-parallel rank's loss
+        # (each CP rank its share of it: their mean is the data-parallel rank's loss).
         loss, grad_norm = votes.loss_sum / job.dims.loss_ranks, float(result["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
             saver.wait()
@@ -273,7 +276,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
                   else "stop_after_steps" if limits.steps_done(step) else None)
         # An agreed SIGTERM or time limit skips the evaluation: the save starts at this boundary.
         if reason in (None, "stop_after_steps") and job.evaluator is not None and job.evaluator.due(step, t.steps):
-            record.update(job.evaluator.evaluate(job.model))
+            record.update(job.evaluator.evaluate(job.model, cp=job.cp))
             if count_ranks(stop.requested, job.device):  # a SIGTERM during the evaluation: save now, not a step later
                 reason = "SIGTERM"
         if job.profiler is not None and (trace := job.profiler.after_step(step)):

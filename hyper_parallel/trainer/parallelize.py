@@ -19,21 +19,25 @@ from hyper_parallel.parallel import apply_tensor_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import ModelConfig, llama_config
+from hyper_parallel.trainer.context import check_attention, dp_cp_mesh
 from hyper_parallel.trainer.float8 import convert_to_float8
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
     """The world's mesh of shape ``dims.mesh_shape``: dims ``("pp", "replicate", "shard",
-    "tp")`` in that order, each present when its degree is above 1 (``"shard"`` always):
+    "cp", "tp")`` in that order, each present when its degree is above 1 (``"shard"`` always):
     ``("shard",)`` for FSDP, ``("replicate", "shard")`` for HSDP, ``("shard", "tp")`` for FSDP x
-    TP, ``("pp", "shard")`` for PP x FSDP."""
+    TP, ``("pp", "shard")`` for PP x FSDP, ``("shard", "cp")`` for FSDP x CP."""
     shape = dims.mesh_shape
     return init_device_mesh(device_type, tuple(shape.values()), mesh_dim_names=tuple(shape))
 
 
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel sub-mesh of :func:`build_mesh`'s mesh (what ``fully_shard`` shards
-    over): every dim but ``pp`` and ``tp``."""
+    over): every dim but ``pp`` and ``tp``; with ``cp``, ``shard`` and ``cp`` flattened into
+    one (:func:`~hyper_parallel.trainer.context.dp_cp_mesh`)."""
+    if "cp" in mesh.mesh_dim_names:
+        return dp_cp_mesh(mesh)
     names = tuple(name for name in mesh.mesh_dim_names if name not in ("pp", "tp"))
     return mesh if names == mesh.mesh_dim_names else mesh[names]
 
@@ -118,6 +122,8 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
                 compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None) -> Transformer:
     """:func:`build_model`'s steps after the meta model: parallelise, materialise and
     initialise ``model`` (a whole model, or a pipeline stage of one with the same names)."""
+    if mesh is not None and "cp" in mesh.mesh_dim_names:
+        check_attention(model)
     tensor_parallel = mesh is not None and "tp" in mesh.mesh_dim_names
     if tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"])

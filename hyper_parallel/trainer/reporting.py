@@ -39,12 +39,15 @@ def resume_mismatch(cfg: TrainConfig, path: str, err: Exception) -> str:
 def layout(cfg: TrainConfig, dims: ParallelDims) -> str:
     """The mesh, the pipeline schedule and its micro-batches (with ``parallel.pp > 1``) and the
     precision, e.g. ``mesh 2x2 (pp, shard), pipeline 1F1B with 4 micro-batches, fp32`` or
-    ``mesh 8 (shard), bf16 with float8 tensorwise linears``."""
+    ``mesh 8 (shard), bf16 with float8 tensorwise linears`` or ``mesh 2x2 (shard, cp), context
+    parallel over 2 ranks (ring), fp32``."""
     shape = dims.mesh_shape
     parts = [f"mesh {'x'.join(map(str, shape.values()))} ({', '.join(shape)})"]
     if dims.pp > 1:
         per_step = " per accumulation step" if cfg.training.grad_accum_steps > 1 else ""
         parts.append(f"pipeline {cfg.parallel.schedule} with {cfg.parallel.microbatches} micro-batches{per_step}")
+    if dims.cp > 1:
+        parts.append(f"context parallel over {dims.cp} ranks ({cfg.parallel.cp_rotate})")
     float8 = cfg.training.float8_mode
     parts.append(cfg.parallel.mixed_precision + (f" with float8 {float8} linears" if float8 else ""))
     return ", ".join(parts)

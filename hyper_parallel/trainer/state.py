@@ -48,7 +48,8 @@ class ParallelLayout:
 
     def state_dict(self) -> Dict[str, Any]:
         d = self.dims
-        return {"pp": d.pp, "dp_replicate": d.replicate, "dp_shard": d.shard, "tp": d.tp}
+        layout = {"pp": d.pp, "dp_replicate": d.replicate, "dp_shard": d.shard, "tp": d.tp}
+        return {**layout, "cp": d.cp} if d.cp > 1 else layout
 
     def load_state_dict(self, state: Dict[str, Any]) -> None:
         pass  # informational: this run's layout is its config's

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 from torch import nn
@@ -10,6 +10,7 @@ from torch import nn
 from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.core.grad_norm import clip_grad_norm_
 from hyper_parallel.parallel import cross_entropy, loss_parallel
+from hyper_parallel.trainer.context import SequenceSplit
 from hyper_parallel.trainer.float8 import precompute_scales
 
 
@@ -19,8 +20,8 @@ def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 
 def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
-               *, grad_accum_steps: int, max_grad_norm: float, float8_scales: bool = False
-               ) -> Dict[str, torch.Tensor]:
+               *, grad_accum_steps: int, max_grad_norm: float, float8_scales: bool = False,
+               cp: Optional[SequenceSplit] = None) -> Dict[str, torch.Tensor]:
     """One optimizer step on this data-parallel rank's slice of the global batch (the same on
     every tensor-parallel rank of it).
 
@@ -28,16 +29,23 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     micro-batches whose gradients accumulate locally, synchronised only on the last one.
     Returns 0-dim tensors (no host sync): this rank's mean ``loss`` and the global
     ``grad_norm`` before clipping. ``float8_scales``: after the step, compute the next
-    all-gathers' float8 scales of all tensorwise float8 weights with one all-reduce.
+    all-gathers' float8 scales of all tensorwise float8 weights with one all-reduce. ``cp``:
+    context parallelism (``batch`` is the same on every CP rank; each computes its part of the
+    sequences, forward and backward under the CP context; ``loss`` is then this rank's share of
+    the mean over the data-parallel x CP group, see :class:`SequenceSplit`).
     """
     micro_batches = batch.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=batch.device)
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
-        # The loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered.
-        with loss_parallel():
-            loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:])
-            (loss / grad_accum_steps).backward()
+        if cp is not None:
+            with cp.context() as context:
+                loss = cp.loss(model, micro, context)
+                (loss / grad_accum_steps).backward()
+        else:  # the loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered
+            with loss_parallel():
+                loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:])
+                (loss / grad_accum_steps).backward()
         loss_sum = loss_sum + loss.detach()
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm_(model.parameters(), clip)

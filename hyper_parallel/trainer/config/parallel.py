@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
+from hyper_parallel.context_parallel import Rotate
 from hyper_parallel.models.llama import LlamaConfig
 from hyper_parallel.pipeline import stage_layers, stages_per_rank
 from hyper_parallel.trainer.config.rules import key
@@ -13,18 +14,22 @@ from hyper_parallel.trainer.config.rules import key
 # torch.distributed.pipelining's schedules, by the names the config takes.
 PP_SCHEDULES = ("1F1B", "GPipe", "Interleaved1F1B")
 DEFAULT_PP_SCHEDULE = "1F1B"  # parallel.pp_schedule=null
+CP_ROTATE = tuple(r.value for r in Rotate)  # parallel.cp_rotate's choices
 
 
 @dataclass(frozen=True)
 class ParallelDims:
     """The layout of the world: ``pp`` pipeline stages x ``replicate`` x ``shard``
-    data-parallel ranks x ``tp`` tensor-parallel ranks, row-major (the ``tp`` ranks of one
-    data-parallel rank are adjacent; a pipeline stage's ranks are a contiguous block)."""
+    data-parallel ranks x ``cp`` context-parallel ranks x ``tp`` tensor-parallel ranks,
+    row-major (the ``tp`` ranks of one data-parallel rank are adjacent; a pipeline stage's
+    ranks are a contiguous block). The ``cp`` ranks of one data-parallel rank read the same
+    samples, each its part of every sequence; FSDP shards parameters over ``shard x cp``."""
 
     replicate: int
     shard: int
     tp: int = 1
     pp: int = 1
+    cp: int = 1
 
     @property
     def dp_size(self) -> int:
@@ -32,27 +37,29 @@ class ParallelDims:
 
     @property
     def world_size(self) -> int:
-        return self.pp * self.dp_size * self.tp
+        return self.pp * self.dp_size * self.cp * self.tp
 
     @property
     def loss_ranks(self) -> int:
         """How many ranks hold a loss: those of the last pipeline stage (all ranks without PP)."""
-        return self.dp_size * self.tp
+        return self.dp_size * self.cp * self.tp
 
     def dp_rank(self, rank: int) -> int:
         """The data-parallel index of global ``rank`` (its slice of each global batch)."""
-        return (rank // self.tp) % self.dp_size
+        return (rank // (self.cp * self.tp)) % self.dp_size
 
     def pp_rank(self, rank: int) -> int:
         """The pipeline index of global ``rank``."""
-        return rank // (self.dp_size * self.tp)
+        return rank // (self.dp_size * self.cp * self.tp)
 
     @property
     def mesh_shape(self) -> Dict[str, int]:
-        """The device mesh's dims, name -> size in mesh order ``pp, replicate, shard, tp``, each
-        present when its degree is above 1 (``shard`` always): ``{"shard": 8}`` for FSDP,
-        ``{"replicate": 2, "shard": 4}`` for HSDP, ``{"pp": 2, "shard": 4}`` for PP x FSDP."""
-        degrees = (("pp", self.pp), ("replicate", self.replicate), ("shard", self.shard), ("tp", self.tp))
+        """The device mesh's dims, name -> size in mesh order ``pp, replicate, shard, cp, tp``,
+        each present when its degree is above 1 (``shard`` always): ``{"shard": 8}`` for FSDP,
+        ``{"replicate": 2, "shard": 4}`` for HSDP, ``{"pp": 2, "shard": 4}`` for PP x FSDP,
+        ``{"shard": 2, "cp": 2}`` for FSDP x CP."""
+        degrees = (("pp", self.pp), ("replicate", self.replicate), ("shard", self.shard), ("cp", self.cp),
+                   ("tp", self.tp))
         return {name: size for name, size in degrees if size > 1 or name == "shard"}
 
 
@@ -60,7 +67,7 @@ class ParallelDims:
 class ParallelConfig:
     """The ``parallel`` group (``fsdp``, ``hsdp``): the mesh and precision.
 
-    The world factors as ``pp x dp_replicate x dp_shard x tp`` (mesh dims in that order)."""
+    The world factors as ``pp x dp_replicate x dp_shard x cp x tp`` (mesh dims in that order)."""
 
     dp_replicate: int = key(1, min=1)
     dp_shard: int = key(-1, min=-1)                 # -1: the rest of the world (world_size / (pp x dp_replicate x tp))
@@ -71,23 +78,25 @@ class ParallelConfig:
     pp_layers_per_stage: Optional[List[int]] = key(None, min=1)  # blocks of each stage, in order (null: an even split)
     mixed_precision: str = key("fp32", choices=("fp32", "bf16"))  # bf16: bf16 compute, fp32 master weights and reduction
     reshard_after_forward: bool = key(True)
+    cp: int = key(1, min=1)                         # context-parallel degree: each sequence split over cp ranks
+    cp_rotate: str = key("ring", choices=CP_ROTATE)  # how K/V blocks reach every CP rank: ring | allgather
 
     def resolve(self, world_size: int) -> Tuple[Optional[ParallelDims], Optional[str]]:
         """The mesh shape (``dp_shard=-1``: the rest of the world), or why it does not factor
         ``world_size``."""
-        pp, replicate, shard, tp = self.pp, self.dp_replicate, self.dp_shard, self.tp
+        pp, replicate, shard, tp, cp = self.pp, self.dp_replicate, self.dp_shard, self.tp, self.cp
         if shard == -1:
-            if world_size % (pp * replicate * tp):
+            if world_size % (pp * replicate * cp * tp):
                 fixed = " x ".join(f"parallel.{k}={v}" for k, v in (("pp", pp), ("dp_replicate", replicate),
-                                                                    ("tp", tp)) if v > 1)
+                                                                    ("cp", cp), ("tp", tp)) if v > 1)
                 return None, f"{fixed or 'parallel.dp_replicate=1'} does not divide the world size {world_size}"
-            shard = world_size // (pp * replicate * tp)
-        if shard < 1 or pp * replicate * shard * tp != world_size:
+            shard = world_size // (pp * replicate * cp * tp)
+        if shard < 1 or pp * replicate * shard * cp * tp != world_size:
             with_pp = f"parallel.pp={pp} x " if pp > 1 else ""
-            with_tp = f" x parallel.tp={tp}" if tp > 1 else ""
+            with_tp = (f" x parallel.cp={cp}" if cp > 1 else "") + (f" x parallel.tp={tp}" if tp > 1 else "")
             return None, (f"{with_pp}parallel.dp_replicate={replicate} x parallel.dp_shard={self.dp_shard}{with_tp} "
                           f"does not factor the world size {world_size} (use dp_shard=-1 for the rest of the world)")
-        return ParallelDims(replicate, shard, tp, pp), None
+        return ParallelDims(replicate, shard, tp, pp, cp), None
 
     def split_problems(self, llama: LlamaConfig, seq_len: int) -> List[str]:
         """What tensor parallelism cannot split: heads, kv-heads, the MLP's hidden size, the
@@ -104,6 +113,25 @@ class ParallelConfig:
         each, them = ("each", "them") if len(bad) > 1 else ("it", "it")
         return [f"parallel.tp={self.tp} does not divide {', '.join(bad)} (tensor parallelism splits {each} "
                 f"over the tp ranks; pick a tp that divides {them})"]
+
+    def cp_problems(self, seq_len: int, compile: bool) -> List[str]:
+        """What context parallelism cannot do yet: split a ``seq_len`` that is not a multiple of
+        ``2 x cp`` (the head-tail layout's chunks), run with tensor or pipeline parallelism, or
+        with ``training.compile`` (ring attention is a graph break; blocks compile whole)."""
+        if self.cp == 1:
+            return []
+        cp, problems = f"parallel.cp={self.cp}", []
+        if seq_len % (2 * self.cp):
+            problems.append(f"training.seq_len={seq_len} is not divisible by 2 x {cp} = {2 * self.cp} (each "
+                            "sequence is cut in 2 x cp chunks, a head and a tail chunk per CP rank)")
+        others = [f"parallel.{name}={value}" for name, value in (("tp", self.tp), ("pp", self.pp)) if value > 1]
+        if others:
+            problems.append(f"{cp} with {' and '.join(others)} is not supported yet; use context parallelism "
+                            "with data parallelism only")
+        if compile:
+            problems.append(f"{cp} with training.compile=true is not supported yet (ring attention is a graph "
+                            "break and blocks compile as one graph); set training.compile=false")
+        return problems
 
     @property
     def schedule(self) -> str:

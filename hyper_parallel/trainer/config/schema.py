@@ -296,7 +296,7 @@ class TrainConfig:
 
         problems: List[str] = []
         dims, t, m, p = None, self.training, self.model, self.parallel
-        if all(ok(f"parallel.{k}") for k in ("pp", "dp_replicate", "dp_shard", "tp")):
+        if all(ok(f"parallel.{k}") for k in ("pp", "dp_replicate", "dp_shard", "cp", "tp")):
             dims, problem = p.resolve(world_size)
             problems += [problem] if problem else []
         micro_batch = None  # samples per rank and accumulation step
@@ -320,6 +320,8 @@ class TrainConfig:
             problems += p.split_problems(llama, t.seq_len)
         if dims is not None and llama is not None and all(ok(f"parallel.{f.name}") for f in fields(p)):
             problems += p.pipeline_problems(llama, micro_batch, m.tie_embeddings)
+        if all(ok(k) for k in ("parallel.cp", "parallel.tp", "parallel.pp", "training.seq_len", "training.compile")):
+            problems += p.cp_problems(t.seq_len, t.compile is True)
         if ok("training.seq_len") and ok("model.max_seq_len") and t.seq_len > m.max_seq_len:
             problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         d = self.data

@@ -1,0 +1,86 @@
+"""Context parallelism (``parallel.cp``) in the recipe: the meshes, and the loss of a batch
+whose sequences are split over the CP ranks.
+
+The ``cp`` ranks of one data-parallel index read the same samples (the loader is sharded over
+the data-parallel ranks only); each keeps its head-tail part of every sequence
+(:meth:`ContextParallel.shard`) and the model's attention runs as ring attention under
+:func:`context_parallel`. For the parameters the CP ranks are data-parallel ranks: FSDP
+shards over ``dp_shard x cp`` flattened into one dim (``dp_shard_cp``, as torchtitan does) and
+averages the gradients over every data-parallel and CP rank, so each rank's loss is its share
+of the mean over every token of the global batch (:func:`mean_token_loss`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ContextManager, Optional
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from hyper_parallel._torch_compat import flatten_mesh, unflatten_mesh
+from hyper_parallel.context_parallel import ContextParallel, Rotate, context_parallel, mean_token_loss
+from hyper_parallel.models.llama import Attention
+from hyper_parallel.trainer.config.compose import ConfigError
+
+_MODEL_PARALLEL_DIMS = ("pp", "tp")
+
+
+def _data_parallel_names(mesh: DeviceMesh) -> tuple:
+    return tuple(name for name in mesh.mesh_dim_names if name not in _MODEL_PARALLEL_DIMS)
+
+
+def dp_cp_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """What FSDP shards over when ``mesh`` has a ``cp`` dim: ``dp_shard x cp`` as one dim
+    ``dp_shard_cp`` (1-D), with ``replicate`` before it for HSDP (2-D)."""
+    names = _data_parallel_names(mesh)
+    if "replicate" not in names:
+        return flatten_mesh(mesh[names], "dp_shard_cp")
+    replicate = mesh["replicate"].size()
+    everyone = flatten_mesh(mesh[names], "dp_cp")
+    return unflatten_mesh(everyone, 0, (replicate, everyone.size() // replicate), ("replicate", "dp_shard_cp"))
+
+
+@dataclass(frozen=True)
+class SequenceSplit:
+    """This rank's CP group, the group its loss is averaged over, and the K/V exchange."""
+
+    cp_mesh: DeviceMesh  # 1-D: the ranks sharing this rank's samples
+    loss_group: dist.ProcessGroup  # every rank whose gradients FSDP averages (data parallel x CP)
+    rotate: Rotate
+
+    @property
+    def size(self) -> int:
+        return self.cp_mesh.size()
+
+    def context(self) -> ContextManager[ContextParallel]:
+        """The :func:`context_parallel` a step or an evaluation (forward and backward) runs in."""
+        return context_parallel(self.cp_mesh, rotate=self.rotate)
+
+    def loss(self, model: nn.Module, batch: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+        """This rank's share of the mean next-token loss of ``batch`` ``(samples, seq_len + 1)``
+        (the whole sequences; the model sees this rank's part of each). Inside :meth:`context`."""
+        return mean_token_loss(model(cp.shard(batch[:, :-1])), cp.shard(batch[:, 1:]), group=self.loss_group)
+
+
+def split_sequences(mesh: DeviceMesh, rotate: str) -> Optional[SequenceSplit]:
+    """The :class:`SequenceSplit` of a mesh with a ``cp`` dim (see ``build_mesh``); None without one."""
+    if "cp" not in mesh.mesh_dim_names:
+        return None
+    names = _data_parallel_names(mesh)
+    return SequenceSplit(mesh["cp"], flatten_mesh(mesh[names], "dp_cp").get_group(), Rotate(rotate))
+
+
+def check_attention(model: nn.Module) -> None:
+    """Every block of ``model`` attends through the project's :class:`Attention` (the one that
+    runs as ring attention under CP).
+
+    Raises:
+        ConfigError: a block without it.
+    """
+    for name, block in model.layers.items():
+        if not any(isinstance(module, Attention) for module in block.modules()):
+            raise ConfigError(f"parallel.cp needs the project's attention (hyper_parallel.models.llama.Attention) "
+                              f"in every block; block {name} ({type(block).__name__}) has none")
