@@ -19,7 +19,7 @@ from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, count_ranks, fail_together, step_votes, together
 from hyper_parallel.trainer.config.compose import ConfigError, ValidConfig
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import TrainConfig, llama_config
+from hyper_parallel.trainer.config.schema import TrainConfig, model_config
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
 from hyper_parallel.trainer.metrics import MetricsLogger
@@ -123,7 +123,7 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
         state=training_state(parts, optimizer, schedule, loader, RNGState(platform.device_module), dims,
                              pp_group=pipeline.pp_group if pipeline is not None else None),
         log=log, loss_floor=loader.source.loss_floor(),
-        throughput=Throughput(llama_config(cfg.model), seq_len=t.seq_len,
+        throughput=Throughput(model_config(cfg.model), seq_len=t.seq_len,
                               tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.world_size,
                               peak=peak_tflops(platform, t.peak_tflops)),
         started_at=started_at, evaluator=evaluator, profiler=profiler, pipeline=pipeline,

@@ -4,7 +4,7 @@ materialised and initialised shard by shard."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -14,11 +14,12 @@ from torch.utils.checkpoint import checkpoint
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
 from hyper_parallel.models.hf_llama import load_pretrained
-from hyper_parallel.models.llama import Transformer
+from hyper_parallel.models.llama import LlamaConfig, Transformer
+from hyper_parallel.models.moe import MoEConfig, MoETransformer
 from hyper_parallel.parallel import apply_tensor_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import ModelConfig, llama_config
+from hyper_parallel.trainer.config.schema import ModelConfig, llama_config, model_config
 from hyper_parallel.trainer.float8 import convert_to_float8
 
 
@@ -85,6 +86,11 @@ def compile_block_forwards(model: Transformer, backend: str) -> None:
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
 
 
+def build_transformer(shape: Union[LlamaConfig, MoEConfig]) -> Union[Transformer, MoETransformer]:
+    """The model of ``shape`` (a Llama, or a mixture of experts), on the current device."""
+    return MoETransformer(shape) if isinstance(shape, MoEConfig) else Transformer(shape)
+
+
 def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device, seed: int,
                 mixed_precision: str = "fp32", reshard_after_forward: bool = True,
                 compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None) -> nn.Module:
@@ -107,7 +113,7 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
             fit the model.
     """
     with torch.device("meta"):
-        model = Transformer(llama_config(model_cfg))
+        model = build_transformer(model_config(model_cfg))
     return parallelize(model, model_cfg, mesh=mesh, device=device, seed=seed, mixed_precision=mixed_precision,
                        reshard_after_forward=reshard_after_forward, compile_backend=compile_backend,
                        float8_recipe=float8_recipe)

@@ -156,3 +156,12 @@ class ParallelConfig:
             problems.append(f"{given} with {pp}: Interleaved1F1B needs a multiple of its "
                             f"{m // self.pp} rounds (parallel.pp_microbatches // parallel.pp)")
         return problems
+
+    def moe_problems(self, num_experts: int, dims: Optional[ParallelDims], *, float8: bool) -> List[str]:
+        """What a mixture-of-experts model (``model.moe``) cannot run with yet: tensor or pipeline
+        parallelism (the MoE model has no TP plan or stage split in the recipe) and float8."""
+        unsupported = [f"parallel.{name}={value}" for name, value in (("tp", self.tp), ("pp", self.pp))
+                       if isinstance(value, int) and value > 1]
+        unsupported += ["training.float8=true"] if float8 else []
+        return [f"{', '.join(unsupported)} with model.moe is not supported yet (the recipe runs MoE models "
+                "with data parallelism only); remove it or use a Llama model"] if unsupported else []
