@@ -103,7 +103,8 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
     if dims.pp > 1:
         pipeline = together(device, lambda: build_pipeline(cfg.model, cfg.parallel,
                                                            grad_accum_steps=t.grad_accum_steps, **options))
-    parts = pipeline.parts if pipeline is not None else [together(device, lambda: build_model(cfg.model, **options))]
+    parts = (pipeline.parts if pipeline is not None
+             else [together(device, lambda: build_model(cfg.model, ep=cfg.parallel.ep, **options))])
     # Every rank starts training from the same global generator state (the checkpoint stores it).
     torch.manual_seed(t.seed + 1)
     optimizer = build_optimizer(parts, cfg.optim)

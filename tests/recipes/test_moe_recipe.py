@@ -3,6 +3,7 @@ process, its config checks. In-process on the shared gloo rank pools."""
 
 from __future__ import annotations
 
+import re
 from typing import List
 
 import pytest
@@ -40,12 +41,34 @@ def test_fsdp2_matches_one_process_with_the_aux_loss(tmp_path):
     assert unbalanced[1] == expected[1] and abs(unbalanced[4] - expected[4]) > 1e-5 * expected[4]
 
 
+def test_expert_parallel_ep2_matches_ep1(tmp_path):
+    # ep=2 on 2 ranks: each rank holds 4 of the 8 experts (efsdp of 1 rank); the experts'
+    # gradients must be averaged over the 2 dp_shard ranks like the dense ones.
+    ep1, ep2 = str(tmp_path / "ep1"), str(tmp_path / "ep2")
+    run_on_ranks(2, _train, [f"output_dir={ep1}"], timeout=180)
+    run_on_ranks(2, _train, [f"output_dir={ep2}", "parallel.ep=2"], timeout=180)
+    expected = last_loss_per_step(ep1)
+    assert sorted(expected) == [1, 2, 3, 4]
+    assert_losses_match(expected, last_loss_per_step(ep2), rel=1e-5)
+    norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(read_metrics(ep1), read_metrics(ep2))]
+    assert len(norms) == 4 and all(abs(a - b) <= 1e-5 * a for a, b in norms), norms
+
+
 @pytest.mark.parametrize("override, message", [
+    ("parallel.ep=3", "parallel.ep=3 does not divide model.moe.num_experts=8 (each ep rank holds num_experts / ep "
+                      "experts)"),
+    ("parallel.ep=4", "parallel.ep=4 does not divide the 2 dp_shard ranks"),
+    ("parallel.dp_replicate=2 parallel.ep=2", "parallel.ep=2 does not divide the 1 dp_shard ranks"),
     ("model.moe.top_k=9", "model.moe: top_k=9 is more than num_experts=8"),
     ("model.moe.first_k_dense=1", "model.moe: first_k_dense=1 dense blocks need ffn_hidden_dim > 0"),
     ("parallel.tp=2", "parallel.tp=2 with model.moe is not supported yet"),
     ("model.init_from=/x", "model.init_from=/x is not supported with model.moe"),
 ])
 def test_moe_config_refusals(override, message):
-    with pytest.raises(ConfigError, match="^" + message.replace(".", r"\.") .replace("(", r"\(")):
-        validate_config(compose_config([*MOE, override]), 2)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        validate_config(compose_config([*MOE, *override.split()]), 2)
+
+
+def test_ep_needs_an_moe_model():
+    with pytest.raises(ConfigError, match=r"^parallel\.ep=2 needs a mixture-of-experts model \(model\.moe\)"):
+        validate_config(compose_config(["parallel.ep=2"]), 2)

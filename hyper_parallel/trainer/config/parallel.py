@@ -71,6 +71,7 @@ class ParallelConfig:
     pp_layers_per_stage: Optional[List[int]] = key(None, min=1)  # blocks of each stage, in order (null: an even split)
     mixed_precision: str = key("fp32", choices=("fp32", "bf16"))  # bf16: bf16 compute, fp32 master weights and reduction
     reshard_after_forward: bool = key(True)
+    ep: int = key(1, min=1)                         # expert-parallel degree (model.moe): experts split over ep of the dp_shard ranks
 
     def resolve(self, world_size: int) -> Tuple[Optional[ParallelDims], Optional[str]]:
         """The mesh shape (``dp_shard=-1``: the rest of the world), or why it does not factor
@@ -159,9 +160,32 @@ class ParallelConfig:
 
     def moe_problems(self, num_experts: int, dims: Optional[ParallelDims], *, float8: bool) -> List[str]:
         """What a mixture-of-experts model (``model.moe``) cannot run with yet: tensor or pipeline
-        parallelism (the MoE model has no TP plan or stage split in the recipe) and float8."""
+        parallelism (the MoE model has no TP plan or stage split in the recipe) and float8; and
+        an ``ep`` that does not divide ``dp_shard`` (``dims.shard``) and ``num_experts``, or
+        with HSDP."""
         unsupported = [f"parallel.{name}={value}" for name, value in (("tp", self.tp), ("pp", self.pp))
                        if isinstance(value, int) and value > 1]
         unsupported += ["training.float8=true"] if float8 else []
-        return [f"{', '.join(unsupported)} with model.moe is not supported yet (the recipe runs MoE models "
-                "with data parallelism only); remove it or use a Llama model"] if unsupported else []
+        problems = [f"{', '.join(unsupported)} with model.moe is not supported yet (the recipe runs MoE models "
+                    "with data parallelism only); remove it or use a Llama model"] if unsupported else []
+        return problems + self.ep_problems(num_experts, dims)
+
+    def ep_problems(self, num_experts: Optional[int], dims: Optional[ParallelDims]) -> List[str]:
+        """Where ``ep`` cannot split: it needs an MoE model (``num_experts`` not None), must
+        divide the ``dp_shard`` ranks and the experts, and is not supported with HSDP yet."""
+        ep = self.ep
+        if not isinstance(ep, int) or ep == 1:
+            return []
+        if num_experts is None:
+            return [f"parallel.ep={ep} needs a mixture-of-experts model (model.moe); set parallel.ep=1 or use one"]
+        problems = []
+        if num_experts % ep:
+            problems.append(f"parallel.ep={ep} does not divide model.moe.num_experts={num_experts} "
+                            "(each ep rank holds num_experts / ep experts)")
+        if dims is not None and dims.shard % ep:
+            problems.append(f"parallel.ep={ep} does not divide the {dims.shard} dp_shard ranks (expert "
+                            "parallelism splits the experts over ep of them)")
+        if dims is not None and dims.replicate > 1:
+            problems.append(f"parallel.ep={ep} with parallel.dp_replicate={dims.replicate} (HSDP) is not "
+                            "supported yet; use dp_replicate=1 or ep=1")
+        return problems

@@ -326,8 +326,9 @@ class TrainConfig:
         problems += m.problems(within("model"))
         llama = None
         if m.moe is not None and all(ok(f"model.{name}") for name in field_rules(ModelConfig)):
-            problems += p.moe_problems(m.moe.num_experts, dims, float8=t.float8 is True)
+            problems += p.moe_problems(m.moe.num_experts, dims, float8=t.float8 is True) if ok("parallel.ep") else []
         elif all(ok(f"model.{name}") for name in field_rules(ModelConfig)):
+            problems += p.ep_problems(None, dims) if ok("parallel.ep") else []
             try:
                 llama = llama_config(m)
             except (ValueError, TypeError):
