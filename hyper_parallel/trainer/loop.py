@@ -22,7 +22,7 @@ from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import TrainConfig, model_config
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
-from hyper_parallel.trainer.metrics import MetricsLogger
+from hyper_parallel.trainer.metrics import MetricsLogger, moe_record, moe_statistics
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
@@ -251,7 +251,8 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         # One collective per step: the global mean loss, whether any rank got SIGTERM or ran
         # out of time, and how many ranks cannot read their next batch.
         votes = step_votes(result["loss"], sigterm=stop.requested, bad_batch=error is not None,
-                           out_of_time=limits.out_of_time(time.perf_counter() - step_start))
+                           out_of_time=limits.out_of_time(time.perf_counter() - step_start),
+                           extra=moe_statistics(result))
         # Each tensor-parallel rank of the last pipeline stage holds its data-parallel rank's loss.
         loss, grad_norm = votes.loss_sum / job.dims.loss_ranks, float(result["grad_norm"])
         if not (math.isfinite(loss) and math.isfinite(grad_norm)):
@@ -270,6 +271,8 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         }
         if job.loss_floor is not None:
             record["loss_floor"] = job.loss_floor
+        if votes.extra:
+            record.update(moe_record(votes.extra, job.dims.loss_ranks, job.cfg.model.moe.num_experts))
         reason = ("SIGTERM" if votes.sigterm else "time limit" if votes.out_of_time
                   else "stop_after_steps" if limits.steps_done(step) else None)
         # An agreed SIGTERM or time limit skips the evaluation: the save starts at this boundary.

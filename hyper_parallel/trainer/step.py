@@ -29,13 +29,16 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     micro-batches whose gradients accumulate locally, synchronised only on the last one.
     Returns 0-dim tensors (no host sync): this rank's mean ``loss`` (the cross-entropy) and the
     global ``grad_norm`` before clipping; for a mixture of experts also ``aux_loss``, this
-    rank's mean load-balancing loss, which each micro-batch's backward adds to its loss. ``float8_scales``: after the step, compute the next
+    rank's mean load-balancing loss, which each micro-batch's backward adds to its loss, and
+    ``expert_tokens``, the (token, expert) pairs each expert got on this rank over the step
+    (``[moe blocks, num_experts]``, float). ``float8_scales``: after the step, compute the next
     all-gathers' float8 scales of all tensorwise float8 weights with one all-reduce.
     """
     micro_batches = batch.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=batch.device)
     aux_sum = torch.zeros((), device=batch.device)
     moe = isinstance(model, MoETransformer)
+    expert_tokens = None
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
         # The loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered.
@@ -45,6 +48,9 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
             ((loss if aux is None else loss + aux) / grad_accum_steps).backward()
         loss_sum = loss_sum + loss.detach()
         aux_sum = aux_sum if aux is None else aux_sum + aux.detach()
+        if moe:
+            counts = torch.stack(list(model.tokens_per_expert().values())).float()
+            expert_tokens = counts if expert_tokens is None else expert_tokens + counts
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
@@ -53,5 +59,5 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     optimizer.zero_grad(set_to_none=True)
     result = {"loss": loss_sum / grad_accum_steps, "grad_norm": grad_norm}
     if moe:
-        result["aux_loss"] = aux_sum / grad_accum_steps
+        result["aux_loss"], result["expert_tokens"] = aux_sum / grad_accum_steps, expert_tokens
     return result

@@ -33,6 +33,12 @@ def test_fsdp2_matches_one_process_with_the_aux_loss(tmp_path):
     expected = last_loss_per_step(one)
     assert sorted(expected) == [1, 2, 3, 4] and expected[4] < expected[1]
     assert_losses_match(expected, last_loss_per_step(two), rel=1e-5)
+    # metrics.jsonl: the aux loss and the load balance of the step's global batch, the same on
+    # one process and two (the ranks' token counts are summed).
+    for a, b in zip(read_metrics(one), read_metrics(two)):
+        assert a["aux_loss"] > 0 and abs(a["aux_loss"] - b["aux_loss"]) <= 1e-5 * a["aux_loss"], (a, b)
+        assert len(a["expert_load_per_block"]) == 2 and a["expert_load"] == max(a["expert_load_per_block"])
+        assert 1 < a["expert_load"] <= 8 / 2 and abs(a["expert_load"] - b["expert_load"]) < 1e-9, (a, b)
     # The aux loss is in the backward: without it the same run trains differently.
     plain = str(tmp_path / "plain")
     run_on_ranks(1, _train, [f"output_dir={plain}", "training.grad_accum_steps=2", "model.moe.aux_loss_weight=0"],
@@ -72,3 +78,26 @@ def test_moe_config_refusals(override, message):
 def test_ep_needs_an_moe_model():
     with pytest.raises(ConfigError, match=r"^parallel\.ep=2 needs a mixture-of-experts model \(model\.moe\)"):
         validate_config(compose_config(["parallel.ep=2"]), 2)
+
+
+def test_progress_line_and_mfu_count_active_parameters(tmp_path):
+    import io
+
+    from hyper_parallel.models.moe import MoEConfig, build_moe
+    from hyper_parallel.trainer.metrics import MetricsLogger, moe_record
+    from hyper_parallel.trainer.observability import matmul_params
+
+    # 2 blocks of 4 experts over 2 ranks: block 0 balanced, block 1 with one expert at 4x the mean.
+    record = moe_record([0.5, *[2.0] * 4, 8.0, 0.0, 0.0, 0.0], loss_ranks=2, num_experts=4)
+    assert record == {"aux_loss": 0.25, "expert_load": 4.0, "expert_load_per_block": [1.0, 4.0]}
+    out = io.StringIO()
+    log = MetricsLogger(str(tmp_path), total_steps=1, is_main=True, stream=out)
+    log.log_step({"step": 1, "loss": 2.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, **record})
+    log.close()
+    assert "aux 0.2500  expert load 4.00" in out.getvalue(), out.getvalue()
+
+    cfg = MoEConfig(**{**dict(vocab_size=256, dim=32, n_layers=2, n_heads=4, n_kv_heads=2), "num_experts": 8,
+                       "top_k": 2, "moe_ffn_dim": 64})
+    model = build_moe("moe_debug", aux_loss_weight=0.0)
+    idle = 2 * (8 - 2) * 3 * 32 * 64  # per block: the 6 experts a token is not sent to
+    assert matmul_params(cfg) == model.num_params() - 256 * 32 - idle
