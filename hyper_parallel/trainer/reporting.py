@@ -45,6 +45,8 @@ def layout(cfg: TrainConfig, dims: ParallelDims) -> str:
     if dims.pp > 1:
         per_step = " per accumulation step" if cfg.training.grad_accum_steps > 1 else ""
         parts.append(f"pipeline {cfg.parallel.schedule} with {cfg.parallel.microbatches} micro-batches{per_step}")
+    if cfg.parallel.ep > 1:
+        parts.append(f"experts over ep {cfg.parallel.ep} x efsdp {dims.shard // cfg.parallel.ep}")
     float8 = cfg.training.float8_mode
     parts.append(cfg.parallel.mixed_precision + (f" with float8 {float8} linears" if float8 else ""))
     return ", ".join(parts)

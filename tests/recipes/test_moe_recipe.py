@@ -4,6 +4,7 @@ process, its config checks. In-process on the shared gloo rank pools."""
 from __future__ import annotations
 
 import re
+import sys
 from typing import List
 
 import pytest
@@ -12,8 +13,10 @@ import torch.distributed as dist
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import compose_config, run_training, validate_config
 from hyper_parallel.trainer.config.compose import ConfigError
+from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.reporting import layout
 from tests.multirank import run_on_ranks
-from tests.recipes.launch import assert_losses_match, last_loss_per_step, read_metrics
+from tests.recipes.launch import assert_losses_match, last_loss_per_step, read_metrics, run
 
 MOE = ["model=moe_debug", "training.seq_len=32", "training.global_batch_size=8", "training.steps=4",
        "optim.lr=1e-2", "optim.warmup_steps=1", "logging.log_every=1", "checkpoint.interval=100"]
@@ -101,3 +104,22 @@ def test_progress_line_and_mfu_count_active_parameters(tmp_path):
     model = build_moe("moe_debug", aux_loss_weight=0.0)
     idle = 2 * (8 - 2) * 3 * 32 * 64  # per block: the 6 experts a token is not sent to
     assert matmul_params(cfg) == model.num_params() - 256 * 32 - idle
+
+
+def test_resume_an_ep2_checkpoint_on_one_process(tmp_path):
+    ref, ep2, one = (str(tmp_path / name) for name in ("ref", "ep2", "one"))
+    run_on_ranks(2, _train, [f"output_dir={ref}", "parallel.ep=2"], timeout=180)
+    assert layout(validate_config(compose_config([*MOE, "parallel.ep=2"]), 2).cfg, ParallelDims(1, 2)) == \
+        "mesh 2 (shard), experts over ep 2 x efsdp 1, fp32"
+    run_on_ranks(2, _train, [f"output_dir={ep2}", "parallel.ep=2", "training.stop_after_steps=2"], timeout=180)
+    # One process, the two ranks' halves as micro-batches (each balances its own tokens).
+    run_on_ranks(1, _train, [f"output_dir={one}", "training.grad_accum_steps=2",
+                             f"checkpoint.load_from={ep2}/checkpoints/step-2"], timeout=180)
+    assert sorted(last_loss_per_step(ep2)) == [1, 2] and sorted(last_loss_per_step(one)) == [3, 4]
+    assert_losses_match(last_loss_per_step(ref), last_loss_per_step(one), range(3, 5), rel=1e-5)
+    # The experts (and their optimizer moments) are saved as global [num_experts, ...] tensors.
+    listing = run([sys.executable, "-m", "hyper_parallel.checkpoint", "inspect", f"{ep2}/checkpoints/step-2"]).stdout
+    for name in ("model.layers.1.moe.experts.w2", "optim.state.layers.0.moe.experts.w1.exp_avg_sq"):
+        shape = "8x32x64" if name.endswith("w2") else "8x64x32"
+        pattern = rf"{re.escape(name)}\s+float32\s+{shape}\s.*mesh 1x2 \(efsdp,ep\)"
+        assert re.search(pattern, listing), listing
