@@ -4,10 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Any, List
+from typing import TYPE_CHECKING, List
 
 from hyper_parallel.models.moe import MoEConfig
 from hyper_parallel.trainer.config.rules import key
+
+if TYPE_CHECKING:
+    from hyper_parallel.trainer.config.schema import ModelConfig
 
 
 @dataclass
@@ -29,19 +32,18 @@ SHARED_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_se
                "tie_embeddings")
 
 
-def moe_config(model: Any) -> MoEConfig:
+def moe_config(model: ModelConfig) -> MoEConfig:
     """The ``MoEConfig`` of a ``model`` group whose ``moe`` is set (``ffn_hidden_dim`` null: 0,
     no dense blocks).
 
     Raises:
         ValueError: inconsistent values (e.g. ``top_k`` above ``num_experts``), in one line.
     """
-    moe = model.moe if isinstance(model.moe, dict) else asdict(model.moe)
     return MoEConfig(**{name: getattr(model, name) for name in SHARED_KEYS},
-                     ffn_hidden_dim=model.ffn_hidden_dim or 0, **moe)
+                     ffn_hidden_dim=model.ffn_hidden_dim or 0, **asdict(model.moe))
 
 
-def moe_problems(model: Any) -> List[str]:
+def moe_problems(model: ModelConfig) -> List[str]:
     """What an MoE ``model`` group cannot be: one line each (what the recipe does not support
     with experts, and ``MoEConfig``'s own checks between keys)."""
     problems = [f"model.{name}={getattr(model, name)} is not supported with model.moe (the MoE model "

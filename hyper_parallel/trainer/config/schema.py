@@ -159,7 +159,7 @@ def model_config(model: ModelConfig) -> Union[LlamaConfig, MoEConfig]:
     Raises:
         ValueError: inconsistent sizes.
     """
-    return llama_config(model) if getattr(model, "moe", None) is None else moe_config(model)
+    return llama_config(model) if model.moe is None else moe_config(model)
 
 
 def shape(model: ModelConfig) -> Dict[str, object]:
