@@ -78,6 +78,13 @@ def test_moe_config_refusals(override, message):
         validate_config(compose_config([*MOE, *override.split()]), 2)
 
 
+def test_llama_only_tools_refuse_an_moe_model():
+    from hyper_parallel.trainer.config import llama_config
+
+    with pytest.raises(ValueError, match=r"^model\.moe is set: a mixture of experts has no LlamaConfig"):
+        llama_config(compose_config(MOE).model)
+
+
 def test_ep_needs_an_moe_model():
     with pytest.raises(ConfigError, match=r"^parallel\.ep=2 needs a mixture-of-experts model \(model\.moe\)"):
         validate_config(compose_config(["parallel.ep=2"]), 2)

@@ -148,9 +148,14 @@ def llama_config(model: ModelConfig) -> LlamaConfig:
     """The ``LlamaConfig`` described by the ``model`` config group.
 
     Raises:
-        ValueError: inconsistent sizes (e.g. ``dim`` not divisible by ``n_heads``).
+        ValueError: inconsistent sizes (e.g. ``dim`` not divisible by ``n_heads``), or
+            ``model.moe`` is set (use :func:`model_config`).
     """
-    return LlamaConfig(**{k: v for k, v in shape(model).items() if k != "moe"})
+    values = shape(model)
+    if values.pop("moe") is not None:
+        raise ValueError("model.moe is set: a mixture of experts has no LlamaConfig (a Llama export or "
+                         "Llama-only tool does not cover MoE models yet)")
+    return LlamaConfig(**values)
 
 
 def model_config(model: ModelConfig) -> Union[LlamaConfig, MoEConfig]:
