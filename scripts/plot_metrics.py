@@ -30,7 +30,8 @@ from hyper_parallel._optional import MissingDependency, require  # noqa: E402
 
 # (panel title, y label, [(record key, legend name, line style)]); every value is >= 0.
 _PANELS = (
-    ("loss", "nats/token", [("loss", "train", "-"), ("val_loss", "validation", "o--")]),
+    ("loss", "nats/token", [("loss", "train", "-"), ("val_loss", "validation", "o--"),
+                            ("aux_loss", "MoE aux loss", ":")]),
     ("learning rate", "lr", [("lr", "lr", "-")]),
     ("throughput", "tokens/s, all ranks together", [("tokens_per_s", "tokens/s (total)", "-")]),
     ("peak memory per rank (rank 0)", "GiB per rank", [("memory_bytes", "allocated", "-"),

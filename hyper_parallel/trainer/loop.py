@@ -19,11 +19,11 @@ from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, count_ranks, fail_together, step_votes, together
 from hyper_parallel.trainer.config.compose import ConfigError, ValidConfig
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import TrainConfig, llama_config
+from hyper_parallel.trainer.config.schema import TrainConfig, model_config
 from hyper_parallel.trainer.context import split_sequences
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
-from hyper_parallel.trainer.metrics import MetricsLogger
+from hyper_parallel.trainer.metrics import MetricsLogger, moe_record, moe_statistics
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
@@ -104,7 +104,8 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
     if dims.pp > 1:
         pipeline = together(device, lambda: build_pipeline(cfg.model, cfg.parallel,
                                                            grad_accum_steps=t.grad_accum_steps, **options))
-    parts = pipeline.parts if pipeline is not None else [together(device, lambda: build_model(cfg.model, **options))]
+    parts = (pipeline.parts if pipeline is not None
+             else [together(device, lambda: build_model(cfg.model, ep=cfg.parallel.ep, **options))])
     # Every rank starts training from the same global generator state (the checkpoint stores it).
     torch.manual_seed(t.seed + 1)
     optimizer = build_optimizer(parts, cfg.optim)
@@ -124,7 +125,7 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
         state=training_state(parts, optimizer, schedule, loader, RNGState(platform.device_module), dims,
                              pp_group=pipeline.pp_group if pipeline is not None else None),
         log=log, loss_floor=loader.source.loss_floor(),
-        throughput=Throughput(llama_config(cfg.model), seq_len=t.seq_len,
+        throughput=Throughput(model_config(cfg.model), seq_len=t.seq_len,
                               tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.world_size,
                               peak=peak_tflops(platform, t.peak_tflops)),
         started_at=started_at, evaluator=evaluator, profiler=profiler, pipeline=pipeline,
@@ -252,7 +253,8 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         # One collective per step: the global mean loss, whether any rank got SIGTERM or ran
         # out of time, and how many ranks cannot read their next batch.
         votes = step_votes(result["loss"], sigterm=stop.requested, bad_batch=error is not None,
-                           out_of_time=limits.out_of_time(time.perf_counter() - step_start))
+                           out_of_time=limits.out_of_time(time.perf_counter() - step_start),
+                           extra=moe_statistics(result))
         # Each tensor-parallel rank of the last pipeline stage holds its data-parallel rank's loss
         # (each CP rank its share of it: their mean is the data-parallel rank's loss).
         loss, grad_norm = votes.loss_sum / job.dims.loss_ranks, float(result["grad_norm"])
@@ -272,6 +274,8 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         }
         if job.loss_floor is not None:
             record["loss_floor"] = job.loss_floor
+        if votes.extra:
+            record.update(moe_record(votes.extra, job.dims.loss_ranks, job.cfg.model.moe.num_experts))
         reason = ("SIGTERM" if votes.sigterm else "time limit" if votes.out_of_time
                   else "stop_after_steps" if limits.steps_done(step) else None)
         # An agreed SIGTERM or time limit skips the evaluation: the save starts at this boundary.

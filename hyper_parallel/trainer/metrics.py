@@ -6,7 +6,9 @@ import json
 import os
 import sys
 import time
-from typing import Any, Dict, List, Optional, TextIO
+from typing import Any, Dict, List, Optional, Sequence, TextIO
+
+import torch
 
 from hyper_parallel.utils.fileio import open_regular
 from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, MetricsSink, TensorBoardSink, WandbSettings, WandbSink
@@ -85,6 +87,8 @@ class MetricsLogger:
                      f"loss {record['loss']:.4f}"]
             if "loss_floor" in record:
                 parts.append(f"(floor {record['loss_floor']:.4f})")
+            if "aux_loss" in record:
+                parts.append(f"aux {record['aux_loss']:.4f}  expert load {record['expert_load']:.2f}")
             parts += [f"lr {record['lr']:.2e}", f"grad_norm {record.get('grad_norm', float('nan')):.3f}",
                       f"{record['tokens_per_s']:,.0f} tok/s"]
             if "tflops" in record:
@@ -104,3 +108,25 @@ class MetricsLogger:
         for sink in self._sinks:
             sink.close()
         self._sinks = []
+
+
+def moe_statistics(result: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
+    """A mixture of experts' step statistics for :func:`~hyper_parallel.trainer.agreement.step_votes`
+    to sum over the ranks: the ``aux_loss`` then every block's ``expert_tokens`` (None for a
+    dense model)."""
+    if "aux_loss" not in result:
+        return None
+    return torch.cat([result["aux_loss"].reshape(1).float(), result["expert_tokens"].flatten()])
+
+
+def moe_record(summed: Sequence[float], loss_ranks: int, num_experts: int) -> Dict[str, Any]:
+    """The metrics of :func:`moe_statistics` summed over ``loss_ranks`` ranks: ``aux_loss``
+    (their mean) and the expert load balance, max / mean over the ``num_experts`` experts of
+    the tokens each got in the step's global batch, per MoE block (``expert_load_per_block``;
+    1.0: balanced, ``num_experts / top_k`` at worst) and the worst block's (``expert_load``).
+    Empty for a dense model."""
+    if not summed:
+        return {}
+    counts = torch.tensor(summed[1:], dtype=torch.float64).view(-1, num_experts)
+    load = (counts.max(dim=1).values / counts.mean(dim=1).clamp_min(1e-12)).tolist()
+    return {"aux_loss": summed[0] / loss_ranks, "expert_load": max(load), "expert_load_per_block": load}

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import os
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Union
 
 import torch
 
 from hyper_parallel._torch_compat import dump_cuda_memory_snapshot, record_cuda_memory_history
 from hyper_parallel.models.llama import LlamaConfig
+from hyper_parallel.models.moe import MoEConfig, param_counts
 from hyper_parallel.platform import Platform
 
 # Dense bf16 peak TFLOP/s per device (vendor datasheets, without sparsity), matched as a
@@ -27,16 +28,20 @@ PEAK_BF16_TFLOPS = {
 }
 
 
-def matmul_params(cfg: LlamaConfig) -> int:
+def matmul_params(cfg: Union[LlamaConfig, MoEConfig]) -> int:
     """Parameters that take part in a matrix multiply per token: every block's projections and
-    the output head (the embedding is a lookup; norms are negligible and left out)."""
+    the output head (the embedding is a lookup; norms are negligible and left out). For a
+    mixture of experts the active ones: the routed experts a token is not sent to do not count."""
+    if isinstance(cfg, MoEConfig):
+        counts = param_counts(cfg)
+        return counts.active - (0 if cfg.tie_embeddings else counts.embedding)
     head_dim = cfg.dim // cfg.n_heads
     attention = cfg.dim * head_dim * (2 * cfg.n_heads + 2 * cfg.n_kv_heads)
     ffn = 3 * cfg.dim * cfg.ffn_hidden_dim
     return cfg.n_layers * (attention + ffn) + cfg.dim * cfg.vocab_size
 
 
-def flops_per_token(cfg: LlamaConfig, seq_len: int) -> float:
+def flops_per_token(cfg: Union[LlamaConfig, MoEConfig], seq_len: int) -> float:
     """Training FLOPs per token: ``6 * matmul_params`` (forward + backward) plus attention
     scores and values, ``12 * n_layers * dim * seq_len`` (the PaLM / torchtitan convention;
     activation recomputation is not counted, as in MFU)."""
@@ -67,7 +72,7 @@ def memory_record(platform: Platform) -> Dict[str, int]:
 class Throughput:
     """``tflops`` per device and ``mfu`` (None where the peak is unknown) from a step's time."""
 
-    def __init__(self, model_cfg: LlamaConfig, *, seq_len: int, tokens_per_step: int, world_size: int,
+    def __init__(self, model_cfg: Union[LlamaConfig, MoEConfig], *, seq_len: int, tokens_per_step: int, world_size: int,
                  peak: Optional[float]):
         self.flops_per_step = flops_per_token(model_cfg, seq_len) * tokens_per_step
         self.world_size, self.peak = world_size, peak

@@ -4,21 +4,24 @@ materialised and initialised shard by shard."""
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
+from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
 from hyper_parallel.models.hf_llama import load_pretrained
-from hyper_parallel.models.llama import Transformer
+from hyper_parallel.models.llama import LlamaConfig, Transformer
+from hyper_parallel.models.moe import MoEConfig, MoETransformer
 from hyper_parallel.parallel import apply_tensor_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import ModelConfig, llama_config
+from hyper_parallel.trainer.config.schema import ModelConfig, llama_config, model_config
 from hyper_parallel.trainer.context import check_attention, dp_cp_mesh
 from hyper_parallel.trainer.float8 import convert_to_float8
 
@@ -64,12 +67,32 @@ def shard_model(model: Transformer, mesh: DeviceMesh, *, mixed_precision: str,
                 reshard_after_forward: bool) -> Transformer:
     """``fully_shard`` every block, then the root (which keeps its parameters for backward), over
     ``mesh`` (a data-parallel mesh: see :func:`dp_mesh`)."""
-    mp_policy = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-                 if mixed_precision == "bf16" else MixedPrecisionPolicy())
+    mp_policy = _mp_policy(mixed_precision)
     for block in model.layers.values():
         fully_shard(block, mesh=mesh, reshard_after_forward=reshard_after_forward, mp_policy=mp_policy)
     fully_shard(model, mesh=mesh, mp_policy=mp_policy)
     return model
+
+
+def _mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
+    return (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+            if mixed_precision == "bf16" else MixedPrecisionPolicy())
+
+
+def shard_experts(model: MoETransformer, shard_mesh: DeviceMesh, ep: int, *, mixed_precision: str,
+                  reshard_after_forward: bool) -> None:
+    """Expert parallelism: the ``dp_shard`` ranks of the 1-D ``shard_mesh`` regrouped into
+    ``ep`` x ``efsdp`` (:func:`~hyper_parallel.expert_parallel.expert_meshes`); each MoE
+    block's routed experts split over ``ep`` (:class:`ExpertParallel`, their tokens sent by
+    all-to-all) and ``fully_shard``-ed over ``efsdp``. An expert's gradient sums the tokens of
+    its whole ep group, so it is divided by the ``dp_shard`` size (the dense average), not by
+    the ``efsdp`` size that ``fully_shard`` would use. Call before :func:`shard_model`."""
+    ep_mesh, efsdp_mesh = expert_meshes(shard_mesh, ep)
+    for moe in model.moe_layers().values():
+        parallelize_module(moe.experts, ep_mesh, ExpertParallel())
+        fully_shard(moe.experts, mesh=efsdp_mesh, reshard_after_forward=reshard_after_forward,
+                    mp_policy=_mp_policy(mixed_precision))
+        moe.experts.set_gradient_divide_factor(shard_mesh.size())
 
 
 def compile_blocks(model: Transformer, backend: str) -> None:
@@ -89,10 +112,18 @@ def compile_block_forwards(model: Transformer, backend: str) -> None:
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
 
 
+def build_transformer(shape: Union[LlamaConfig, MoEConfig]) -> Union[Transformer, MoETransformer]:
+    """The model of ``shape`` (a Llama, or a mixture of experts), on the current device."""
+    return MoETransformer(shape) if isinstance(shape, MoEConfig) else Transformer(shape)
+
+
 def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device, seed: int,
                 mixed_precision: str = "fp32", reshard_after_forward: bool = True,
-                compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None) -> nn.Module:
+                compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None, ep: int = 1) -> nn.Module:
     """Build the configured model without allocating full weights, shard it, initialise it.
+
+    A mixture of experts (``model.moe``) with ``ep > 1`` gets expert parallelism over the
+    mesh's ``shard`` dim first (:func:`shard_experts`).
 
     Order (torchtitan's): tensor parallelism over ``mesh["tp"]`` when the mesh has that dim,
     float8 conversion with ``float8_recipe`` (None: none), activation checkpointing, per-block
@@ -111,15 +142,16 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
             fit the model.
     """
     with torch.device("meta"):
-        model = Transformer(llama_config(model_cfg))
+        model = build_transformer(model_config(model_cfg))
     return parallelize(model, model_cfg, mesh=mesh, device=device, seed=seed, mixed_precision=mixed_precision,
                        reshard_after_forward=reshard_after_forward, compile_backend=compile_backend,
-                       float8_recipe=float8_recipe)
+                       float8_recipe=float8_recipe, ep=ep)
 
 
 def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device,
                 seed: int, mixed_precision: str = "fp32", reshard_after_forward: bool = True,
-                compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None) -> Transformer:
+                compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None,
+                ep: int = 1) -> Transformer:
     """:func:`build_model`'s steps after the meta model: parallelise, materialise and
     initialise ``model`` (a whole model, or a pipeline stage of one with the same names)."""
     if mesh is not None and "cp" in mesh.mesh_dim_names:
@@ -137,6 +169,9 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
             apply_activation_checkpointing(model)
         if compile_backend is not None:
             compile_blocks(model, compile_backend)
+    if mesh is not None and ep > 1:
+        shard_experts(model, mesh["shard"], ep, mixed_precision=mixed_precision,
+                      reshard_after_forward=reshard_after_forward)
     if mesh is not None:
         shard_model(model, dp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)

@@ -23,14 +23,15 @@ from hyper_parallel.checkpoint import startup_bounds, store_for
 from hyper_parallel.data import MarkovSource, load_tokenizer
 from hyper_parallel.data.text import TEXT_SUFFIXES, expand_paths
 from hyper_parallel.data.tokenizer import check_vocab
-from hyper_parallel.models.llama import Transformer
+from hyper_parallel.models.moe import MoEConfig
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.config.compose import ConfigError, problems_message
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import (SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig,
-                                                  llama_config)
+                                                  model_config)
 from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
 from hyper_parallel.trainer.output_files import output_file_problems
+from hyper_parallel.trainer.parallelize import build_transformer
 from hyper_parallel.utils.units import format_bytes
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments.
@@ -156,9 +157,10 @@ class MemoryEstimate(NamedTuple):
 
 def estimate_memory(cfg: TrainConfig, dims: ParallelDims) -> MemoryEstimate:
     """A lower bound of one rank's memory for this config, from shapes alone (nothing allocated)."""
-    llama = llama_config(cfg.model)
+    llama = model_config(cfg.model)  # a LlamaConfig or an MoEConfig: the fields read here are in both
+    one = dict(n_layers=1, first_k_dense=0) if isinstance(llama, MoEConfig) else dict(n_layers=1)
     with torch.device("meta"):
-        one_block = Transformer(dataclasses.replace(llama, n_layers=1))
+        one_block = build_transformer(dataclasses.replace(llama, **one))
     block = sum(p.numel() for p in one_block.layers["0"].parameters())
     root = sum(p.numel() for p in one_block.parameters()) - block
     parameters = root + block * llama.n_layers

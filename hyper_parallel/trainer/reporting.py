@@ -48,6 +48,8 @@ def layout(cfg: TrainConfig, dims: ParallelDims) -> str:
         parts.append(f"pipeline {cfg.parallel.schedule} with {cfg.parallel.microbatches} micro-batches{per_step}")
     if dims.cp > 1:
         parts.append(f"context parallel over {dims.cp} ranks ({cfg.parallel.cp_rotate})")
+    if cfg.parallel.ep > 1:
+        parts.append(f"experts over ep {cfg.parallel.ep} x efsdp {dims.shard // cfg.parallel.ep}")
     float8 = cfg.training.float8_mode
     parts.append(cfg.parallel.mixed_precision + (f" with float8 {float8} linears" if float8 else ""))
     return ", ".join(parts)

@@ -9,6 +9,7 @@ from torch import nn
 
 from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.core.grad_norm import clip_grad_norm_
+from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.trainer.context import SequenceSplit
 from hyper_parallel.trainer.float8 import precompute_scales
@@ -27,8 +28,11 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
 
     ``batch`` is ``(local_batch, seq_len + 1)``; it is split into ``grad_accum_steps``
     micro-batches whose gradients accumulate locally, synchronised only on the last one.
-    Returns 0-dim tensors (no host sync): this rank's mean ``loss`` and the global
-    ``grad_norm`` before clipping. ``float8_scales``: after the step, compute the next
+    Returns 0-dim tensors (no host sync): this rank's mean ``loss`` (the cross-entropy) and the
+    global ``grad_norm`` before clipping; for a mixture of experts also ``aux_loss``, this
+    rank's mean load-balancing loss, which each micro-batch's backward adds to its loss, and
+    ``expert_tokens``, the (token, expert) pairs each expert got on this rank over the step
+    (``[moe blocks, num_experts]``, float). ``float8_scales``: after the step, compute the next
     all-gathers' float8 scales of all tensorwise float8 weights with one all-reduce. ``cp``:
     context parallelism (``batch`` is the same on every CP rank; each computes its part of the
     sequences, forward and backward under the CP context; ``loss`` is then this rank's share of
@@ -36,21 +40,32 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     """
     micro_batches = batch.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=batch.device)
+    aux_sum = torch.zeros((), device=batch.device)
+    moe = isinstance(model, MoETransformer)
+    expert_tokens = None
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
-        if cp is not None:
+        if cp is not None:  # (not with a mixture of experts: the config refuses cp with model.moe)
             with cp.context() as context:
-                loss = cp.loss(model, micro, context)
+                loss, aux = cp.loss(model, micro, context), None
                 (loss / grad_accum_steps).backward()
         else:  # the loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered
             with loss_parallel():
                 loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:])
-                (loss / grad_accum_steps).backward()
+                aux = model.aux_loss() if moe else None
+                ((loss if aux is None else loss + aux) / grad_accum_steps).backward()
         loss_sum = loss_sum + loss.detach()
+        aux_sum = aux_sum if aux is None else aux_sum + aux.detach()
+        if moe:
+            counts = torch.stack(list(model.tokens_per_expert().values())).float()
+            expert_tokens = counts if expert_tokens is None else expert_tokens + counts
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
     if float8_scales:
         precompute_scales(model)
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss_sum / grad_accum_steps, "grad_norm": grad_norm}
+    result = {"loss": loss_sum / grad_accum_steps, "grad_norm": grad_norm}
+    if moe:
+        result["aux_loss"], result["expert_tokens"] = aux_sum / grad_accum_steps, expert_tokens
+    return result

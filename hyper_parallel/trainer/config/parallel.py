@@ -80,6 +80,7 @@ class ParallelConfig:
     reshard_after_forward: bool = key(True)
     cp: int = key(1, min=1)                         # context-parallel degree: each sequence split over cp ranks
     cp_rotate: str = key("ring", choices=CP_ROTATE)  # how K/V blocks reach every CP rank: ring | allgather
+    ep: int = key(1, min=1)                         # expert-parallel degree (model.moe): experts split over ep of the dp_shard ranks
 
     def resolve(self, world_size: int) -> Tuple[Optional[ParallelDims], Optional[str]]:
         """The mesh shape (``dp_shard=-1``: the rest of the world), or why it does not factor
@@ -183,4 +184,37 @@ class ParallelConfig:
         elif self.schedule == "Interleaved1F1B" and m % max(1, m // self.pp):
             problems.append(f"{given} with {pp}: Interleaved1F1B needs a multiple of its "
                             f"{m // self.pp} rounds (parallel.pp_microbatches // parallel.pp)")
+        return problems
+
+    def moe_problems(self, num_experts: int, dims: Optional[ParallelDims], *, float8: bool) -> List[str]:
+        """What a mixture-of-experts model (``model.moe``) cannot run with yet: tensor, pipeline or
+        context parallelism (no TP plan or stage split in the recipe; the aux loss is not split
+        over CP ranks) and float8; and
+        an ``ep`` that does not divide ``dp_shard`` (``dims.shard``) and ``num_experts``, or
+        with HSDP."""
+        unsupported = [f"parallel.{name}={value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp))
+                       if isinstance(value, int) and value > 1]
+        unsupported += ["training.float8=true"] if float8 else []
+        problems = [f"{', '.join(unsupported)} with model.moe is not supported yet (the recipe runs MoE models "
+                    "with data parallelism only); remove it or use a Llama model"] if unsupported else []
+        return problems + self.ep_problems(num_experts, dims)
+
+    def ep_problems(self, num_experts: Optional[int], dims: Optional[ParallelDims]) -> List[str]:
+        """Where ``ep`` cannot split: it needs an MoE model (``num_experts`` not None), must
+        divide the ``dp_shard`` ranks and the experts, and is not supported with HSDP yet."""
+        ep = self.ep
+        if not isinstance(ep, int) or ep == 1:
+            return []
+        if num_experts is None:
+            return [f"parallel.ep={ep} needs a mixture-of-experts model (model.moe); set parallel.ep=1 or use one"]
+        problems = []
+        if num_experts % ep:
+            problems.append(f"parallel.ep={ep} does not divide model.moe.num_experts={num_experts} "
+                            "(each ep rank holds num_experts / ep experts)")
+        if dims is not None and dims.shard % ep:
+            problems.append(f"parallel.ep={ep} does not divide the {dims.shard} dp_shard ranks (expert "
+                            "parallelism splits the experts over ep of them)")
+        if dims is not None and dims.replicate > 1:
+            problems.append(f"parallel.ep={ep} with parallel.dp_replicate={dims.replicate} (HSDP) is not "
+                            "supported yet; use dp_replicate=1 or ep=1")
         return problems

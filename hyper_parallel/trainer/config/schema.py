@@ -23,6 +23,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
 
 from hyper_parallel.models.llama import LlamaConfig, RopeScaling
+from hyper_parallel.models.moe import MoEConfig
+from hyper_parallel.trainer.config.moe import MoEOptions, moe_config, moe_problems
 from hyper_parallel.trainer.config.parallel import ParallelConfig, ParallelDims
 from hyper_parallel.trainer.config.rules import defaults, field_rules, key
 from hyper_parallel.trainer.float8 import RECIPES as FLOAT8_RECIPES, float8_layer_problems
@@ -125,6 +127,7 @@ class ModelConfig:
     rope_scaling: Optional[RopeScaling] = key(None)
     activation_checkpointing: bool = key(False)          # recompute each block's activations in backward
     init_from: Optional[str] = key(None, path=True)      # HF-style safetensors directory to initialise from
+    moe: Optional[MoEOptions] = key(None)                # null: a Llama; set: a mixture of experts in each block
 
     # The keys that are recipe options, not LlamaConfig fields.
     RECIPE_KEYS: ClassVar[Tuple[str, ...]] = ("name", "activation_checkpointing", "init_from")
@@ -132,6 +135,8 @@ class ModelConfig:
     def problems(self, ok: Ok) -> List[str]:
         if not all(ok(name) for name in field_rules(ModelConfig)):
             return []
+        if self.moe is not None:
+            return moe_problems(self)
         try:
             llama = llama_config(self)
         except (ValueError, TypeError) as err:
@@ -143,9 +148,23 @@ def llama_config(model: ModelConfig) -> LlamaConfig:
     """The ``LlamaConfig`` described by the ``model`` config group.
 
     Raises:
-        ValueError: inconsistent sizes (e.g. ``dim`` not divisible by ``n_heads``).
+        ValueError: inconsistent sizes (e.g. ``dim`` not divisible by ``n_heads``), or
+            ``model.moe`` is set (use :func:`model_config`).
     """
-    return LlamaConfig(**shape(model))
+    values = shape(model)
+    if values.pop("moe") is not None:
+        raise ValueError("model.moe is set: a mixture of experts has no LlamaConfig (a Llama export or "
+                         "Llama-only tool does not cover MoE models yet)")
+    return LlamaConfig(**values)
+
+
+def model_config(model: ModelConfig) -> Union[LlamaConfig, MoEConfig]:
+    """The model's shape: an ``MoEConfig`` when ``model.moe`` is set, else a ``LlamaConfig``.
+
+    Raises:
+        ValueError: inconsistent sizes.
+    """
+    return llama_config(model) if model.moe is None else moe_config(model)
 
 
 def shape(model: ModelConfig) -> Dict[str, object]:
@@ -311,7 +330,10 @@ class TrainConfig:
                 micro_batch = t.global_batch_size // ranks_x_accum
         problems += m.problems(within("model"))
         llama = None
-        if all(ok(f"model.{name}") for name in field_rules(ModelConfig)):
+        if m.moe is not None and all(ok(f"model.{name}") for name in field_rules(ModelConfig)):
+            problems += p.moe_problems(m.moe.num_experts, dims, float8=t.float8 is True) if ok("parallel.ep") else []
+        elif all(ok(f"model.{name}") for name in field_rules(ModelConfig)):
+            problems += p.ep_problems(None, dims) if ok("parallel.ep") else []
             try:
                 llama = llama_config(m)
             except (ValueError, TypeError):
@@ -328,10 +350,10 @@ class TrainConfig:
         if (isinstance(d, SyntheticDataConfig) and ok("data.kind") and ok("data.branching") and ok("model.vocab_size")
                 and d.branching > m.vocab_size):
             problems.append(f"data.branching={d.branching} exceeds model.vocab_size={m.vocab_size}")
-        if ok("training.float8") and ok("parallel.tp") and t.float8 and p.tp > 1:
+        if ok("training.float8") and ok("parallel.tp") and t.float8 and p.tp > 1 and m.moe is None:
             problems.append(f"training.float8=true with parallel.tp={p.tp} is not supported yet "
                             "(float8 needs torchao's tensor-parallel styles); use one or the other")
-        if ok("training.float8") and ok("parallel.pp") and t.float8 and p.pp > 1:
+        if ok("training.float8") and ok("parallel.pp") and t.float8 and p.pp > 1 and m.moe is None:
             problems.append(f"training.float8=true with parallel.pp={p.pp} is not supported yet "
                             "(untested with pipeline stages); use one or the other")
         if ok("training.float8") and t.float8 is True and llama is not None:
