@@ -6,16 +6,13 @@ all-gather in flight."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional
+from typing import Any, List, NamedTuple, Optional, Protocol
 
 import torch
 import torch.distributed as dist
 
 from hyper_parallel.core.fully_shard.flat_bucket import FlatBucket
 from hyper_parallel.core.fully_shard.mesh_subgroup import MeshSubgroup
-
-if TYPE_CHECKING:
-    from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
 
 
 class PostForwardShards(NamedTuple):
@@ -72,10 +69,17 @@ class OffloadedGrads(NamedTuple):
     event: Optional[Any]  # the copy done (reduce-scatter stream); the host waits once, at the end
 
 
+class Unsharding(Protocol):
+    """What an :class:`UnshardHandle` needs of its parameter group (``HSDPParamGroup``)."""
+
+    def wait_for_unshard(self) -> None:
+        """Wait for the group's all-gather and copy its output into the unsharded parameters."""
+
+
 class UnshardHandle:
     """Returned by ``unshard(async_op=True)``: ``wait()`` finishes the all-gather."""
 
-    def __init__(self, group: "HSDPParamGroup"):
+    def __init__(self, group: Unsharding):
         self._group = group
 
     def wait(self) -> None:

@@ -4,13 +4,10 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, List
+from typing import Any, List, Optional, Protocol
 
 from hyper_parallel.models.moe import MoEConfig
 from hyper_parallel.trainer.config.rules import key
-
-if TYPE_CHECKING:
-    from hyper_parallel.trainer.config.schema import ModelConfig
 
 
 @dataclass
@@ -27,12 +24,30 @@ class MoEOptions:
     first_k_dense: int = key(0, min=0)         # the first blocks keep a dense MLP of model.ffn_hidden_dim
 
 
+class ModelKeys(Protocol):
+    """What this module reads of the ``model`` group (``schema.ModelConfig``, which imports this
+    module: a declared shape instead of an import back)."""
+
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: Optional[int]
+    max_seq_len: int
+    rope_theta: float
+    tie_embeddings: bool
+    ffn_hidden_dim: Optional[int]
+    rope_scaling: Optional[Any]
+    init_from: Optional[str]
+    moe: Optional[MoEOptions]
+
+
 # The model keys an MoE model takes from the ``model`` group besides ``model.moe``.
 SHARED_KEYS = ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "max_seq_len", "rope_theta",
                "tie_embeddings")
 
 
-def moe_config(model: ModelConfig) -> MoEConfig:
+def moe_config(model: ModelKeys) -> MoEConfig:
     """The ``MoEConfig`` of a ``model`` group whose ``moe`` is set (``ffn_hidden_dim`` null: 0,
     no dense blocks).
 
@@ -43,7 +58,7 @@ def moe_config(model: ModelConfig) -> MoEConfig:
                      ffn_hidden_dim=model.ffn_hidden_dim or 0, **asdict(model.moe))
 
 
-def moe_problems(model: ModelConfig) -> List[str]:
+def moe_problems(model: ModelKeys) -> List[str]:
     """What an MoE ``model`` group cannot be: one line each (what the recipe does not support
     with experts, and ``MoEConfig``'s own checks between keys)."""
     problems = [f"model.{name}={getattr(model, name)} is not supported with model.moe (the MoE model "
