@@ -119,8 +119,9 @@ class MoE(nn.Module):
 
     After each forward: ``tokens_per_expert`` (buffer, int64) holds the pairs each expert got,
     and ``balance_loss`` the unweighted :func:`load_balance_loss` (when ``aux_loss`` is set,
-    else None). With an ``expert_bias`` router, the counts also add up in
-    ``pending_tokens_per_expert`` until :meth:`update_expert_bias`.
+    else None). With an ``expert_bias`` router, the counts of forwards with gradients enabled
+    (training, not a ``no_grad`` evaluation) also add up in ``pending_tokens_per_expert`` until
+    :meth:`update_expert_bias`.
     """
 
     shared_expert: Optional[FeedForward]
@@ -154,9 +155,10 @@ class MoE(nn.Module):
         out = weighted[inverse].view(x.shape[0], self.top_k, -1).sum(dim=1).type_as(x)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
+        training = torch.is_grad_enabled()  # not a no_grad evaluation
         with torch.no_grad():
             self.tokens_per_expert.copy_(counts)
-            if self.router.expert_bias is not None:
+            if self.router.expert_bias is not None and training:
                 self.pending_tokens_per_expert.add_(counts)
         self.balance_loss = load_balance_loss(routing.probs, counts, self.top_k) if self.aux_loss else None
         return out.view(shape)

@@ -10,10 +10,12 @@ from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 import torch
 from omegaconf import OmegaConf
 
+from hyper_parallel._torch_compat import flatten_mesh
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.checkpoint import CheckpointManager
 from hyper_parallel.utils.fileio import RefusedFileError, write_file_atomically
 from hyper_parallel.data import DistributedBatchLoader, TokenSource
+from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, count_ranks, fail_together, step_votes, together
@@ -212,6 +214,24 @@ def _peek_batch(job: TrainingJob, step: int) -> Tuple[Optional[torch.Tensor], Op
         return None, ConfigError(f"data={job.cfg.data.kind}, step {step}: {err}")
 
 
+def expert_bias_update(job: TrainingJob) -> Optional[Callable[[], None]]:
+    """What moves the routers' expert biases after each optimizer step (DeepSeek-V3's loss-free
+    balancing, ``model.moe.expert_bias_update_rate > 0``): each MoE part's
+    ``update_expert_bias`` from the step's token counts summed over the data-parallel ranks of its
+    pipeline stage (every rank without pipeline parallelism); None when there is nothing to move."""
+    moe = job.cfg.model.moe
+    if moe is None or moe.expert_bias_update_rate <= 0:
+        return None
+    names = tuple(name for name in job.mesh.mesh_dim_names if name != "pp")
+    group = None if names == job.mesh.mesh_dim_names else flatten_mesh(job.mesh[names], "dp_all").get_group()
+    parts = [part for part in job.model_parts if isinstance(part, MoETransformer)]
+
+    def update() -> None:
+        for part in parts:
+            part.update_expert_bias(group)
+    return update
+
+
 def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     """Steps ``step+1 .. training.steps`` with metrics, evaluation and checkpoints; stops early
     (after a final checkpoint) when any rank got SIGTERM or ran out of time, or after
@@ -233,6 +253,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
     limits = operations.StopRule(start_step=step, stop_after_steps=t.stop_after_steps,
                                  time_limit_minutes=t.time_limit_minutes, started_at=job.started_at)
     saver = CheckpointSaver(job.manager, job.device)
+    update_expert_bias = expert_bias_update(job)
     batch, error = _peek_batch(job, step + 1)
     fail_together(error, job.device)
     while step < t.steps:
@@ -247,6 +268,8 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
             result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
                                 max_grad_norm=t.max_grad_norm,
                                 float8_scales=t.float8_mode == "tensorwise", cp=job.cp)
+        if update_expert_bias is not None:
+            update_expert_bias()
         job.loader.advance()
         step += 1
         batch, error = _peek_batch(job, step + 1) if step < t.steps else (None, None)

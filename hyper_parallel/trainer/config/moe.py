@@ -22,6 +22,9 @@ class MoEOptions:
     aux_loss_weight: float = key(0.01, min=0)  # load-balancing loss weight, added to the training loss (0: none)
     router_bias: bool = key(False)             # a learned bias in each router's gate
     first_k_dense: int = key(0, min=0)         # the first blocks keep a dense MLP of model.ffn_hidden_dim
+    expert_bias_update_rate: float = key(0.0, min=0)  # DeepSeek-V3's loss-free balancing step after each update (0: none)
+    head_dim: Optional[int] = key(None, min=2)  # the MoE model's attention head size (null: dim / n_heads)
+    qk_norm: bool = key(True)                  # the MoE model's attention: Qwen3's RMSNorm over each query/key head
 
 
 class ModelKeys(Protocol):
