@@ -35,9 +35,8 @@ import hyper_parallel as hp
 from hyper_parallel.context_parallel import context_parallel, mean_token_loss
 from hyper_parallel.models import build_llama
 
-from fsdp_step import (_over_ranks, _reset_peak_rss, _rss_bytes, _trimmed_rss_bytes, _use_mmap_for_large_blocks,
-                       run_and_report)
-from launch import launch
+from fsdp_step import (_over_ranks, _reset_peak_rss, _rss_bytes, _trimmed_rss_bytes, _use_mmap_for_large_blocks)
+from launch import launch_benchmark
 
 MB = 2**20
 
@@ -132,13 +131,9 @@ def _report(args: argparse.Namespace, results: Dict[Tuple[int, int], dict]) -> N
                   f"| {statistics.median(res['cpu']):.3f} | {tps:.0f} | {tps_ratio} |")
 
 
-def _main_in_group(args: argparse.Namespace) -> None:
-    run_and_report(args, run, _report)
-
-
 def main(argv: List[str] = None) -> None:
     args = _parse_args(argv)
-    launch(_main_in_group, args, args.world)
+    launch_benchmark(run, _report, args, args.world)
 
 
 if __name__ == "__main__":

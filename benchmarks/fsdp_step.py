@@ -27,7 +27,6 @@ import copy
 import ctypes
 import gc
 import json
-import os
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -48,7 +47,7 @@ from hyper_parallel.models.llama import CONFIGS
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.float8 import convert_to_float8, precompute_scales
 
-from launch import launch
+from launch import launch_benchmark
 
 IMPLS = ("torch", "ours")
 _SHARD_FNS = {"torch": lambda: torch_fully_shard, "ours": lambda: hp.fully_shard}
@@ -435,29 +434,9 @@ def write_json(args: argparse.Namespace, ratios: Dict[str, float], same: bool,
                                    for n, r in results.items()}}, f, indent=2)
 
 
-def run_and_report(args: argparse.Namespace, run_fn: Callable[[argparse.Namespace], Dict[str, ImplResult]],
-                   report_fn: Callable[[argparse.Namespace, Dict[str, ImplResult]], None]) -> None:
-    """On this rank: join the process group on ``args.device``, ``run_fn(args)``, and on rank 0
-    ``report_fn(args, results)``."""
-    os.environ.setdefault("HYPER_PARALLEL_DEVICE", args.device)
-    platform = hp.init_distributed()
-    if platform.device_type != args.device:
-        raise SystemExit(f"--device {args.device} but the platform is {platform.device_type}")
-    try:
-        results = run_fn(args)
-        if dist.get_rank() == 0:
-            report_fn(args, results)
-    finally:
-        dist.destroy_process_group()
-
-
-def _main_in_group(args: argparse.Namespace) -> None:
-    run_and_report(args, run, _report)
-
-
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    launch(_main_in_group, args, 4 if args.hsdp else 2)
+    launch_benchmark(run, _report, args, 4 if args.hsdp else 2)
 
 
 if __name__ == "__main__":

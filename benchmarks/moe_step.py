@@ -37,8 +37,8 @@ from hyper_parallel.platform import get_platform
 
 from fsdp_step import (IMPLS, ImplResult, _counted_all_gathers, _over_ranks, _reset_peak_rss, _rss_bytes, _step,
                        _timed_step, _trimmed_rss_bytes, _use_mmap_for_large_blocks, print_ratios, print_table,
-                       run_and_report, step_ratios)
-from launch import launch
+                       step_ratios)
+from launch import launch_benchmark
 
 _SHARD_FNS = {"torch": torch_fully_shard, "ours": hp.fully_shard}
 
@@ -173,13 +173,9 @@ def _report(args: argparse.Namespace, out: Dict[int, tuple]) -> None:
             json.dump({"args": vars(args), "world_size": world, "layouts": summary}, f, indent=2)
 
 
-def _main_in_group(args: argparse.Namespace) -> None:
-    run_and_report(args, run, _report)
-
-
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    launch(_main_in_group, args, args.world)
+    launch_benchmark(run, _report, args, args.world)
 
 
 if __name__ == "__main__":

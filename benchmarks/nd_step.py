@@ -48,9 +48,9 @@ from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.parallelize import dp_mesh
 
 from fsdp_step import (IMPLS, ImplResult, _over_ranks, _reset_peak_rss, _rss_bytes, _timed_step,
-                       _trimmed_rss_bytes, _use_mmap_for_large_blocks, print_ratios, print_table, run_and_report,
+                       _trimmed_rss_bytes, _use_mmap_for_large_blocks, print_ratios, print_table,
                        step_ratios, write_json)
-from launch import launch
+from launch import launch_benchmark
 
 _SHARD_FNS = {"torch": lambda: torch_fully_shard, "ours": lambda: hp.fully_shard}
 
@@ -242,13 +242,9 @@ def _report(args: argparse.Namespace, results: Dict[str, ImplResult]) -> None:
     write_json(args, ratios, print_ratios(ratios, results), results)
 
 
-def _main_in_group(args: argparse.Namespace) -> None:
-    run_and_report(args, run, _report)
-
-
 def main(argv=None) -> None:
     args = _parse_args(argv)
-    launch(_main_in_group, args, args.world)
+    launch_benchmark(run, _report, args, args.world)
 
 
 if __name__ == "__main__":
