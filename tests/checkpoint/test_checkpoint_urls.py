@@ -125,3 +125,21 @@ def test_cli_on_a_refused_endpoint_names_it_and_hides_its_credentials(monkeypatc
     assert len(err.splitlines()) == 1 and password not in err, err
     assert err.startswith("error: s3://bucket/run/step-3: no answer from the object store at "
                           f"{endpoint.replace('//', '//***@')} (2 tries of 10s): "), err
+
+
+@pytest.mark.timeout(120)
+def test_cli_without_credentials_fails_in_one_line_with_exit_code_2(s3_endpoint, tmp_path):
+    import subprocess
+    import sys
+
+    pytest.importorskip("s3fs", reason="S3 tests need s3fs: pip install 'hyper_parallel[s3]'")
+    # A fresh process: no AWS_* credentials, no ~/.aws, no credentials cached by an earlier test.
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update(HOME=str(tmp_path), AWS_ENDPOINT_URL=s3_endpoint, AWS_DEFAULT_REGION="us-east-1",
+               AWS_EC2_METADATA_DISABLED="true")
+    done = subprocess.run([sys.executable, "-m", "hyper_parallel.checkpoint", "list", "s3://bucket/run"],
+                          env=env, capture_output=True, text=True, timeout=100)
+    err = done.stderr.strip()
+    assert done.returncode == 2 and len(err.splitlines()) == 1, err
+    assert err.startswith("error: s3://bucket/run: the object store's client failed before any answer: "
+                          "NoCredentialsError: Unable to locate credentials; check the credentials"), err

@@ -133,10 +133,16 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[List[str]] = None) -> int:
     """Run the CLI; returns the exit code (1 on a bad or corrupt checkpoint, 2 on a refused
-    destination or when an object store does not answer)."""
+    destination, when an object store does not answer or its client fails, e.g. without
+    credentials)."""
     args = _parser().parse_args(argv)
     with store.bounded_requests(store.STARTUP_BOUNDS):
         return _run(args)
+
+
+def _location(args: argparse.Namespace) -> str:
+    """What the command reads."""
+    return args.dir if "dir" in args else args.src
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -168,8 +174,10 @@ def _run(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except store.unreachable_errors() as exc:  # before OSError: some of them are OSErrors
-        location = args.dir if "dir" in args else args.src  # what the command reads
-        print(f"error: {store.unreachable_message(location, exc)}", file=sys.stderr)
+        print(f"error: {store.unreachable_message(_location(args), exc)}", file=sys.stderr)
+        return 2
+    except store.client_errors() as exc:
+        print(f"error: {store.client_message(_location(args), exc)}", file=sys.stderr)
         return 2
     except (CheckpointError, OSError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -130,6 +130,24 @@ def unreachable_errors() -> Tuple[Type[BaseException], ...]:
     return tuple(found)
 
 
+def client_errors() -> Tuple[Type[BaseException], ...]:
+    """The exceptions an object store's client raises before or instead of a request, other
+    than :func:`unreachable_errors` (with s3fs, botocore's own: missing or partial
+    credentials, an unknown profile, a bad region); none without botocore."""
+    try:
+        from botocore.exceptions import BotoCoreError
+    except ImportError:
+        return ()
+    return (BotoCoreError,)
+
+
+def client_message(url: str, error: BaseException) -> str:
+    """One line for ``error`` (one of :func:`client_errors`) met on ``url``."""
+    return (f"{redact_url(url)}: the object store's client failed before any answer: {type(error).__name__}: "
+            f"{redact_url(str(error))}; check the credentials (for S3: AWS_ACCESS_KEY_ID and "
+            "AWS_SECRET_ACCESS_KEY, AWS_PROFILE, or storage_options) and the region")
+
+
 def unreachable_message(url: str, error: BaseException) -> str:
     """One line for ``error`` (one of :func:`unreachable_errors`) met on ``url``: the store's
     endpoint, the bound in force and what to check (credentials and queries never shown)."""
