@@ -16,9 +16,10 @@ the 1-D ``ep`` mesh, so a rank holds ``num_experts / ep`` consecutive experts, a
 
 Both all-to-alls are differentiable (the backward of each is the reverse all-to-all of the
 gradient). Apply it before ``fully_shard`` (which then shards the experts over the rest of the
-data-parallel ranks, see :func:`expert_meshes`)::
+data-parallel ranks, see :func:`expert_meshes`; under HSDP also replicated over the
+replicas)::
 
-    ep_mesh, efsdp_mesh = expert_meshes(dp_shard_mesh, ep)
+    ep_mesh, efsdp_mesh = expert_meshes(dp_mesh, ep)
     parallelize_module(moe.experts, ep_mesh, ExpertParallel())
 """
 
@@ -260,26 +261,30 @@ def _check_experts(module: nn.Module, mesh: DeviceMesh) -> int:
     return num_experts
 
 
-def expert_meshes(dp_shard_mesh: DeviceMesh, ep: int) -> Tuple[DeviceMesh, DeviceMesh]:
+def expert_meshes(dp_mesh: DeviceMesh, ep: int) -> Tuple[DeviceMesh, DeviceMesh]:
     """``(ep_mesh, efsdp_mesh)``: the data-parallel shard ranks regrouped for the experts.
 
-    The ``dp_shard`` ranks of the named 1-D ``dp_shard_mesh`` are reshaped to ``(dp_shard // ep,
-    ep)`` (dims ``"efsdp"``, ``"ep"``; torchtitan's order): position ``i`` of the mesh is
-    ``efsdp_index * ep + ep_index``, so an ep group is ``ep`` consecutive positions and the
-    experts are sharded by FSDP over ``efsdp_mesh``, across the ep groups. Both meshes are
-    slices of one mesh (so fully_shard can join them) and are created on every rank, as any
-    DeviceMesh.
+    ``dp_mesh`` is the named data-parallel mesh: 1-D (FSDP: its shard dim) or 2-D (HSDP:
+    replicate, shard). Its shard dim is reshaped to ``(dp_shard // ep, ep)`` (dims ``"efsdp"``,
+    ``"ep"``; torchtitan's order): shard position ``i`` is ``efsdp_index * ep + ep_index``, so an
+    ep group is ``ep`` consecutive shard positions of one replica. The experts are sharded by
+    FSDP over ``efsdp_mesh``, across the ep groups: the 1-D ``("efsdp",)`` mesh under FSDP, the
+    2-D ``(<replicate dim>, "efsdp")`` mesh under HSDP (experts replicated over the replicas as
+    the dense weights are). Both meshes are slices of one mesh (so fully_shard can join them)
+    and are created on every rank, as any DeviceMesh.
 
     Raises:
-        ValueError: the mesh is not 1-D or has no dim name, or ``ep`` does not divide its size.
+        ValueError: the mesh is not 1-D or 2-D or has no dim names, or ``ep`` does not divide
+            its shard dim.
     """
-    if dp_shard_mesh.ndim != 1:
-        raise ValueError(f"expert_meshes needs the 1-D data-parallel shard mesh, got {dp_shard_mesh.ndim}-D "
-                         f"{dp_shard_mesh}")
-    if dp_shard_mesh.mesh_dim_names is None:
+    if dp_mesh.ndim not in (1, 2):
+        raise ValueError(f"expert_meshes needs the 1-D data-parallel shard mesh or the 2-D (replicate, shard) "
+                         f"mesh, got {dp_mesh.ndim}-D {dp_mesh}")
+    if dp_mesh.mesh_dim_names is None:
         raise ValueError("expert_meshes needs a named mesh: build it with init_device_mesh(..., mesh_dim_names=...)")
-    size = dp_shard_mesh.size()
+    shard_dim = dp_mesh.ndim - 1
+    size = dp_mesh.size(shard_dim)
     if not isinstance(ep, int) or ep < 1 or size % ep:
         raise ValueError(f"expert parallel degree {ep!r} does not divide the {size} data-parallel shard ranks")
-    mesh = unflatten_mesh(dp_shard_mesh, 0, (size // ep, ep), ("efsdp", "ep"))
-    return mesh["ep"], mesh["efsdp"]
+    mesh = unflatten_mesh(dp_mesh, shard_dim, (size // ep, ep), ("efsdp", "ep"))
+    return mesh["ep"], mesh[(*dp_mesh.mesh_dim_names[:shard_dim], "efsdp")]

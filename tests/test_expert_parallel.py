@@ -285,7 +285,8 @@ def _mesh_errors() -> List[str]:
     errors = []
     for mesh, ep in ((init_device_mesh("cpu", (4,), mesh_dim_names=("dp_shard",)), 3),
                      (init_device_mesh("cpu", (4,)), 2),
-                     (init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b")), 2)):
+                     (init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard")), 4),
+                     (init_device_mesh("cpu", (2, 1, 2), mesh_dim_names=("a", "b", "c")), 2)):
         try:
             expert_meshes(mesh, ep)
         except ValueError as err:
@@ -297,5 +298,7 @@ def test_expert_meshes_errors():
     for errors in run_on_ranks(4, _mesh_errors, timeout=60):
         assert errors[0] == "expert parallel degree 3 does not divide the 4 data-parallel shard ranks"
         assert errors[1].startswith("expert_meshes needs a named mesh")
-        assert errors[2].startswith("expert_meshes needs the 1-D data-parallel shard mesh, got 2-D")
-        assert len(errors) == 3
+        assert errors[2] == "expert parallel degree 4 does not divide the 2 data-parallel shard ranks"
+        assert errors[3].startswith("expert_meshes needs the 1-D data-parallel shard mesh or the 2-D "
+                                    "(replicate, shard) mesh, got 3-D")
+        assert len(errors) == 4

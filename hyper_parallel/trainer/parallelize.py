@@ -79,20 +79,23 @@ def _mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
             if mixed_precision == "bf16" else MixedPrecisionPolicy())
 
 
-def shard_experts(model: MoETransformer, shard_mesh: DeviceMesh, ep: int, *, mixed_precision: str,
+def shard_experts(model: MoETransformer, data_mesh: DeviceMesh, ep: int, *, mixed_precision: str,
                   reshard_after_forward: bool) -> None:
-    """Expert parallelism: the ``dp_shard`` ranks of the 1-D ``shard_mesh`` regrouped into
-    ``ep`` x ``efsdp`` (:func:`~hyper_parallel.expert_parallel.expert_meshes`); each MoE
+    """Expert parallelism: the ``dp_shard`` ranks of the data-parallel mesh ``data_mesh`` (1-D
+    ``(shard,)``, or 2-D ``(replicate, shard)`` under HSDP; see :func:`dp_mesh`) regrouped into
+    ``efsdp`` x ``ep`` (:func:`~hyper_parallel.expert_parallel.expert_meshes`); each MoE
     block's routed experts split over ``ep`` (:class:`ExpertParallel`, their tokens sent by
-    all-to-all) and ``fully_shard``-ed over ``efsdp``. An expert's gradient sums the tokens of
-    its whole ep group, so it is divided by the ``dp_shard`` size (the dense average), not by
-    the ``efsdp`` size that ``fully_shard`` would use. Call before :func:`shard_model`."""
-    ep_mesh, efsdp_mesh = expert_meshes(shard_mesh, ep)
+    all-to-all) and ``fully_shard``-ed over ``efsdp`` (HSDP over ``(replicate, efsdp)`` when
+    ``data_mesh`` has a replicate dim). An expert's gradient sums the tokens of its whole ep
+    group, so it is divided by the whole data-parallel size (``replicate x dp_shard``, the dense
+    average), not by the ``replicate x efsdp`` size that ``fully_shard`` would use. Call before
+    :func:`shard_model`."""
+    ep_mesh, efsdp_mesh = expert_meshes(data_mesh, ep)
     for moe in model.moe_layers().values():
         parallelize_module(moe.experts, ep_mesh, ExpertParallel())
         fully_shard(moe.experts, mesh=efsdp_mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=_mp_policy(mixed_precision))
-        moe.experts.set_gradient_divide_factor(shard_mesh.size())
+        moe.experts.set_gradient_divide_factor(data_mesh.size())
 
 
 def compile_blocks(model: Transformer, backend: str) -> None:
@@ -170,7 +173,7 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
         if compile_backend is not None:
             compile_blocks(model, compile_backend)
     if mesh is not None and ep > 1:
-        shard_experts(model, mesh["shard"], ep, mixed_precision=mixed_precision,
+        shard_experts(model, dp_mesh(mesh), ep, mixed_precision=mixed_precision,
                       reshard_after_forward=reshard_after_forward)
     if mesh is not None:
         shard_model(model, dp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)

@@ -130,3 +130,25 @@ def test_resume_an_ep2_checkpoint_on_one_process(tmp_path):
         shape = "8x32x64" if name.endswith("w2") else "8x64x32"
         pattern = rf"{re.escape(name)}\s+float32\s+{shape}\s.*mesh 1x2 \(efsdp,ep\)"
         assert re.search(pattern, listing), listing
+
+
+def test_ep_with_hsdp_matches_ep1_and_resumes_on_one_process(tmp_path):
+    # HSDP 2 x 2 with ep=2: each replica's 2 dp_shard ranks split the experts (efsdp 1), the
+    # experts replicated over the replicas; the same training as ep=1 on the same mesh.
+    ep1, ep2, one = (str(tmp_path / name) for name in ("ep1", "ep2", "one"))
+    hsdp = ["parallel.dp_replicate=2"]
+    run_on_ranks(4, _train, [f"output_dir={ep2}", *hsdp, "parallel.ep=2", "checkpoint.interval=2"], timeout=180)
+    run_on_ranks(4, _train, [f"output_dir={ep1}", *hsdp], timeout=180)
+    assert layout(validate_config(compose_config([*MOE, *hsdp, "parallel.ep=2"]), 4).cfg, ParallelDims(2, 2)) == \
+        "mesh 2x2 (replicate, shard), experts over ep 2 x efsdp 1 x replicate 2, fp32"
+    expected = last_loss_per_step(ep1)
+    assert sorted(expected) == [1, 2, 3, 4]
+    assert_losses_match(expected, last_loss_per_step(ep2), rel=1e-5)
+    norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(read_metrics(ep1), read_metrics(ep2))]
+    assert len(norms) == 4 and all(abs(a - b) <= 1e-5 * a for a, b in norms), norms
+    # Its step-2 checkpoint resumes on one process (the 4 ranks' quarters as micro-batches, each
+    # balancing its own tokens) and continues the uninterrupted curve.
+    run_on_ranks(1, _train, [f"output_dir={one}", "training.grad_accum_steps=4",
+                             f"checkpoint.load_from={ep2}/checkpoints/step-2"], timeout=180)
+    assert sorted(last_loss_per_step(one)) == [3, 4]
+    assert_losses_match(expected, last_loss_per_step(one), range(3, 5), rel=1e-5)

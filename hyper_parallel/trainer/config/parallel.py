@@ -200,8 +200,8 @@ class ParallelConfig:
         return problems + self.ep_problems(num_experts, dims)
 
     def ep_problems(self, num_experts: Optional[int], dims: Optional[ParallelDims]) -> List[str]:
-        """Where ``ep`` cannot split: it needs an MoE model (``num_experts`` not None), must
-        divide the ``dp_shard`` ranks and the experts, and is not supported with HSDP yet."""
+        """Where ``ep`` cannot split: it needs an MoE model (``num_experts`` not None) and must
+        divide the ``dp_shard`` ranks (of each replica under HSDP) and the experts."""
         ep = self.ep
         if not isinstance(ep, int) or ep == 1:
             return []
@@ -214,7 +214,4 @@ class ParallelConfig:
         if dims is not None and dims.shard % ep:
             problems.append(f"parallel.ep={ep} does not divide the {dims.shard} dp_shard ranks (expert "
                             "parallelism splits the experts over ep of them)")
-        if dims is not None and dims.replicate > 1:
-            problems.append(f"parallel.ep={ep} with parallel.dp_replicate={dims.replicate} (HSDP) is not "
-                            "supported yet; use dp_replicate=1 or ep=1")
         return problems
