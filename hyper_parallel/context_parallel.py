@@ -31,6 +31,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from hyper_parallel.block_attention import (BlockMask, accumulation_dtype, block_attention, block_attention_backward,
                                             merge_attention)
@@ -365,10 +366,16 @@ def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[
     (this rank's summed token losses) x (group size) / (tokens in the group, ``ignore_index``
     excluded), so its mean over the ranks is the global mean, and so is the mean of its gradients
     (what FSDP's reduction computes). A collective over ``group``.
+
+    ``logits`` sharded on the vocabulary (a DTensor, tensor parallelism) are reduced by torch's
+    ``loss_parallel`` (call this and the backward inside it; no rank gathers the whole
+    vocabulary); the result is then the same plain tensor on every tensor-parallel rank.
     """
     flat_logits = logits.flatten(0, -2)
     total = F.cross_entropy(flat_logits.to(accumulation_dtype(flat_logits.dtype)), labels.flatten(),
                             ignore_index=ignore_index, reduction="sum")
+    if isinstance(total, DTensor):  # the vocab-parallel sum: replicated over the tensor-parallel ranks
+        total = total.full_tensor()
     count = (labels != ignore_index).sum().to(torch.float64)
     size = 1
     if group is not None:

@@ -239,8 +239,11 @@ def _labels(tokens: torch.Tensor) -> torch.Tensor:
 
 
 def _llama_on_rank(setting: str, dp: int) -> dict:
-    """Loss and parameter gradients of one step under CP (and FSDP etc., per ``setting``) minus
+    """Loss and parameter gradients of one step under CP (and FSDP etc., per ``setting``; "tp":
+    tensor parallelism over 2 ranks, the mesh ``shard x cp x tp`` as in the recipe) minus
     those of the whole model on the whole global batch in this process."""
+    from hyper_parallel.parallel import apply_tensor_parallel, loss_parallel
+    from hyper_parallel.trainer.context import dp_cp_mesh
     from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -251,10 +254,13 @@ def _llama_on_rank(setting: str, dp: int) -> dict:
     ref_loss = F.cross_entropy(logits.flatten(0, 1), labels.flatten())
     ref_loss.backward()
 
-    mesh = hp.init_device_mesh("cpu", (dp, world // dp), mesh_dim_names=("dp", "cp"))
-    everyone = hp.init_device_mesh("cpu", (world,))  # FSDP shards over dp x cp
+    tp = 2 if "tp" in setting else 1
+    mesh = hp.init_device_mesh("cpu", (dp, world // (dp * tp), tp), mesh_dim_names=("shard", "cp", "tp"))
+    everyone = dp_cp_mesh(mesh)  # FSDP shards over dp x cp (not tp)
     model = copy.deepcopy(reference)
     model.zero_grad(set_to_none=True)
+    if tp > 1:  # each rank's heads; the logits stay sharded on the vocabulary
+        apply_tensor_parallel(model, mesh["tp"])
     if "ac" in setting:
         apply_activation_checkpointing(model)
     if "fsdp" in setting:
@@ -264,9 +270,11 @@ def _llama_on_rank(setting: str, dp: int) -> dict:
     backend = CountingBackend("aot_eager")
     if "compile" in setting:  # graph breaks at the ring exchange (torch.compiler.disable)
         model.compile(backend=backend)
-    inputs, targets = (t.chunk(dp)[mesh.get_local_rank("dp")] for t in (tokens[:, :-1], labels))
-    with context_parallel(mesh["cp"]) as cp:
-        loss = mean_token_loss(model(cp.shard(inputs)), cp.shard(targets), group=everyone.get_group())
+    inputs, targets = (t.chunk(dp)[mesh.get_local_rank("shard")] for t in (tokens[:, :-1], labels))
+    with context_parallel(mesh["cp"]) as cp, loss_parallel():
+        logits = model(cp.shard(inputs))
+        assert isinstance(logits, hp.DTensor) == (tp > 1)
+        loss = mean_token_loss(logits, cp.shard(targets), group=everyone.get_group())
         loss.backward()
     global_loss = loss.detach().clone()
     dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
@@ -284,7 +292,7 @@ def _llama_on_rank(setting: str, dp: int) -> dict:
 
 @pytest.mark.parametrize("world,dp,setting", [
     (2, 1, "plain"), (2, 1, "fsdp"), (2, 1, "fsdp ac"), (2, 1, "fsdp compile"),
-    (4, 1, "plain"), (4, 2, "fsdp"), (4, 2, "fsdp ac"),
+    (4, 1, "plain"), (4, 2, "fsdp"), (4, 2, "fsdp ac"), (4, 1, "fsdp tp"),
 ])
 def test_llama_under_cp_equals_one_process(world, dp, setting):
     for result in run_on_ranks(world, _llama_on_rank, setting, dp, timeout=150):

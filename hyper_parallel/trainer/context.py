@@ -8,12 +8,21 @@ the data-parallel ranks only); each keeps its head-tail part of every sequence
 shards over ``dp_shard x cp`` flattened into one dim (``dp_shard_cp``, as torchtitan does) and
 averages the gradients over every data-parallel and CP rank, so each rank's loss is its share
 of the mean over every token of the global batch (:func:`mean_token_loss`).
+
+With tensor parallelism (mesh ``... x cp x tp``) the ``tp`` ranks of a CP rank hold the same
+part of the sequences: attention runs on their local heads (ring attention exchanges those
+heads' K/V with the same tp rank of the other CP ranks), the sequence-parallel norms split the
+CP part further over ``tp``, and the logits stay sharded on the vocabulary (the loss goes
+through torch's ``loss_parallel``, entered by :meth:`SequenceSplit.context`). With pipeline
+parallelism each pipeline micro-batch is the CP part of its sequences and the schedule runs
+inside :meth:`SequenceSplit.context`; the last stage's loss is :meth:`SequenceSplit.token_loss`.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import ContextManager, Optional
+from typing import Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -23,6 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from hyper_parallel._torch_compat import flatten_mesh, unflatten_mesh
 from hyper_parallel.context_parallel import ContextParallel, Rotate, context_parallel, mean_token_loss
 from hyper_parallel.models.llama import Attention
+from hyper_parallel.parallel import loss_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 
 _MODEL_PARALLEL_DIMS = ("pp", "tp")
@@ -55,14 +65,24 @@ class SequenceSplit:
     def size(self) -> int:
         return self.cp_mesh.size()
 
-    def context(self) -> ContextManager[ContextParallel]:
-        """The :func:`context_parallel` a step or an evaluation (forward and backward) runs in."""
-        return context_parallel(self.cp_mesh, rotate=self.rotate)
+    @contextlib.contextmanager
+    def context(self) -> Iterator[ContextParallel]:
+        """The :func:`context_parallel` a step, a pipeline schedule call or an evaluation
+        (forward and backward) runs in, with torch's ``loss_parallel`` (vocab-parallel logits
+        under tensor parallelism; nothing changes for plain logits)."""
+        with context_parallel(self.cp_mesh, rotate=self.rotate) as cp, loss_parallel():
+            yield cp
+
+    def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """This rank's share of the mean loss over every token of :attr:`loss_group`: ``logits``
+        and ``labels`` of this rank's part of some sequences (e.g. one pipeline micro-batch's).
+        A collective over :attr:`loss_group`; inside :meth:`context`."""
+        return mean_token_loss(logits, labels, group=self.loss_group)
 
     def loss(self, model: nn.Module, batch: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
         """This rank's share of the mean next-token loss of ``batch`` ``(samples, seq_len + 1)``
         (the whole sequences; the model sees this rank's part of each). Inside :meth:`context`."""
-        return mean_token_loss(model(cp.shard(batch[:, :-1])), cp.shard(batch[:, 1:]), group=self.loss_group)
+        return self.token_loss(model(cp.shard(batch[:, :-1])), cp.shard(batch[:, 1:]))
 
 
 def split_sequences(mesh: DeviceMesh, rotate: str) -> Optional[SequenceSplit]:

@@ -3,8 +3,9 @@ schedule that runs them, and one optimizer step through it."""
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -18,6 +19,7 @@ from hyper_parallel.pipeline import (Schedule, ShardedPipelineStage, build_sched
                                      stage_layers)
 from hyper_parallel.trainer.config.parallel import ParallelConfig
 from hyper_parallel.trainer.config.schema import ModelConfig, llama_config
+from hyper_parallel.trainer.context import SequenceSplit, split_sequences
 from hyper_parallel.trainer.parallelize import parallelize
 
 
@@ -32,6 +34,7 @@ class Pipeline:
     schedule: Schedule         # torch.distributed.pipelining's, over this rank's stages
     pp_group: dist.ProcessGroup  # the pipeline process group (gradient norms reduce over it)
     grad_accum_steps: int      # schedule calls per batch (the schedule's losses are scaled by it)
+    cp: Optional[SequenceSplit] = None  # context parallelism: each rank runs its part of the sequences
 
     @property
     def has_first(self) -> bool:
@@ -46,14 +49,23 @@ class Pipeline:
         stage of a data-parallel rank), one call per accumulation step (the micro-batch shapes
         the stages were set up with): forward and backward when ``train`` (gradients
         accumulate), else forward only (call under ``torch.no_grad()``). Returns the batch's
-        mean loss on the last stage, 0 on the others."""
+        mean loss on the last stage, 0 on the others. With context parallelism (``cp``) each
+        micro-batch is this rank's part of its sequences, the schedule runs inside the CP
+        context, and the loss is this rank's share of the mean (:meth:`SequenceSplit.token_loss`)."""
         total = torch.zeros((), device=batch.device)
         for micro in batch.chunk(self.grad_accum_steps):
-            args = (micro[:, :-1],) if self.has_first else ()
-            target = micro[:, 1:] if self.has_last else None
+            inputs, labels = micro[:, :-1], micro[:, 1:]
             losses: List[torch.Tensor] = []
-            # The loss's backward runs inside the schedule: vocab-parallel logits need the context.
-            with loss_parallel():
+            # The loss's backward runs inside the schedule: vocab-parallel logits need loss_parallel
+            # (SequenceSplit.context enters it too), ring attention the CP context.
+            with contextlib.ExitStack() as stack:
+                if self.cp is not None:
+                    context = stack.enter_context(self.cp.context())
+                    inputs, labels = context.shard(inputs), context.shard(labels)
+                else:
+                    stack.enter_context(loss_parallel())
+                args = (inputs,) if self.has_first else ()
+                target = labels if self.has_last else None
                 (self.schedule.step if train else self.schedule.eval)(*args, target=target, losses=losses)
             for loss in losses:
                 total = total + loss.detach()
@@ -68,7 +80,8 @@ def build_pipeline(model_cfg: ModelConfig, parallel: ParallelConfig, *, mesh: De
     (:func:`parallelize`: tensor parallelism, activation checkpointing, compile, ``fully_shard``
     over the data-parallel dims, then initialised to the whole model's values), wrapped in
     stages over ``mesh["pp"]`` and a ``parallel.schedule`` schedule of
-    ``parallel.microbatches`` micro-batches per call. ``options``: :func:`parallelize`'s."""
+    ``parallel.microbatches`` micro-batches per call. ``options``: :func:`parallelize`'s.
+    With a ``cp`` dim in ``mesh`` the last stage's loss is :meth:`SequenceSplit.token_loss`."""
     with torch.device("meta"):
         whole = Transformer(llama_config(model_cfg))
     ranges = stage_layers(model_cfg.n_layers, parallel.num_stages, parallel.pp_layers_per_stage)
@@ -80,9 +93,10 @@ def build_pipeline(model_cfg: ModelConfig, parallel: ParallelConfig, *, mesh: De
         parts.append(parallelize(part, model_cfg, mesh=mesh, device=device, seed=seed, **options))
         # mesh: with TP the activations between stages are DTensors on its sub-meshes.
         stages.append(ShardedPipelineStage(part, index, len(ranges), device, group=pp_mesh.get_group(), mesh=mesh))
-    schedule = build_schedule(stages, parallel.schedule, parallel.microbatches, cross_entropy,
-                              grad_accum=grad_accum_steps)
-    return Pipeline(parts, indices, len(ranges), schedule, pp_mesh.get_group(), grad_accum_steps)
+    cp = split_sequences(mesh, parallel.cp_rotate)
+    schedule = build_schedule(stages, parallel.schedule, parallel.microbatches,
+                              cross_entropy if cp is None else cp.token_loss, grad_accum=grad_accum_steps)
+    return Pipeline(parts, indices, len(ranges), schedule, pp_mesh.get_group(), grad_accum_steps, cp)
 
 
 def pipelined_step(pipeline: Pipeline, batch: torch.Tensor, optimizer: torch.optim.Optimizer,

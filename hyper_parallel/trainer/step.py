@@ -46,7 +46,7 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
         if cp is not None:  # (not with a mixture of experts: the config refuses cp with model.moe)
-            with cp.context() as context:
+            with cp.context() as context:  # loss_parallel included: vocab-parallel logits under TP
                 loss, aux = cp.loss(model, micro, context), None
                 (loss / grad_accum_steps).backward()
         else:  # the loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered

@@ -117,18 +117,19 @@ class ParallelConfig:
 
     def cp_problems(self, seq_len: int, compile: bool) -> List[str]:
         """What context parallelism cannot do yet: split a ``seq_len`` that is not a multiple of
-        ``2 x cp`` (the head-tail layout's chunks), run with tensor or pipeline parallelism, or
-        with ``training.compile`` (ring attention is a graph break; blocks compile whole)."""
+        ``2 x cp`` (the head-tail layout's chunks), or, with tensor parallelism, whose CP part
+        (``seq_len / cp``) the sequence-parallel norms cannot split over ``tp``; or run with
+        ``training.compile`` (ring attention is a graph break; blocks compile whole)."""
         if self.cp == 1:
             return []
         cp, problems = f"parallel.cp={self.cp}", []
         if seq_len % (2 * self.cp):
             problems.append(f"training.seq_len={seq_len} is not divisible by 2 x {cp} = {2 * self.cp} (each "
                             "sequence is cut in 2 x cp chunks, a head and a tail chunk per CP rank)")
-        others = [f"parallel.{name}={value}" for name, value in (("tp", self.tp), ("pp", self.pp)) if value > 1]
-        if others:
-            problems.append(f"{cp} with {' and '.join(others)} is not supported yet; use context parallelism "
-                            "with data parallelism only")
+        elif (seq_len // self.cp) % self.tp:
+            problems.append(f"training.seq_len={seq_len} / {cp} = {seq_len // self.cp} tokens per CP rank is not "
+                            f"divisible by parallel.tp={self.tp} (the sequence-parallel norms split each CP "
+                            "rank's part over the tp ranks)")
         if compile:
             problems.append(f"{cp} with training.compile=true is not supported yet (ring attention is a graph "
                             "break and blocks compile as one graph); set training.compile=false")
