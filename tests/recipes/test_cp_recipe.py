@@ -91,7 +91,6 @@ def test_startup_line_names_the_mesh_with_cp():
     (4, ["parallel.tp=2"], "parallel.cp=2 with parallel.tp=2 is not supported yet; use context parallelism with "
                            "data parallelism only"),
     (4, ["parallel.pp=2"], "parallel.cp=2 with parallel.pp=2 is not supported yet"),
-    (2, ["training.compile=true"], "parallel.cp=2 with training.compile=true is not supported yet"),
     (2, ["parallel.cp=3", "training.seq_len=60"], "parallel.cp=3 does not divide the world size 2"),
     (2, ["parallel.cp_rotate=zigzag"], "parallel.cp_rotate"),
 ])

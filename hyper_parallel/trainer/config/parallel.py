@@ -115,10 +115,9 @@ class ParallelConfig:
         return [f"parallel.tp={self.tp} does not divide {', '.join(bad)} (tensor parallelism splits {each} "
                 f"over the tp ranks; pick a tp that divides {them})"]
 
-    def cp_problems(self, seq_len: int, compile: bool) -> List[str]:
+    def cp_problems(self, seq_len: int) -> List[str]:
         """What context parallelism cannot do yet: split a ``seq_len`` that is not a multiple of
-        ``2 x cp`` (the head-tail layout's chunks), run with tensor or pipeline parallelism, or
-        with ``training.compile`` (ring attention is a graph break; blocks compile whole)."""
+        ``2 x cp`` (the head-tail layout's chunks), or run with tensor or pipeline parallelism."""
         if self.cp == 1:
             return []
         cp, problems = f"parallel.cp={self.cp}", []
@@ -129,9 +128,6 @@ class ParallelConfig:
         if others:
             problems.append(f"{cp} with {' and '.join(others)} is not supported yet; use context parallelism "
                             "with data parallelism only")
-        if compile:
-            problems.append(f"{cp} with training.compile=true is not supported yet (ring attention is a graph "
-                            "break and blocks compile as one graph); set training.compile=false")
         return problems
 
     @property
