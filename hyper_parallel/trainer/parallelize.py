@@ -100,9 +100,10 @@ def compile_blocks(model: Transformer, backend: str, *, fullgraph: bool = True) 
     activation checkpointing and before ``fully_shard`` (the torchtitan order).
 
     ``fullgraph=True``: a block body compiles without graph breaks (an error otherwise).
-    ``fullgraph=False`` (context parallelism): the ring attention stays eager
-    (``torch.compiler.disable`` at :func:`~hyper_parallel.context_parallel.cp_attention`'s ring)
-    and dynamo compiles the rest of the block around that graph break."""
+    ``fullgraph=False``: dynamo compiles the block around its graph breaks: context
+    parallelism's ring attention (``torch.compiler.disable`` at
+    :func:`~hyper_parallel.context_parallel.cp_attention`'s ring), a mixture of experts' split
+    of the tokens by expert (data-dependent sizes)."""
     for block in model.layers.values():
         block.compile(backend=backend, fullgraph=fullgraph)
 
@@ -111,9 +112,9 @@ def compile_block_forwards(model: Transformer, backend: str, *, fullgraph: bool 
     """``torch.compile`` each block's ``forward`` function rather than its module call, so that
     activation checkpointing applied afterwards runs around the compiled code (used with tensor
     parallelism: torch's AOT autograd cannot compile a checkpointed tensor-parallel block, it
-    saves a ``DeviceMesh`` among the region's tensors; and with context parallelism: dynamo
-    cannot trace a checkpointed region with a graph break inside, and would leave the whole
-    block eager). ``fullgraph``: as :func:`compile_blocks`."""
+    saves a ``DeviceMesh`` among the region's tensors; and with graph breaks in the block:
+    dynamo cannot trace a checkpointed region with a graph break inside, and would leave the
+    whole block eager). ``fullgraph``: as :func:`compile_blocks`."""
     for block in model.layers.values():
         block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
 
@@ -136,8 +137,9 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
     ``torch.compile`` with ``compile_backend`` (None: eager), then ``fully_shard`` over the
     data-parallel dims (:func:`dp_mesh`). With tensor or context parallelism, compile and
     checkpointing, the checkpoint wraps the compiled block forward instead
-    (:func:`compile_block_forwards`). With context parallelism blocks compile with
-    ``fullgraph=False``: the ring attention is a graph break.
+    (:func:`compile_block_forwards`). With context parallelism or a mixture of experts blocks
+    compile with ``fullgraph=False`` (the ring exchange, the experts' token split: graph breaks),
+    and with checkpointing the checkpoint wraps the compiled block forward as well.
 
     With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
     reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
@@ -170,14 +172,16 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
         apply_tensor_parallel(model, mesh["tp"])
     if float8_recipe is not None:
         convert_to_float8(model, float8_recipe)
-    if (tensor_parallel or context_parallel) and compile_backend is not None and model_cfg.activation_checkpointing:
-        compile_block_forwards(model, compile_backend, fullgraph=not context_parallel)  # checkpointing around it
+    # Graph breaks: CP's ring exchange, and an MoE's data-dependent split of the tokens by expert.
+    fullgraph = not (context_parallel or isinstance(model, MoETransformer))
+    if (tensor_parallel or not fullgraph) and compile_backend is not None and model_cfg.activation_checkpointing:
+        compile_block_forwards(model, compile_backend, fullgraph=fullgraph)  # checkpointing around the compiled code
         apply_activation_checkpointing(model)
     else:
         if model_cfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         if compile_backend is not None:
-            compile_blocks(model, compile_backend, fullgraph=not context_parallel)
+            compile_blocks(model, compile_backend, fullgraph=fullgraph)
     if mesh is not None and ep > 1:
         shard_experts(model, mesh["shard"], ep, mixed_precision=mixed_precision,
                       reshard_after_forward=reshard_after_forward)
