@@ -1,9 +1,10 @@
-"""``training.compile=true`` end to end: 2 ranks under torchrun on CPU with ``aot_eager``, and
-with context parallelism (in-process ranks, float64)."""
+"""``training.compile=true`` end to end: 2 ranks under torchrun on CPU with ``aot_eager``; and,
+in-process ranks in float64, with context parallelism and with a mixture of experts (blocks
+with graph breaks)."""
 
 from __future__ import annotations
 
-from typing import Dict, List
+from typing import Dict, List, Sequence
 
 import pytest
 import torch
@@ -60,7 +61,7 @@ CP_STEPS = ["training.steps=3", "training.seq_len=16"]
 CP_COMPILE = ["parallel.cp=2", "training.compile=true", "training.compile_backend=aot_eager"]
 
 
-def _train_float64(overrides: List[str], base: List[str] = (*TINY, *CP_STEPS)) -> int:
+def _train_float64(overrides: List[str], base: Sequence[str] = (*TINY, *CP_STEPS)) -> int:
     """Train in float64 on this rank; returns how many graphs dynamo compiled for it."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
@@ -77,6 +78,13 @@ def _train_float64(overrides: List[str], base: List[str] = (*TINY, *CP_STEPS)) -
 def _loss_and_grad_norm(output_dir: str) -> Dict[str, Dict[int, float]]:
     records = [r for r in read_metrics(output_dir) if "grad_norm" in r]
     return {"loss": last_loss_per_step(output_dir), "grad_norm": {r["step"]: r["grad_norm"] for r in records}}
+
+
+def _assert_same_curves(expected: Dict[str, Dict[int, float]], actual: Dict[str, Dict[int, float]]) -> None:
+    for curve in ("loss", "grad_norm"):
+        assert sorted(expected[curve]) == sorted(actual[curve]) == [1, 2, 3], (expected, actual)
+        for step, value in expected[curve].items():
+            assert actual[curve][step] == pytest.approx(value, rel=CP_REL, abs=0), (curve, step)
 
 
 @pytest.fixture(scope="module")
@@ -97,11 +105,7 @@ def test_cp2_compiled_trains_like_one_process(tmp_path, one_process, checkpointi
     # Per block: the norm before attention, the projections and RoPE, the output projection
     # and the feed-forward after it (the two blocks share the code).
     assert all(n >= 4 for n in graphs), graphs
-    expected, actual = one_process, _loss_and_grad_norm(str(tmp_path / "cp2"))
-    for curve in ("loss", "grad_norm"):
-        assert sorted(expected[curve]) == sorted(actual[curve]) == [1, 2, 3], (expected, actual)
-        for step, value in expected[curve].items():
-            assert actual[curve][step] == pytest.approx(value, rel=CP_REL, abs=0), (curve, step)
+    _assert_same_curves(one_process, _loss_and_grad_norm(str(tmp_path / "cp2")))
 
 
 # A mixture of experts splits its tokens by expert with data-dependent sizes (a graph break):
@@ -119,8 +123,4 @@ def test_moe_with_expert_parallelism_compiled_trains_like_eager(tmp_path):
                                               "training.compile_backend=aot_eager"], MOE, timeout=300)
     assert all(n >= 4 for n in graphs), graphs
     assert run_on_ranks(2, _train_float64, [f"output_dir={eager}", *overrides], MOE, timeout=300) == [0, 0]
-    expected, actual = _loss_and_grad_norm(str(eager)), _loss_and_grad_norm(str(compiled))
-    for curve in ("loss", "grad_norm"):
-        assert sorted(expected[curve]) == sorted(actual[curve]) == [1, 2, 3], (expected, actual)
-        for step, value in expected[curve].items():
-            assert actual[curve][step] == pytest.approx(value, rel=CP_REL, abs=0), (curve, step)
+    _assert_same_curves(_loss_and_grad_norm(str(eager)), _loss_and_grad_norm(str(compiled)))
