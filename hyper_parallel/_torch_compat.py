@@ -45,6 +45,7 @@ __all__ = [
     "dtensor_spec",
     "flatten_mesh",
     "dump_cuda_memory_snapshot",
+    "dynamo_graphs_compiled",
     "foreach_mul_",
     "fsdp2_export_modules",
     "get_layout",
@@ -124,6 +125,15 @@ def lookup_compile_backend(name: str) -> Callable:
     from torch._dynamo.backends.registry import lookup_backend
 
     return lookup_backend(name)
+
+
+def dynamo_graphs_compiled() -> int:
+    """How many graphs dynamo has captured and handed to a backend in this process (it never
+    decreases; ``torch.compiler.reset()`` makes the next calls compile afresh). Its counters
+    are torch's only record of what ``torch.compile`` compiled."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
 
 
 def record_cuda_memory_history(max_entries: Optional[int]) -> None:

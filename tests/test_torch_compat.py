@@ -123,6 +123,19 @@ def test_lookup_compile_backend():
     assert torch.equal(compiled(torch.ones(2)), torch.full((2,), 2.0))
 
 
+def test_dynamo_graphs_compiled_counts_a_graph_break_as_two_graphs():
+    @torch.compiler.disable
+    def eager(x):
+        return x + 1
+
+    def fn(x):
+        return eager(x.sin()).cos()
+
+    before = compat.dynamo_graphs_compiled()
+    torch.compile(fn, backend="eager")(torch.ones(2))
+    assert compat.dynamo_graphs_compiled() - before == 2  # sin; cos after the break
+
+
 def test_disable_functorch_if_active():
     assert compat.disable_functorch_if_active(lambda x: x + 1)(1) == 2  # behaviour: test_transforms_and_recompute
 

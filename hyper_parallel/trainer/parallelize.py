@@ -98,21 +98,28 @@ def shard_experts(model: MoETransformer, data_mesh: DeviceMesh, ep: int, *, mixe
         moe.experts.set_gradient_divide_factor(data_mesh.size())
 
 
-def compile_blocks(model: Transformer, backend: str) -> None:
-    """``torch.compile`` each block (``fullgraph=True``: a block body compiles without graph
-    breaks; fully_shard's hooks run eagerly around it). Call after activation checkpointing
-    and before ``fully_shard`` (the torchtitan order)."""
+def compile_blocks(model: Transformer, backend: str, *, fullgraph: bool = True) -> None:
+    """``torch.compile`` each block; fully_shard's hooks run eagerly around it. Call after
+    activation checkpointing and before ``fully_shard`` (the torchtitan order).
+
+    ``fullgraph=True``: a block body compiles without graph breaks (an error otherwise).
+    ``fullgraph=False``: dynamo compiles the block around its graph breaks: context
+    parallelism's ring attention (``torch.compiler.disable`` at
+    :func:`~hyper_parallel.context_parallel.cp_attention`'s ring), a mixture of experts' split
+    of the tokens by expert (data-dependent sizes)."""
     for block in model.layers.values():
-        block.compile(backend=backend, fullgraph=True)
+        block.compile(backend=backend, fullgraph=fullgraph)
 
 
-def compile_block_forwards(model: Transformer, backend: str) -> None:
+def compile_block_forwards(model: Transformer, backend: str, *, fullgraph: bool = True) -> None:
     """``torch.compile`` each block's ``forward`` function rather than its module call, so that
     activation checkpointing applied afterwards runs around the compiled code (used with tensor
     parallelism: torch's AOT autograd cannot compile a checkpointed tensor-parallel block, it
-    saves a ``DeviceMesh`` among the region's tensors)."""
+    saves a ``DeviceMesh`` among the region's tensors; and with graph breaks in the block:
+    dynamo cannot trace a checkpointed region with a graph break inside, and would leave the
+    whole block eager). ``fullgraph``: as :func:`compile_blocks`."""
     for block in model.layers.values():
-        block.forward = torch.compile(block.forward, backend=backend, fullgraph=True)
+        block.forward = torch.compile(block.forward, backend=backend, fullgraph=fullgraph)
 
 
 def build_transformer(shape: Union[LlamaConfig, MoEConfig]) -> Union[Transformer, MoETransformer]:
@@ -131,8 +138,11 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
     Order (torchtitan's): tensor parallelism over ``mesh["tp"]`` when the mesh has that dim,
     float8 conversion with ``float8_recipe`` (None: none), activation checkpointing, per-block
     ``torch.compile`` with ``compile_backend`` (None: eager), then ``fully_shard`` over the
-    data-parallel dims (:func:`dp_mesh`). With tensor parallelism, compile and checkpointing,
-    the checkpoint wraps the compiled block forward instead (:func:`compile_block_forwards`).
+    data-parallel dims (:func:`dp_mesh`). With tensor or context parallelism, compile and
+    checkpointing, the checkpoint wraps the compiled block forward instead
+    (:func:`compile_block_forwards`). With context parallelism or a mixture of experts blocks
+    compile with ``fullgraph=False`` (the ring exchange, the experts' token split: graph breaks),
+    and with checkpointing the checkpoint wraps the compiled block forward as well.
 
     With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
     reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
@@ -157,21 +167,24 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
                 ep: int = 1) -> Transformer:
     """:func:`build_model`'s steps after the meta model: parallelise, materialise and
     initialise ``model`` (a whole model, or a pipeline stage of one with the same names)."""
-    if mesh is not None and "cp" in mesh.mesh_dim_names:
+    context_parallel = mesh is not None and "cp" in mesh.mesh_dim_names
+    if context_parallel:
         check_attention(model)
     tensor_parallel = mesh is not None and "tp" in mesh.mesh_dim_names
     if tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"])
     if float8_recipe is not None:
         convert_to_float8(model, float8_recipe)
-    if tensor_parallel and compile_backend is not None and model_cfg.activation_checkpointing:
-        compile_block_forwards(model, compile_backend)  # checkpointing around the compiled code
+    # Graph breaks: CP's ring exchange, and an MoE's data-dependent split of the tokens by expert.
+    fullgraph = not (context_parallel or isinstance(model, MoETransformer))
+    if (tensor_parallel or not fullgraph) and compile_backend is not None and model_cfg.activation_checkpointing:
+        compile_block_forwards(model, compile_backend, fullgraph=fullgraph)  # checkpointing around the compiled code
         apply_activation_checkpointing(model)
     else:
         if model_cfg.activation_checkpointing:
             apply_activation_checkpointing(model)
         if compile_backend is not None:
-            compile_blocks(model, compile_backend)
+            compile_blocks(model, compile_backend, fullgraph=fullgraph)
     if mesh is not None and ep > 1:
         shard_experts(model, dp_mesh(mesh), ep, mixed_precision=mixed_precision,
                       reshard_after_forward=reshard_after_forward)

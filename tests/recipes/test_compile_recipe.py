@@ -1,12 +1,21 @@
-"""``training.compile=true`` end to end: 2 ranks under torchrun on CPU with ``aot_eager``."""
+"""``training.compile=true`` end to end: 2 ranks under torchrun on CPU with ``aot_eager``; and,
+in-process ranks in float64, with context parallelism and with a mixture of experts (blocks
+with graph breaks)."""
 
 from __future__ import annotations
 
-import pytest
+from typing import Dict, List, Sequence
 
-from hyper_parallel.trainer import compose_config
+import pytest
+import torch
+import torch.distributed as dist
+
+from hyper_parallel._torch_compat import dynamo_graphs_compiled
+from hyper_parallel.platform import get_platform
+from hyper_parallel.trainer import compose_config, run_training
 from hyper_parallel.trainer.config import ConfigError, validate_config
-from tests.recipes.launch import TINY, assert_losses_match, last_loss_per_step, run, torchrun_cmd
+from tests.multirank import run_on_ranks
+from tests.recipes.launch import TINY, assert_losses_match, last_loss_per_step, read_metrics, run, torchrun_cmd
 
 STEPS = ["training.steps=3", "model.activation_checkpointing=true"]
 
@@ -42,3 +51,76 @@ def test_bad_compile_keys_are_rejected(overrides, message):
 def test_compile_defaults():
     t = compose_config([]).training
     assert t.compile is False and t.compile_backend == "inductor"
+
+
+# Context parallelism with compile: the ring exchange stays eager (a graph break), the rest of
+# each block compiles. float64 (see tests/recipes/test_cp_recipe.py): CP and compile only change
+# the summation order, ~1e-16 relative; a lost block or gradient moves the loss by 1e-4 or more.
+CP_REL = 1e-9
+CP_STEPS = ["training.steps=3", "training.seq_len=16"]
+CP_COMPILE = ["parallel.cp=2", "training.compile=true", "training.compile_backend=aot_eager"]
+
+
+def _train_float64(overrides: List[str], base: Sequence[str] = (*TINY, *CP_STEPS)) -> int:
+    """Train in float64 on this rank; returns how many graphs dynamo compiled for it."""
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    torch.compiler.reset()  # the rank processes are reused: no graph cached by an earlier test
+    before = dynamo_graphs_compiled()
+    try:
+        cfg = compose_config([*base, *overrides])
+        run_training(validate_config(cfg, dist.get_world_size()), get_platform())
+    finally:
+        torch.set_default_dtype(default)
+    return dynamo_graphs_compiled() - before
+
+
+def _loss_and_grad_norm(output_dir: str) -> Dict[str, Dict[int, float]]:
+    records = [r for r in read_metrics(output_dir) if "grad_norm" in r]
+    return {"loss": last_loss_per_step(output_dir), "grad_norm": {r["step"]: r["grad_norm"] for r in records}}
+
+
+def _assert_same_curves(expected: Dict[str, Dict[int, float]], actual: Dict[str, Dict[int, float]]) -> None:
+    for curve in ("loss", "grad_norm"):
+        assert sorted(expected[curve]) == sorted(actual[curve]) == [1, 2, 3], (expected, actual)
+        for step, value in expected[curve].items():
+            assert actual[curve][step] == pytest.approx(value, rel=CP_REL, abs=0), (curve, step)
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Dict[str, Dict[int, float]]:
+    """The losses and gradient norms of one eager process (no CP) on the same batches."""
+    out = tmp_path_factory.mktemp("cp1")
+    assert run_on_ranks(1, _train_float64, [f"output_dir={out}"], timeout=300) == [0]
+    return _loss_and_grad_norm(str(out))
+
+
+@pytest.mark.parametrize("checkpointing", [False, True], ids=["no_ac", "ac"])
+def test_cp2_compiled_trains_like_one_process(tmp_path, one_process, checkpointing):
+    """CP2 with compiled blocks (and activation checkpointing around them) has the losses and
+    gradient norms of one eager process, and dynamo compiled each block's code around the ring
+    attention (not silently left it eager)."""
+    ac = [f"model.activation_checkpointing={str(checkpointing).lower()}"]
+    graphs = run_on_ranks(2, _train_float64, [f"output_dir={tmp_path / 'cp2'}", *CP_COMPILE, *ac], timeout=300)
+    # Per block: the norm before attention, the projections and RoPE, the output projection
+    # and the feed-forward after it (the two blocks share the code).
+    assert all(n >= 4 for n in graphs), graphs
+    _assert_same_curves(one_process, _loss_and_grad_norm(str(tmp_path / "cp2")))
+
+
+# A mixture of experts splits its tokens by expert with data-dependent sizes (a graph break):
+# its blocks compile like CP's, around the break.
+MOE = ["model=moe_debug", "training.seq_len=16", "training.global_batch_size=4", "training.steps=3",
+       "optim.lr=1e-2", "optim.warmup_steps=1", "logging.log_every=1", "checkpoint.interval=100"]
+
+
+def test_moe_with_expert_parallelism_compiled_trains_like_eager(tmp_path):
+    """ep=2 on 2 ranks with compiled blocks and activation checkpointing: the losses and
+    gradient norms of the eager run, and dynamo compiled the blocks around the expert split."""
+    compiled, eager = tmp_path / "compiled", tmp_path / "eager"
+    overrides = ["parallel.ep=2", "model.activation_checkpointing=true"]
+    graphs = run_on_ranks(2, _train_float64, [f"output_dir={compiled}", *overrides, "training.compile=true",
+                                              "training.compile_backend=aot_eager"], MOE, timeout=300)
+    assert all(n >= 4 for n in graphs), graphs
+    assert run_on_ranks(2, _train_float64, [f"output_dir={eager}", *overrides], MOE, timeout=300) == [0, 0]
+    _assert_same_curves(_loss_and_grad_norm(str(eager)), _loss_and_grad_norm(str(compiled)))

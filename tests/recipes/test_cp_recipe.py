@@ -141,7 +141,6 @@ def test_startup_line_names_the_mesh_with_cp_also_with_tp_or_pp():
     (2, ["training.seq_len=18"], "training.seq_len=18 is not divisible by 2 x parallel.cp=2 = 4 (each sequence"),
     (8, ["parallel.tp=4", "model.n_kv_heads=4", "training.seq_len=12"],
      "training.seq_len=12 / parallel.cp=2 = 6 tokens per CP rank is not divisible by parallel.tp=4"),
-    (2, ["training.compile=true"], "parallel.cp=2 with training.compile=true is not supported yet"),
     (2, ["parallel.cp=3", "training.seq_len=60"], "parallel.cp=3 does not divide the world size 2"),
     (2, ["parallel.cp_rotate=zigzag"], "parallel.cp_rotate"),
 ])

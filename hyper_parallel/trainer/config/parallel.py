@@ -115,11 +115,10 @@ class ParallelConfig:
         return [f"parallel.tp={self.tp} does not divide {', '.join(bad)} (tensor parallelism splits {each} "
                 f"over the tp ranks; pick a tp that divides {them})"]
 
-    def cp_problems(self, seq_len: int, compile: bool) -> List[str]:
+    def cp_problems(self, seq_len: int) -> List[str]:
         """What context parallelism cannot do yet: split a ``seq_len`` that is not a multiple of
         ``2 x cp`` (the head-tail layout's chunks), or, with tensor parallelism, whose CP part
-        (``seq_len / cp``) the sequence-parallel norms cannot split over ``tp``; or run with
-        ``training.compile`` (ring attention is a graph break; blocks compile whole)."""
+        (``seq_len / cp``) the sequence-parallel norms cannot split over ``tp``."""
         if self.cp == 1:
             return []
         cp, problems = f"parallel.cp={self.cp}", []
@@ -130,9 +129,6 @@ class ParallelConfig:
             problems.append(f"training.seq_len={seq_len} / {cp} = {seq_len // self.cp} tokens per CP rank is not "
                             f"divisible by parallel.tp={self.tp} (the sequence-parallel norms split each CP "
                             "rank's part over the tp ranks)")
-        if compile:
-            problems.append(f"{cp} with training.compile=true is not supported yet (ring attention is a graph "
-                            "break and blocks compile as one graph); set training.compile=false")
         return problems
 
     @property

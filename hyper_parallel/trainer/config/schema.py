@@ -342,8 +342,8 @@ class TrainConfig:
             problems += p.split_problems(llama, t.seq_len)
         if dims is not None and llama is not None and all(ok(f"parallel.{f.name}") for f in fields(p)):
             problems += p.pipeline_problems(llama, micro_batch, m.tie_embeddings)
-        if all(ok(k) for k in ("parallel.cp", "parallel.tp", "parallel.pp", "training.seq_len", "training.compile")):
-            problems += p.cp_problems(t.seq_len, t.compile is True)
+        if all(ok(k) for k in ("parallel.cp", "parallel.tp", "parallel.pp", "training.seq_len")):
+            problems += p.cp_problems(t.seq_len)
         if ok("training.seq_len") and ok("model.max_seq_len") and t.seq_len > m.max_seq_len:
             problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         d = self.data
