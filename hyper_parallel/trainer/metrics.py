@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 import torch
 
+from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.utils.fileio import open_regular
 from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, MetricsSink, TensorBoardSink, WandbSettings, WandbSink
 from hyper_parallel.utils.units import format_bytes
@@ -108,6 +109,36 @@ class MetricsLogger:
         for sink in self._sinks:
             sink.close()
         self._sinks = []
+
+
+class MoEStepStatistics:
+    """A mixture of experts' statistics of one step on this rank, summed over its micro-batch
+    forwards (call :meth:`add` after each): the ``aux_loss`` (weighted, as
+    :meth:`~hyper_parallel.models.moe.MoETransformer.aux_loss`) and the ``(token, expert)``
+    pairs each expert got, one row per MoE block of the whole model (``blocks``: their names in
+    order). A pipeline stage fills only its own blocks' rows and adds only its own blocks' aux
+    loss, so that the sum over the stages' ranks (:func:`moe_statistics`) covers the model."""
+
+    def __init__(self, blocks: Sequence[str], num_experts: int, device: torch.device):
+        self._rows = {name: row for row, name in enumerate(blocks)}
+        self._num_experts, self._device = num_experts, device
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a step: nothing counted."""
+        self._aux = torch.zeros((), device=self._device)
+        self._tokens = torch.zeros(len(self._rows), self._num_experts, device=self._device)
+
+    def add(self, model: MoETransformer) -> None:
+        """Count ``model``'s last forward (the whole model, or a pipeline stage of it)."""
+        self._aux = self._aux + model.aux_loss().to(self._aux.dtype)
+        for name, counts in model.tokens_per_expert().items():
+            self._tokens[self._rows[name]] += counts.to(self._tokens.dtype)
+
+    def result(self, micro_batches: int) -> Dict[str, torch.Tensor]:
+        """``aux_loss``: the sum divided by the step's ``micro_batches`` (its mean per forward of
+        the whole batch); ``expert_tokens``: ``[blocks, num_experts]`` float counts."""
+        return {"aux_loss": self._aux / micro_batches, "expert_tokens": self._tokens.clone()}
 
 
 def moe_statistics(result: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
