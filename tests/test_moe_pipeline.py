@@ -1,6 +1,6 @@
 """A mixture of experts under pipeline parallelism, in float64 on gloo ranks: the recipe's
 pipeline (``build_pipeline`` / ``pipelined_step``) with the aux loss on, PP2 x EP2 (4 ranks:
-pp=2, dp_shard=2, ep=2) and PP2 alone, against one process training on the global batch
+pp=2, dp_shard=2, ep=2) and PP2 alone with activation checkpointing, against one process training on the global batch
 (``train_step``, one micro-batch per pipeline micro-batch: each forward balances its own
 tokens) after a few optimizer steps: the losses, every parameter, the aux loss and the tokens
 per expert summed over the stages."""
@@ -74,8 +74,8 @@ def _pipelined(overrides: List[str]) -> Dict[str, object]:
 
 @pytest.mark.parametrize("ranks, overrides", [
     (4, ["parallel.pp=2", "parallel.ep=2"]),  # pp=2 x dp_shard=2, the experts over ep=2 of each stage's 2 ranks
-    (2, ["parallel.pp=2"]),
-], ids=["pp2_ep2", "pp2"])
+    (2, ["parallel.pp=2", "model.activation_checkpointing=true"]),  # the blocks recomputed in the schedule's backward
+], ids=["pp2_ep2", "pp2_checkpointed"])
 def test_moe_pipeline_matches_one_process_on_the_global_batch(ranks, overrides):
     overrides = [*overrides, f"parallel.pp_microbatches={MICROBATCHES}"]
     results = run_on_ranks(ranks, _pipelined, overrides, timeout=240)
