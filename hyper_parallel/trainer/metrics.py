@@ -151,7 +151,8 @@ def moe_statistics(result: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def moe_record(summed: Sequence[float], loss_ranks: int, num_experts: int) -> Dict[str, Any]:
-    """The metrics of :func:`moe_statistics` summed over ``loss_ranks`` ranks: ``aux_loss``
+    """The metrics of :func:`moe_statistics` summed over every rank (with pipeline stages each
+    rank reports its own stages' blocks), of ``loss_ranks`` data-parallel ranks: ``aux_loss``
     (their mean) and the expert load balance, max / mean over the ``num_experts`` experts of
     the tokens each got in the step's global batch, per MoE block (``expert_load_per_block``;
     1.0: balanced, ``num_experts / top_k`` at worst) and the worst block's (``expert_load``).
