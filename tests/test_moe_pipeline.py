@@ -1,6 +1,6 @@
 """A mixture of experts under pipeline parallelism, in float64 on gloo ranks: the recipe's
 pipeline (``build_pipeline`` / ``pipelined_step``) with the aux loss on, PP2 x EP2 (4 ranks:
-pp=2, dp_shard=2, ep=2) and PP2 alone with activation checkpointing, against one process training on the global batch
+pp=2, dp_shard=2, ep=2), PP2 alone with activation checkpointing and PP2 interleaved, against one process training on the global batch
 (``train_step``, one micro-batch per pipeline micro-batch: each forward balances its own
 tokens) after a few optimizer steps: the losses, every parameter, the aux loss and the tokens
 per expert summed over the stages."""
@@ -37,11 +37,11 @@ def _full(param: torch.Tensor) -> torch.Tensor:
     return (param.full_tensor() if isinstance(param, hp.DTensor) else param).detach().clone()
 
 
-def _reference(micro_batches: int) -> Dict[str, object]:
-    """One process, the global batch as ``micro_batches`` accumulation steps."""
+def _reference(micro_batches: int, model: List[str]) -> Dict[str, object]:
+    """One process, the global batch as ``micro_batches`` accumulation steps; ``model``: overrides."""
     torch.set_default_dtype(torch.float64)
     try:
-        cfg = validate_config(compose_config(MODEL), 1).cfg.model
+        cfg = validate_config(compose_config([*MODEL, *model]), 1).cfg.model
         model = build_model(cfg, mesh=None, device=torch.device("cpu"), seed=SEED)
         opt = torch.optim.AdamW(model.parameters(), lr=LR)
         steps = [train_step(model, batch, opt, grad_accum_steps=micro_batches, max_grad_norm=MAX_NORM)
@@ -72,15 +72,18 @@ def _pipelined(overrides: List[str]) -> Dict[str, object]:
             "params": {name: _full(p) for part in pipeline.parts for name, p in part.named_parameters()}}
 
 
-@pytest.mark.parametrize("ranks, overrides", [
-    (4, ["parallel.pp=2", "parallel.ep=2"]),  # pp=2 x dp_shard=2, the experts over ep=2 of each stage's 2 ranks
-    (2, ["parallel.pp=2", "model.activation_checkpointing=true"]),  # the blocks recomputed in the schedule's backward
-], ids=["pp2_ep2", "pp2_checkpointed"])
-def test_moe_pipeline_matches_one_process_on_the_global_batch(ranks, overrides):
-    overrides = [*overrides, f"parallel.pp_microbatches={MICROBATCHES}"]
+@pytest.mark.parametrize("ranks, overrides, model", [
+    (4, ["parallel.pp=2", "parallel.ep=2"], []),  # pp=2 x dp_shard=2, the experts over ep=2 of each stage's 2 ranks
+    (2, ["parallel.pp=2"], ["model.activation_checkpointing=true"]),  # recomputed in the schedule's backward
+    # 2 stages per rank (blocks 0 | 1 on rank 0, 2 | 3 on rank 1): each stage reports its own blocks.
+    (2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"], ["model.n_layers=4"]),
+], ids=["pp2_ep2", "pp2_checkpointed", "pp2_interleaved"])
+def test_moe_pipeline_matches_one_process_on_the_global_batch(ranks, overrides, model):
+    overrides = [*overrides, *model, f"parallel.pp_microbatches={MICROBATCHES}"]
     results = run_on_ranks(ranks, _pipelined, overrides, timeout=240)
     dp = ranks // 2
-    ref = _reference(dp * MICROBATCHES)
+    ref = _reference(dp * MICROBATCHES, model)
+    moe_blocks = len(ref["tokens"][0])
     # The loss: the mean over the last stage's data-parallel ranks.
     losses = torch.tensor([r["loss"] for r in results if r["last"]], dtype=torch.float64).mean(dim=0)
     torch.testing.assert_close(losses, torch.tensor(ref["loss"], dtype=losses.dtype), rtol=1e-9, atol=0)
@@ -91,7 +94,7 @@ def test_moe_pipeline_matches_one_process_on_the_global_batch(ranks, overrides):
     torch.testing.assert_close(aux, torch.tensor(ref["aux"], dtype=aux.dtype), rtol=1e-9, atol=0)
     for step in range(STEPS):
         tokens = sum(r["tokens"][step] for r in results)
-        assert tokens.shape == (2, 8) and int(tokens.sum()) == 2 * GLOBAL_BATCH * SEQ * 2
+        assert tokens.shape == (moe_blocks, 8) and int(tokens.sum()) == moe_blocks * GLOBAL_BATCH * SEQ * 2
         assert torch.equal(tokens, ref["tokens"][step]), step
     # Every parameter after the steps (each rank holds its stages' blocks).
     names = set()
