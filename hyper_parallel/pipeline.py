@@ -31,6 +31,12 @@ divided by ``n_microbatches * grad_accum`` (their sum is the batch loss; see
 replica; data-parallel ranks get different batches, as without pipelining. With tensor
 parallelism run ``step`` inside ``hyper_parallel.parallel.loss_parallel()``. Checkpoints:
 ``ModelState(parts)`` / ``OptimizerState(parts, optimizer)`` take a rank's stage modules.
+
+A mixture of experts (:class:`~hyper_parallel.models.moe.MoETransformer`) splits the same way
+(dense ``first_k_dense`` blocks and MoE blocks alike). Its load-balancing loss needs no loss
+function: each MoE layer attaches it to its output, so each stage's backward includes its own
+layers' part; declare the schedule's loss scale on every stage module,
+``part.set_aux_loss_scale(1 / (n_microbatches * grad_accum))``.
 """
 
 from __future__ import annotations
@@ -138,17 +144,29 @@ class ShardedPipelineStage(PipelineStage):
 
     Arguments as torch's ``PipelineStage`` (``group``: the pipeline process group), plus
     ``mesh``: the world mesh, needed when activations between stages are DTensors (tensor
-    parallelism): the stage finds their meshes among its sub-meshes by dim names.
+    parallelism): the stage finds their meshes among its sub-meshes by dim names; and
+    ``after_forward``, called after each micro-batch's forward in a schedule (training or
+    evaluation, not the shape-inference pass of the first step), e.g. to read a mixture of
+    experts' statistics of that forward.
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device: torch.device, *,
-                 group: Optional[dist.ProcessGroup] = None, mesh: Optional[DeviceMesh] = None, **kwargs: Any):
+                 group: Optional[dist.ProcessGroup] = None, mesh: Optional[DeviceMesh] = None,
+                 after_forward: Optional[Callable[[], None]] = None, **kwargs: Any):
         if mesh is not None and kwargs.get("get_mesh") is None:
             kwargs["get_mesh"] = lambda dim_names, _layout: mesh[dim_names]
         super().__init__(submodule, stage_index, num_stages, device, group=group, **kwargs)
+        self._after_forward = after_forward
         # Gradients are reduced only inside the last backward of a step: not by the forward and
         # backward the schedule runs once to infer the shapes sent between stages.
         self._set_gradient_sync(False)
+
+    def forward_one_chunk(self, fwd_chunk_id: int, args: tuple, kwargs: Optional[dict] = None,
+                          save_forward_output: bool = True):
+        output = super().forward_one_chunk(fwd_chunk_id, args, kwargs, save_forward_output)
+        if self._after_forward is not None:
+            self._after_forward()
+        return output
 
     def _set_gradient_sync(self, sync: bool) -> None:
         for module in _fsdp_modules(self.submod):

@@ -91,11 +91,44 @@ def test_model_aux_loss_is_the_weighted_sum_over_layers_and_trains_the_router():
     model(torch.randint(0, 256, (2, 9)))
     by_hand = sum(load_balance_loss(r.probs, torch.bincount(r.experts.flatten(), minlength=8), 2)
                   for r in captured.values())
-    torch.testing.assert_close(model.aux_loss(), 0.5 * by_hand, rtol=1e-12, atol=0)
-    model.aux_loss().backward()
-    assert all(moe.router.gate.weight.grad.abs().sum() > 0 for moe in model.moe_layers().values())
+    torch.testing.assert_close(model.aux_loss(), 0.5 * by_hand.detach(), rtol=1e-12, atol=0)
+    assert not model.aux_loss().requires_grad  # a value for metrics: the backward already has it
     assert build_moe("moe_debug", aux_loss_weight=0.0)(torch.zeros(1, 2, dtype=torch.long)) is not None
     assert build_moe("moe_debug", aux_loss_weight=0.0).aux_loss().item() == 0
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.25])
+def test_the_backward_of_the_loss_includes_the_attached_aux_loss_at_the_declared_scale(scale):
+    # Each MoE layer attaches its weighted aux loss to its output: the gradients of
+    # scale * loss are those of scale * (loss + aux) when the aux's built by hand is added.
+    model = build_moe("moe_debug", n_layers=3, first_k_dense=1, ffn_hidden_dim=48, aux_loss_weight=0.5).double()
+    model.init_weights(seed=2)
+    tokens = torch.randint(0, 256, (2, 9), generator=torch.Generator().manual_seed(0))
+    params = list(model.parameters())
+    model.set_aux_loss_scale(scale)
+    got = torch.autograd.grad(scale * model(tokens).pow(2).mean(), params, allow_unused=True)
+
+    plain = build_moe("moe_debug", n_layers=3, first_k_dense=1, ffn_hidden_dim=48, aux_loss_weight=0.0).double()
+    plain.load_state_dict(model.state_dict())
+    captured = []
+    for moe in plain.moe_layers().values():
+        moe.router.register_forward_hook(lambda mod, args, out: captured.append(out))
+    loss = plain(tokens).pow(2).mean()
+    aux = 0.5 * sum(load_balance_loss(r.probs, torch.bincount(r.experts.flatten(), minlength=8), 2)
+                    for r in captured)
+    want = torch.autograd.grad(scale * (loss + aux), list(plain.parameters()), allow_unused=True)
+    gate = [i for i, (name, _) in enumerate(model.named_parameters()) if name.endswith("router.gate.weight")]
+    assert len(gate) == 2
+    for i in gate:  # the router's gradient is where the aux loss shows
+        no_aux = torch.autograd.grad(scale * plain(tokens).pow(2).mean(), [list(plain.parameters())[i]])[0]
+        assert (want[i] - no_aux).abs().max() > 1e-6
+    for (name, _), g, w in zip(model.named_parameters(), got, want):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-14, msg=name)
+    with pytest.raises(ValueError, match=r"aux loss scale 0 must be a finite number > 0"):
+        model.set_aux_loss_scale(0)
+    with torch.no_grad():  # evaluation: nothing attached, the value still reported
+        model(tokens)
+    assert model.aux_loss() > 0
 
 
 def test_tokens_per_expert_are_the_routed_pairs_of_the_last_forward():
@@ -185,7 +218,7 @@ def _sharded_moe(seed):
     full = {name: p.full_tensor().detach() for name, p in model.named_parameters()}
     rank = torch.distributed.get_rank()
     tokens = torch.randint(0, 256, (2, 8), generator=torch.Generator().manual_seed(rank))
-    model(tokens).float().pow(2).mean().add(model.aux_loss()).backward()
+    model(tokens).float().pow(2).mean().backward()  # (with the attached aux loss)
     model.update_expert_bias()
     bias = model.layers["0"].moe.router.expert_bias.clone()
     return full, tokens, bias

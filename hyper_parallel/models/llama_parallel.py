@@ -31,7 +31,7 @@ argument of ``attention`` and ``feed_forward``, and reshape heads with the local
 from __future__ import annotations
 
 import copy
-from typing import Dict
+from typing import Dict, TypeVar
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -41,8 +41,11 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.models.llama import Transformer
+from hyper_parallel.models.moe import MoETransformer
 
 __all__ = ["apply_tensor_parallel", "block_plan", "root_plan", "split_stage"]
+
+Model = TypeVar("Model", Transformer, MoETransformer)  # what split_stage splits
 
 
 # Activations between blocks stay DTensors sharded over the sequence (use_local_output=False on
@@ -113,11 +116,13 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parall
     return model
 
 
-def split_stage(model: Transformer, layers: range, *, first: bool, last: bool) -> Transformer:
+def split_stage(model: Model, layers: range, *, first: bool, last: bool) -> Model:
     """A deep copy of ``model`` (``model`` itself is left whole) holding only the blocks in
     ``layers``, under the same names (``layers.3.attention.wq.weight``), with the embedding
     only if ``first`` and the final norm and output projection only if ``last`` (see
-    :class:`~hyper_parallel.models.llama.Transformer`). Call it before tensor parallelism and
+    :class:`~hyper_parallel.models.llama.Transformer`; a mixture of experts,
+    :class:`~hyper_parallel.models.moe.MoETransformer`, has the same names outside its blocks
+    and splits the same way, its dense and MoE blocks alike). Call it before tensor parallelism and
     ``fully_shard`` (on the meta device, the copy allocates nothing); ``init_weights`` then
     gives every parameter the value it has in the full model.
 

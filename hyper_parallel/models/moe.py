@@ -5,7 +5,8 @@ place of the dense MLP, after ``first_k_dense`` dense blocks.
 Like :class:`~hyper_parallel.models.llama.Transformer` it can be created on the meta device,
 wrapped with ``fully_shard`` and materialised with ``to_empty`` + ``init_weights``; ``layers``
 is an ``nn.ModuleDict`` keyed ``"0"``..``"n-1"``. Load balancing: the auxiliary loss
-(``aux_loss_weight``; add :meth:`MoETransformer.aux_loss` to the loss after each forward) and/or
+(``aux_loss_weight``; each MoE layer attaches it to its output, so the backward of the loss
+includes it: declare the loss's scale with :meth:`MoETransformer.set_aux_loss_scale`) and/or
 DeepSeek-V3's loss-free expert bias (``expert_bias_update_rate``; call
 :meth:`MoETransformer.update_expert_bias` after each optimizer step).
 """
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hyper_parallel.models.llama import Attention, FeedForward, RMSNorm, init_normal_, rope_tables
-from hyper_parallel.models.moe_layer import MoE
+from hyper_parallel.models.moe_layer import MoE, checked_aux_loss_scale
 
 __all__ = ["MOE_CONFIGS", "MemoryPerRank", "MoEBlock", "MoEConfig", "MoETransformer", "ParamCounts",
            "STATE_BYTES_PER_PARAM", "build_moe", "memory_per_rank", "param_counts"]
@@ -108,7 +109,7 @@ class MoEBlock(nn.Module):
         self.moe = None if dense else MoE(
             cfg.dim, cfg.moe_ffn_dim, cfg.num_experts, cfg.top_k, norm_topk_prob=cfg.norm_topk_prob,
             shared_hidden_dim=cfg.shared_experts * cfg.moe_ffn_dim, router_bias=cfg.router_bias,
-            expert_bias=cfg.expert_bias_update_rate > 0, aux_loss=cfg.aux_loss_weight > 0)
+            expert_bias=cfg.expert_bias_update_rate > 0, aux_loss_weight=cfg.aux_loss_weight)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -184,12 +185,28 @@ class MoETransformer(nn.Module):
 
     def aux_loss(self) -> torch.Tensor:
         """``aux_loss_weight`` times the sum over the MoE layers of their load-balancing loss in
-        the last forward (a 0-dim tensor in the graph: add it to the training loss); 0 when
-        ``aux_loss_weight`` is 0."""
+        the last forward: a detached 0-dim tensor, for metrics (the backward of a loss computed
+        from the output already includes it: see :meth:`set_aux_loss_scale`); 0 when
+        ``aux_loss_weight`` is 0 or the model (a pipeline stage) holds no MoE layer."""
         losses = [moe.balance_loss for moe in self.moe_layers().values() if moe.balance_loss is not None]
         if not losses:
             return torch.zeros((), device=self.rope_cos.device)
         return self.cfg.aux_loss_weight * torch.stack(losses).sum()
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Declare the factor the training loss is multiplied by before ``backward`` (default 1:
+        ``loss.backward()``; ``1 / grad_accum`` for ``(loss / grad_accum).backward()``; under a
+        pipeline schedule ``1 / (microbatches x grad_accum)``). Each MoE layer's output carries
+        its weighted balancing loss times ``scale`` (:func:`~hyper_parallel.models.moe_layer.attach_aux_loss`),
+        so the gradients are those of ``scale x (loss + aux_loss())`` without adding anything to
+        the loss. Set it before the forward.
+
+        Raises:
+            ValueError: ``scale`` is not a finite number > 0.
+        """
+        scale = checked_aux_loss_scale(scale)
+        for moe in self.moe_layers().values():
+            moe.set_aux_loss_scale(scale)
 
     def tokens_per_expert(self) -> Dict[str, torch.Tensor]:
         """Per MoE block name: the ``(token, expert)`` pairs each expert got in the last forward

@@ -6,10 +6,17 @@ The experts' contract (an expert-parallel dispatcher wraps :class:`GroupedExpert
 ``experts(x, num_tokens_per_expert)`` takes the rows of ``x`` (``[N, dim]``) sorted by expert
 and an int64 count per expert held in the weights' dim 0 (on ``x``'s device), and returns
 ``[N, dim]`` in the same row order.
+
+The load-balancing loss reaches the backward without being added to the training loss (as
+Megatron-LM's ``MoEAuxLossAutoScaler``): each layer attaches its weighted loss to its output
+with :func:`attach_aux_loss`, whose backward injects the loss's gradient, ``aux_loss_scale``
+(the factor the caller's loss is scaled by before ``backward``, e.g. ``1 / grad_accum``). So
+the aux loss needs nothing from the loss function, and works under a pipeline schedule.
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple, Optional
 
 import torch
@@ -19,7 +26,8 @@ from torch import nn
 
 from hyper_parallel.models.llama import FeedForward, _upcast
 
-__all__ = ["GroupedExperts", "MoE", "Routing", "TopKRouter", "load_balance_loss"]
+__all__ = ["GroupedExperts", "MoE", "Routing", "TopKRouter", "attach_aux_loss", "checked_aux_loss_scale",
+           "load_balance_loss"]
 
 
 class Routing(NamedTuple):
@@ -109,6 +117,38 @@ def load_balance_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_
     return share.sum() * (num_experts / (top_k * tokens))
 
 
+class _AttachAuxLoss(torch.autograd.Function):
+    """Forward: ``output`` as it is. Backward: ``output``'s gradient, and 1 for ``aux``."""
+
+    @staticmethod
+    def forward(ctx, output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(aux)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad_output: torch.Tensor):  # type: ignore[override]
+        (aux,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux)
+
+
+def attach_aux_loss(output: torch.Tensor, aux: torch.Tensor) -> torch.Tensor:
+    """``output`` (the same values), through which any backward that reaches it also
+    backpropagates ``aux`` (a 0-dim loss) as if ``aux`` had been added to the loss whose
+    backward it is: ``aux``'s gradient is 1 (scale ``aux`` by the loss's own scale first)."""
+    return _AttachAuxLoss.apply(output, aux)
+
+
+def checked_aux_loss_scale(scale: float) -> float:
+    """``scale`` as a float.
+
+    Raises:
+        ValueError: ``scale`` is not a finite number > 0.
+    """
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"aux loss scale {scale!r} must be a finite number > 0")
+    return float(scale)
+
+
 class MoE(nn.Module):
     """Dropless mixture of experts: every token goes to its ``top_k`` experts (no capacity limit).
 
@@ -118,10 +158,16 @@ class MoE(nn.Module):
     float32), then adds the shared expert's output (a dense SwiGLU over every token), if any.
 
     After each forward: ``tokens_per_expert`` (buffer, int64) holds the pairs each expert got,
-    and ``balance_loss`` the unweighted :func:`load_balance_loss` (when ``aux_loss`` is set,
-    else None). With an ``expert_bias`` router, the counts of forwards with gradients enabled
-    (training, not a ``no_grad`` evaluation) also add up in ``pending_tokens_per_expert`` until
-    :meth:`update_expert_bias`.
+    and ``balance_loss`` the unweighted :func:`load_balance_loss`, detached (when
+    ``aux_loss_weight > 0``, else None). With an ``expert_bias`` router, the counts of forwards
+    with gradients enabled (training, not a ``no_grad`` evaluation) also add up in
+    ``pending_tokens_per_expert`` until :meth:`update_expert_bias`.
+
+    With ``aux_loss_weight > 0`` and gradients enabled the output carries
+    ``aux_loss_weight * aux_loss_scale * balance_loss`` (:func:`attach_aux_loss`): the backward
+    of a loss computed from it includes the balancing loss's gradients. ``aux_loss_scale``
+    (default 1) must be the factor that loss is multiplied by before ``backward`` (e.g.
+    ``1 / grad_accum``); set it with :meth:`set_aux_loss_scale`.
     """
 
     shared_expert: Optional[FeedForward]
@@ -129,9 +175,10 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, norm_topk_prob: bool,
                  shared_hidden_dim: int = 0, router_bias: bool = False, expert_bias: bool = False,
-                 aux_loss: bool = False):
+                 aux_loss_weight: float = 0.0):
         super().__init__()
-        self.num_experts, self.top_k, self.aux_loss = num_experts, top_k, aux_loss
+        self.num_experts, self.top_k, self.aux_loss_weight = num_experts, top_k, aux_loss_weight
+        self.aux_loss_scale = 1.0
         self.router = TopKRouter(dim, num_experts, top_k, norm_topk_prob=norm_topk_prob, bias=router_bias,
                                  expert_bias=expert_bias)
         self.experts = GroupedExperts(dim, hidden_dim, num_experts)
@@ -160,8 +207,24 @@ class MoE(nn.Module):
             self.tokens_per_expert.copy_(counts)
             if self.router.expert_bias is not None and training:
                 self.pending_tokens_per_expert.add_(counts)
-        self.balance_loss = load_balance_loss(routing.probs, counts, self.top_k) if self.aux_loss else None
-        return out.view(shape)
+        out = out.view(shape)
+        self.balance_loss = None
+        if self.aux_loss_weight > 0:
+            balance = load_balance_loss(routing.probs, counts, self.top_k)
+            self.balance_loss = balance.detach()
+            if torch.is_grad_enabled():
+                out = attach_aux_loss(out, balance * (self.aux_loss_weight * self.aux_loss_scale))
+        return out
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """The factor the training loss is multiplied by before ``backward`` (e.g. ``1 /
+        grad_accum``; under a pipeline schedule ``1 / (microbatches x grad_accum)``): the
+        balancing loss's gradient is scaled by it too.
+
+        Raises:
+            ValueError: ``scale`` is not a finite number > 0.
+        """
+        self.aux_loss_scale = checked_aux_loss_scale(scale)
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float, group: Optional[dist.ProcessGroup] = None) -> None:

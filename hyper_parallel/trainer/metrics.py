@@ -10,6 +10,7 @@ from typing import Any, Dict, List, Optional, Sequence, TextIO
 
 import torch
 
+from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.utils.fileio import open_regular
 from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, MetricsSink, TensorBoardSink, WandbSettings, WandbSink
 from hyper_parallel.utils.units import format_bytes
@@ -110,6 +111,36 @@ class MetricsLogger:
         self._sinks = []
 
 
+class MoEStepStatistics:
+    """A mixture of experts' statistics of one step on this rank, summed over its micro-batch
+    forwards (call :meth:`add` after each): the ``aux_loss`` (weighted, as
+    :meth:`~hyper_parallel.models.moe.MoETransformer.aux_loss`) and the ``(token, expert)``
+    pairs each expert got, one row per MoE block of the whole model (``blocks``: their names in
+    order). A pipeline stage fills only its own blocks' rows and adds only its own blocks' aux
+    loss, so that the sum over the stages' ranks (:func:`moe_statistics`) covers the model."""
+
+    def __init__(self, blocks: Sequence[str], num_experts: int, device: torch.device):
+        self._rows = {name: row for row, name in enumerate(blocks)}
+        self._num_experts, self._device = num_experts, device
+        self.reset()
+
+    def reset(self) -> None:
+        """Start a step: nothing counted."""
+        self._aux = torch.zeros((), device=self._device)
+        self._tokens = torch.zeros(len(self._rows), self._num_experts, device=self._device)
+
+    def add(self, model: MoETransformer) -> None:
+        """Count ``model``'s last forward (the whole model, or a pipeline stage of it)."""
+        self._aux = self._aux + model.aux_loss().to(self._aux.dtype)
+        for name, counts in model.tokens_per_expert().items():
+            self._tokens[self._rows[name]] += counts.to(self._tokens.dtype)
+
+    def result(self, micro_batches: int) -> Dict[str, torch.Tensor]:
+        """``aux_loss``: the sum divided by the step's ``micro_batches`` (its mean per forward of
+        the whole batch); ``expert_tokens``: ``[blocks, num_experts]`` float counts."""
+        return {"aux_loss": self._aux / micro_batches, "expert_tokens": self._tokens.clone()}
+
+
 def moe_statistics(result: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
     """A mixture of experts' step statistics for :func:`~hyper_parallel.trainer.agreement.step_votes`
     to sum over the ranks: the ``aux_loss`` then every block's ``expert_tokens`` (None for a
@@ -120,7 +151,8 @@ def moe_statistics(result: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
 
 
 def moe_record(summed: Sequence[float], loss_ranks: int, num_experts: int) -> Dict[str, Any]:
-    """The metrics of :func:`moe_statistics` summed over ``loss_ranks`` ranks: ``aux_loss``
+    """The metrics of :func:`moe_statistics` summed over every rank (with pipeline stages each
+    rank reports its own stages' blocks), of ``loss_ranks`` data-parallel ranks: ``aux_loss``
     (their mean) and the expert load balance, max / mean over the ``num_experts`` experts of
     the tokens each got in the step's global batch, per MoE block (``expert_load_per_block``;
     1.0: balanced, ``num_experts / top_k`` at worst) and the worst block's (``expert_load``).

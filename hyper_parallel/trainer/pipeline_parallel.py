@@ -4,6 +4,7 @@ schedule that runs them, and one optimizer step through it."""
 from __future__ import annotations
 
 import contextlib
+import functools
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -13,14 +14,15 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.core.grad_norm import clip_grad_norm_
-from hyper_parallel.models.llama import Transformer
+from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.pipeline import (Schedule, ShardedPipelineStage, build_schedule, split_stage, stage_indices,
                                      stage_layers)
 from hyper_parallel.trainer.config.parallel import ParallelConfig
-from hyper_parallel.trainer.config.schema import ModelConfig, llama_config
+from hyper_parallel.trainer.config.schema import ModelConfig, model_config
 from hyper_parallel.trainer.context import SequenceSplit, split_sequences
-from hyper_parallel.trainer.parallelize import parallelize
+from hyper_parallel.trainer.metrics import MoEStepStatistics
+from hyper_parallel.trainer.parallelize import build_transformer, parallelize
 
 
 @dataclass
@@ -35,6 +37,8 @@ class Pipeline:
     pp_group: dist.ProcessGroup  # the pipeline process group (gradient norms reduce over it)
     grad_accum_steps: int      # schedule calls per batch (the schedule's losses are scaled by it)
     cp: Optional[SequenceSplit] = None  # context parallelism: each rank runs its part of the sequences
+    microbatches: int = 1      # the schedule's micro-batches per call
+    moe: Optional[MoEStepStatistics] = None  # a mixture of experts: its statistics of this rank's stages
 
     @property
     def has_first(self) -> bool:
@@ -81,22 +85,34 @@ def build_pipeline(model_cfg: ModelConfig, parallel: ParallelConfig, *, mesh: De
     over the data-parallel dims, then initialised to the whole model's values), wrapped in
     stages over ``mesh["pp"]`` and a ``parallel.schedule`` schedule of
     ``parallel.microbatches`` micro-batches per call. ``options``: :func:`parallelize`'s.
-    With a ``cp`` dim in ``mesh`` the last stage's loss is :meth:`SequenceSplit.token_loss`."""
+    With a ``cp`` dim in ``mesh`` the last stage's loss is :meth:`SequenceSplit.token_loss`. A
+    mixture of experts' stages get expert parallelism over ``parallel.ep`` of their
+    ``dp_shard`` ranks, and declare the schedule's loss scale for their aux loss."""
     with torch.device("meta"):
-        whole = Transformer(llama_config(model_cfg))
+        whole = build_transformer(model_config(model_cfg))
+    moe = None
+    if isinstance(whole, MoETransformer):  # statistics rows: the whole model's MoE blocks
+        moe = MoEStepStatistics(list(whole.moe_layers()), whole.cfg.num_experts, device)
     ranges = stage_layers(model_cfg.n_layers, parallel.num_stages, parallel.pp_layers_per_stage)
     pp_mesh = mesh["pp"]
     indices = stage_indices(pp_mesh.get_local_rank(), parallel.pp, parallel.schedule)
     parts, stages = [], []
     for index in indices:
         part = split_stage(whole, ranges[index], first=index == 0, last=index == len(ranges) - 1)
-        parts.append(parallelize(part, model_cfg, mesh=mesh, device=device, seed=seed, **options))
+        # ep: the experts of this stage's MoE blocks over ep of the stage's dp_shard ranks.
+        parts.append(parallelize(part, model_cfg, mesh=mesh, device=device, seed=seed, ep=parallel.ep, **options))
+        after_forward = None
+        if moe is not None:  # the aux loss reaches backward at the schedule's loss scale
+            part.set_aux_loss_scale(1 / (parallel.microbatches * grad_accum_steps))
+            after_forward = functools.partial(moe.add, part)
         # mesh: with TP the activations between stages are DTensors on its sub-meshes.
-        stages.append(ShardedPipelineStage(part, index, len(ranges), device, group=pp_mesh.get_group(), mesh=mesh))
+        stages.append(ShardedPipelineStage(part, index, len(ranges), device, group=pp_mesh.get_group(), mesh=mesh,
+                                           after_forward=after_forward))
     cp = split_sequences(mesh, parallel.cp_rotate)
     schedule = build_schedule(stages, parallel.schedule, parallel.microbatches,
                               cross_entropy if cp is None else cp.token_loss, grad_accum=grad_accum_steps)
-    return Pipeline(parts, indices, len(ranges), schedule, pp_mesh.get_group(), grad_accum_steps, cp)
+    return Pipeline(parts, indices, len(ranges), schedule, pp_mesh.get_group(), grad_accum_steps, cp=cp,
+                    microbatches=parallel.microbatches, moe=moe)
 
 
 def pipelined_step(pipeline: Pipeline, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
@@ -104,11 +120,18 @@ def pipelined_step(pipeline: Pipeline, batch: torch.Tensor, optimizer: torch.opt
     """:func:`~hyper_parallel.trainer.step.train_step` through the pipeline: one schedule call
     per accumulation step (``pipeline.grad_accum_steps``), clipping by the norm over all
     stages, the update. Returns 0-dim tensors: ``loss``, this data-parallel rank's mean loss on
-    the last stage (0 on the others), and ``grad_norm``."""
+    the last stage (0 on the others), and ``grad_norm``; for a mixture of experts also
+    ``aux_loss`` and ``expert_tokens`` of this rank's stages (see :class:`MoEStepStatistics`:
+    the sums over the stages are the model's)."""
+    if pipeline.moe is not None:
+        pipeline.moe.reset()
     loss = pipeline.mean_loss(batch, train=True)
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     params = [p for part in pipeline.parts for p in part.parameters()]
     grad_norm = clip_grad_norm_(params, clip, pp_group=pipeline.pp_group)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return {"loss": loss, "grad_norm": grad_norm}
+    result = {"loss": loss, "grad_norm": grad_norm}
+    if pipeline.moe is not None:
+        result.update(pipeline.moe.result(pipeline.microbatches * pipeline.grad_accum_steps))
+    return result

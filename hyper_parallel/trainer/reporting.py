@@ -9,13 +9,13 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from hyper_parallel.models.llama import Transformer
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.config.compose import model_overrides
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import TrainConfig, llama_config, shape
+from hyper_parallel.trainer.config.schema import TrainConfig, model_config, shape
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
 from hyper_parallel.trainer.metrics import METRICS_FILE
+from hyper_parallel.trainer.parallelize import build_transformer
 from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER
 
 
@@ -65,7 +65,7 @@ def describe(job: TrainingJob) -> str:
     count = sum(p.numel() for m in job.model_parts for p in m.parameters())  # global sizes (DTensors)
     if job.pipeline is not None:  # this rank's stages: the whole model's count from its shapes
         with torch.device("meta"):
-            whole = Transformer(llama_config(cfg.model)).num_params()
+            whole = build_transformer(model_config(cfg.model)).num_params()
         count_desc = (f"{whole:,} parameters ({count:,} in stage(s) {job.pipeline.stage_indices} of "
                       f"{job.pipeline.num_stages} on this rank)")
     else:

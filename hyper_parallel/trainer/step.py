@@ -13,6 +13,7 @@ from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.trainer.context import SequenceSplit
 from hyper_parallel.trainer.float8 import precompute_scales
+from hyper_parallel.trainer.metrics import MoEStepStatistics
 
 
 def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -30,7 +31,9 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     micro-batches whose gradients accumulate locally, synchronised only on the last one.
     Returns 0-dim tensors (no host sync): this rank's mean ``loss`` (the cross-entropy) and the
     global ``grad_norm`` before clipping; for a mixture of experts also ``aux_loss``, this
-    rank's mean load-balancing loss, which each micro-batch's backward adds to its loss, and
+    rank's mean load-balancing loss, whose gradients each micro-batch's backward includes
+    (each MoE layer attaches it to its output, scaled as the loss: see
+    :meth:`~hyper_parallel.models.moe.MoETransformer.set_aux_loss_scale`), and
     ``expert_tokens``, the (token, expert) pairs each expert got on this rank over the step
     (``[moe blocks, num_experts]``, float). ``float8_scales``: after the step, compute the next
     all-gathers' float8 scales of all tensorwise float8 weights with one all-reduce. ``cp``:
@@ -40,25 +43,23 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     """
     micro_batches = batch.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=batch.device)
-    aux_sum = torch.zeros((), device=batch.device)
-    moe = isinstance(model, MoETransformer)
-    expert_tokens = None
+    stats = None
+    if isinstance(model, MoETransformer):  # each MoE layer's output carries its aux loss into backward
+        model.set_aux_loss_scale(1 / grad_accum_steps)
+        stats = MoEStepStatistics(list(model.moe_layers()), model.cfg.num_experts, batch.device)
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
         if cp is not None:  # (not with a mixture of experts: the config refuses cp with model.moe)
             with cp.context() as context:  # loss_parallel included: vocab-parallel logits under TP
-                loss, aux = cp.loss(model, micro, context), None
+                loss = cp.loss(model, micro, context)
                 (loss / grad_accum_steps).backward()
         else:  # the loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered
             with loss_parallel():
                 loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:])
-                aux = model.aux_loss() if moe else None
-                ((loss if aux is None else loss + aux) / grad_accum_steps).backward()
+                if stats is not None:  # (before backward: activation checkpointing reruns forwards)
+                    stats.add(model)
+                (loss / grad_accum_steps).backward()
         loss_sum = loss_sum + loss.detach()
-        aux_sum = aux_sum if aux is None else aux_sum + aux.detach()
-        if moe:
-            counts = torch.stack(list(model.tokens_per_expert().values())).float()
-            expert_tokens = counts if expert_tokens is None else expert_tokens + counts
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
@@ -66,6 +67,6 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
         precompute_scales(model)
     optimizer.zero_grad(set_to_none=True)
     result = {"loss": loss_sum / grad_accum_steps, "grad_norm": grad_norm}
-    if moe:
-        result["aux_loss"], result["expert_tokens"] = aux_sum / grad_accum_steps, expert_tokens
+    if stats is not None:
+        result.update(stats.result(grad_accum_steps))
     return result

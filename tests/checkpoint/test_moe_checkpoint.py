@@ -68,6 +68,7 @@ def _tokens(rank: int, step: int) -> torch.Tensor:
 
 def _loss(model: MoETransformer, tokens: torch.Tensor) -> torch.Tensor:
     logits = model(tokens[:, :-1])
+    # model.aux_loss() is detached (the value); its gradients come with the logits' backward.
     return F.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten()) + model.aux_loss()
 
 
@@ -79,6 +80,7 @@ def train_step(model: MoETransformer, optim: Optional[torch.optim.Optimizer], st
     else:
         ranks = list(range(WORLD))
     total = torch.zeros((), dtype=torch.float64)
+    model.set_aux_loss_scale(1 / len(ranks))  # the scale of each loss below
     for rank in ranks:
         loss = _loss(model, _tokens(rank, step)) / len(ranks)
         if optim is not None:

@@ -4,10 +4,11 @@ tensor-parallel ranks, and what each degree cannot split."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple, Union
 
 from hyper_parallel.context_parallel import Rotate
 from hyper_parallel.models.llama import LlamaConfig
+from hyper_parallel.models.moe import MoEConfig
 from hyper_parallel.pipeline import stage_layers, stages_per_rank
 from hyper_parallel.trainer.config.rules import key
 
@@ -146,8 +147,10 @@ class ParallelConfig:
         """``pp_microbatches``, by default twice the stages (1F1B's bubble then at most a third)."""
         return self.pp_microbatches if self.pp_microbatches is not None else 2 * self.num_stages
 
-    def pipeline_problems(self, llama: LlamaConfig, micro_batch: Optional[int], tie_embeddings: bool) -> List[str]:
-        """What pipeline parallelism cannot split: the blocks over the stages
+    def pipeline_problems(self, llama: Union[LlamaConfig, MoEConfig], micro_batch: Optional[int],
+                          tie_embeddings: bool) -> List[str]:
+        """What pipeline parallelism cannot split: the blocks of the model's shape (``llama``, a
+        Llama's or a mixture of experts') over the stages
         (``pp_layers_per_stage``), the per-rank micro-batch (``micro_batch`` samples, None when
         it is not a whole number) over ``pp_microbatches``, and tied embeddings (the embedding
         is on the first stage, the output on the last); with ``pp=1``, pipeline settings given
@@ -184,16 +187,17 @@ class ParallelConfig:
         return problems
 
     def moe_problems(self, num_experts: int, dims: Optional[ParallelDims], *, float8: bool) -> List[str]:
-        """What a mixture-of-experts model (``model.moe``) cannot run with yet: tensor, pipeline or
-        context parallelism (no TP plan or stage split in the recipe; the aux loss is not split
-        over CP ranks) and float8; and
-        an ``ep`` that does not divide ``dp_shard`` (``dims.shard``) and ``num_experts``, or
-        with HSDP."""
-        unsupported = [f"parallel.{name}={value}" for name, value in (("tp", self.tp), ("pp", self.pp), ("cp", self.cp))
+        """What a mixture-of-experts model (``model.moe``) cannot run with yet: tensor parallelism
+        (no TP plan for the experts: use ``ep``), context parallelism (each CP rank would balance
+        only its part of the sequences) and float8; and an ``ep`` that does not divide
+        ``dp_shard`` (``dims.shard``) and ``num_experts``, or with HSDP. Pipeline parallelism is
+        supported (each stage's MoE layers attach their aux loss to their outputs)."""
+        unsupported = [f"parallel.{name}={value}" for name, value in (("tp", self.tp), ("cp", self.cp))
                        if isinstance(value, int) and value > 1]
         unsupported += ["training.float8=true"] if float8 else []
         problems = [f"{', '.join(unsupported)} with model.moe is not supported yet (the recipe runs MoE models "
-                    "with data parallelism only); remove it or use a Llama model"] if unsupported else []
+                    "with data, expert and pipeline parallelism only); remove it or use a Llama model"] \
+            if unsupported else []
         return problems + self.ep_problems(num_experts, dims)
 
     def ep_problems(self, num_experts: Optional[int], dims: Optional[ParallelDims]) -> List[str]:

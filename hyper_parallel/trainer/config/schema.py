@@ -330,8 +330,13 @@ class TrainConfig:
                 micro_batch = t.global_batch_size // ranks_x_accum
         problems += m.problems(within("model"))
         llama = None
+        model_shape: Optional[Union[LlamaConfig, MoEConfig]] = None  # for the pipeline checks
         if m.moe is not None and all(ok(f"model.{name}") for name in field_rules(ModelConfig)):
             problems += p.moe_problems(m.moe.num_experts, dims, float8=t.float8 is True) if ok("parallel.ep") else []
+            try:
+                model_shape = moe_config(m)
+            except (ValueError, TypeError):
+                pass  # ModelConfig.problems reports it
         elif all(ok(f"model.{name}") for name in field_rules(ModelConfig)):
             problems += p.ep_problems(None, dims) if ok("parallel.ep") else []
             try:
@@ -340,8 +345,9 @@ class TrainConfig:
                 pass  # ModelConfig.problems reports it
         if dims is not None and llama is not None and ok("training.seq_len"):
             problems += p.split_problems(llama, t.seq_len)
-        if dims is not None and llama is not None and all(ok(f"parallel.{f.name}") for f in fields(p)):
-            problems += p.pipeline_problems(llama, micro_batch, m.tie_embeddings)
+        model_shape = llama if llama is not None else model_shape
+        if dims is not None and model_shape is not None and all(ok(f"parallel.{f.name}") for f in fields(p)):
+            problems += p.pipeline_problems(model_shape, micro_batch, m.tie_embeddings)
         if all(ok(k) for k in ("parallel.cp", "parallel.tp", "parallel.pp", "training.seq_len")):
             problems += p.cp_problems(t.seq_len)
         if ok("training.seq_len") and ok("model.max_seq_len") and t.seq_len > m.max_seq_len:
