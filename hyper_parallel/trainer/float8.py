@@ -3,45 +3,53 @@
 ``tensorwise`` (dynamic, one scale per tensor) gathers the weights in float8 through
 fully_shard's all-gather extension and computes all weights' scales with one all-reduce after
 the optimizer step; ``rowwise`` (one scale per row, more accurate, slower) gathers in the
-compute dtype. The output layer and linears whose dims float8 matmuls cannot take (not
-multiples of 16) stay in high precision, as torchtitan filters them (docs/recipes.md).
+compute dtype. The output layer, a mixture of experts' routers (their choice of experts is
+sensitive to rounding) and linears whose dims float8 matmuls cannot take (not multiples of 16)
+stay in high precision, as torchtitan filters them (docs/recipes.md). A mixture of experts'
+routed experts are grouped 3-D weights, not linears: they stay in high precision.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List
+from typing import List, Union
 
 import torch
 from torch import nn
 
 from hyper_parallel._optional import MissingDependency, require
 from hyper_parallel.models.llama import LlamaConfig, Transformer
+from hyper_parallel.models.moe import MoEConfig, MoETransformer
 
 RECIPES = ("tensorwise", "rowwise")  # training.float8_recipe's values
 _HIGH_PRECISION_FQNS = ("output",)
+_HIGH_PRECISION_SUFFIXES = ("router.gate",)  # a mixture of experts' routers
 
 
 def _keep_high_precision(module: nn.Module, fqn: str) -> bool:
-    if fqn in _HIGH_PRECISION_FQNS:
+    if fqn in _HIGH_PRECISION_FQNS or fqn.endswith(_HIGH_PRECISION_SUFFIXES):
         return True
     return isinstance(module, nn.Linear) and (module.in_features % 16 or module.out_features % 16)
 
 
-def float8_layer_problems(llama: LlamaConfig) -> List[str]:
-    """The one-line problem when ``training.float8`` is on but no linear of the model would
-    run in float8 (every block's linears have a size that is not a multiple of 16): the job
-    would train in high precision while saying float8."""
-    with torch.device("meta"):  # the blocks are alike: one tells
-        model = Transformer(dataclasses.replace(llama, n_layers=1))
+def float8_layer_problems(shape: Union[LlamaConfig, MoEConfig]) -> List[str]:
+    """The one-line problem when ``training.float8`` is on but no linear of the model of
+    ``shape`` (a Llama or a mixture of experts) would run in float8 (every block's linears
+    have a size that is not a multiple of 16): the job would train in high precision while
+    saying float8."""
+    with torch.device("meta"):  # the blocks are alike (an MoE's first dense and first MoE block tell)
+        if isinstance(shape, MoEConfig):
+            model = MoETransformer(dataclasses.replace(shape, n_layers=min(shape.n_layers, shape.first_k_dense + 1)))
+        else:
+            model = Transformer(dataclasses.replace(shape, n_layers=1))
     linears = {fqn: m for fqn, m in model.named_modules() if isinstance(m, nn.Linear)}
     if any(not _keep_high_precision(m, fqn) for fqn, m in linears.items()):
         return []
     sizes = sorted({f"{m.in_features}->{m.out_features}" for fqn, m in linears.items()
-                    if fqn not in _HIGH_PRECISION_FQNS})
+                    if fqn not in _HIGH_PRECISION_FQNS and not fqn.endswith(_HIGH_PRECISION_SUFFIXES)})
     return [f"training.float8=true, but no linear layer of this model can run in float8 (in and out sizes must be "
-            f"multiples of 16; its blocks' linears are {', '.join(sizes)} with model.dim={llama.dim}, "
-            f"model.ffn_hidden_dim={llama.ffn_hidden_dim}): set training.float8=false or change the model's sizes"]
+            f"multiples of 16; its blocks' linears are {', '.join(sizes)} with model.dim={shape.dim}, "
+            f"model.ffn_hidden_dim={shape.ffn_hidden_dim}): set training.float8=false or change the model's sizes"]
 
 
 def convert_to_float8(model: nn.Module, recipe: str, *, float8_all_gather: bool = True) -> None:

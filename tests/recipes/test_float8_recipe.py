@@ -59,3 +59,42 @@ def test_float8_recipe_trains(recipe):
         # tensorwise: weights gathered as float8 bytes; scales precomputed after each step.
         assert ("torch.uint8" in gathered) == (recipe == "tensorwise"), gathered
         assert all(scales) and (len(scales) > 0) == (recipe == "tensorwise"), scales
+
+
+def _moe_float8_steps(ep: int):
+    torch.manual_seed(0)
+    # 16 experts: the routers are 32 -> 16, a size float8 could take (they are kept out by name).
+    overrides = ["model=moe_debug", "model.moe.num_experts=16", "training.float8=true", "optim.warmup_steps=0",
+                 f"parallel.ep={ep}"]
+    valid = validate_config(compose_config(overrides), dist.get_world_size())
+    cfg, dims = valid.cfg, valid.dims
+    model = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=torch.device("cpu"), seed=0,
+                        float8_recipe="tensorwise", ep=ep)
+    moe = model.layers["0"].moe
+    float8 = {name: type(module).__name__ == "Float8Linear" for name, module in (
+        ("wq", model.layers["0"].attention.wq), ("router", moe.router.gate), ("experts", moe.experts),
+        ("output", model.output))}
+    opt = build_optimizer(model, cfg.optim)
+    loader = DistributedBatchLoader(MarkovSource(256, 16, seed=1), 8, dp_rank=dist.get_rank(),
+                                    dp_size=dist.get_world_size())
+    losses, gathered = [], set()
+    for _ in range(3):
+        collectives.reset_collective_counts()
+        result = train_step(model, loader.next_batch(), opt, grad_accum_steps=1, max_grad_norm=1.0,
+                            float8_scales=True)
+        gathered |= {str(dtype) for _, dtype in collectives.collective_bytes()}
+        losses.append(float(result["loss"]))
+    return float8, losses, sorted(gathered)
+
+
+def test_float8_on_a_mixture_of_experts_converts_the_dense_linears_only():
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'hyper_parallel[float8]')")
+    plain, ep2 = (run_on_ranks(2, _moe_float8_steps, ep, timeout=180) for ep in (1, 2))
+    for float8, _, gathered in plain + ep2:
+        # Attention in float8 (gathered as float8 bytes); the routers, the grouped experts and
+        # the output layer in high precision.
+        assert float8 == {"wq": True, "router": False, "experts": False, "output": False}, float8
+        assert "torch.uint8" in gathered, gathered
+    # Expert parallelism changes where the experts compute, not the float8 training.
+    for (_, a, _), (_, b, _) in zip(plain, ep2):
+        assert torch.allclose(torch.tensor(a), torch.tensor(b), rtol=1e-5, atol=0), (a, b)

@@ -186,15 +186,15 @@ class ParallelConfig:
                             f"{m // self.pp} rounds (parallel.pp_microbatches // parallel.pp)")
         return problems
 
-    def moe_problems(self, num_experts: int, dims: Optional[ParallelDims], *, float8: bool) -> List[str]:
+    def moe_problems(self, num_experts: int, dims: Optional[ParallelDims]) -> List[str]:
         """What a mixture-of-experts model (``model.moe``) cannot run with yet: tensor parallelism
-        (no TP plan for the experts: use ``ep``), context parallelism (each CP rank would balance
-        only its part of the sequences) and float8; and an ``ep`` that does not divide
-        ``dp_shard`` (``dims.shard``) and ``num_experts``, or with HSDP. Pipeline parallelism is
-        supported (each stage's MoE layers attach their aux loss to their outputs)."""
+        (no TP plan for the experts: use ``ep``) and context parallelism (each CP rank would
+        balance only its part of the sequences); and an ``ep`` that does not divide
+        ``dp_shard`` (``dims.shard``) and ``num_experts``. Pipeline parallelism is supported
+        (each stage's MoE layers attach their aux loss to their outputs), and so is float8 (on
+        the dense linears)."""
         unsupported = [f"parallel.{name}={value}" for name, value in (("tp", self.tp), ("cp", self.cp))
                        if isinstance(value, int) and value > 1]
-        unsupported += ["training.float8=true"] if float8 else []
         problems = [f"{', '.join(unsupported)} with model.moe is not supported yet (the recipe runs MoE models "
                     "with data, expert and pipeline parallelism only); remove it or use a Llama model"] \
             if unsupported else []

@@ -332,7 +332,7 @@ class TrainConfig:
         llama = None
         model_shape: Optional[Union[LlamaConfig, MoEConfig]] = None  # for the pipeline checks
         if m.moe is not None and all(ok(f"model.{name}") for name in field_rules(ModelConfig)):
-            problems += p.moe_problems(m.moe.num_experts, dims, float8=t.float8 is True) if ok("parallel.ep") else []
+            problems += p.moe_problems(m.moe.num_experts, dims) if ok("parallel.ep") else []
             try:
                 model_shape = moe_config(m)
             except (ValueError, TypeError):
@@ -359,11 +359,11 @@ class TrainConfig:
         if ok("training.float8") and ok("parallel.tp") and t.float8 and p.tp > 1 and m.moe is None:
             problems.append(f"training.float8=true with parallel.tp={p.tp} is not supported yet "
                             "(float8 needs torchao's tensor-parallel styles); use one or the other")
-        if ok("training.float8") and ok("parallel.pp") and t.float8 and p.pp > 1 and m.moe is None:
+        if ok("training.float8") and ok("parallel.pp") and t.float8 and p.pp > 1:
             problems.append(f"training.float8=true with parallel.pp={p.pp} is not supported yet "
                             "(untested with pipeline stages); use one or the other")
-        if ok("training.float8") and t.float8 is True and llama is not None:
-            problems += float8_layer_problems(llama)
+        if ok("training.float8") and t.float8 is True and model_shape is not None:
+            problems += float8_layer_problems(model_shape)
         problems += self._eval_problems(ok)
         problems += t.problems(within("training"))
         problems += self.checkpoint.problems(within("checkpoint"))
