@@ -172,18 +172,20 @@ _DECLARED = 1 << 28  # a counted string's length: the C unpickler allocates it b
 
 @pytest.mark.parametrize("hostile, match", [
     (b"\x80\x02N" + b"r" + struct.pack("<I", _MEMO_INDEX) + b".",  # LONG_BINPUT
-     rf"byte 3 stores memo entry {_MEMO_INDEX} after 0 were stored"),
-    (b"N" + b"p%d\n." % _MEMO_INDEX, rf"byte 1 stores memo entry {_MEMO_INDEX} after 0"),  # protocol 0's PUT
+     rf"opcode at byte 3 stores memo entry {_MEMO_INDEX} after 0 were stored"),
+    (b"N" + b"p%d\n." % _MEMO_INDEX, rf"opcode at byte 1 stores memo entry {_MEMO_INDEX} after 0"),  # protocol 0's PUT
     (b"\x80\x05\x8e" + struct.pack("<Q", _DECLARED) + b"ab.",  # BINBYTES8
-     rf"byte 2 declares {_DECLARED} bytes; the file ends at byte 14"),
-], ids=["long_binput", "put", "binbytes8"])
-def test_a_few_byte_metadata_cannot_make_the_unpickler_allocate(tmp_path, capsys, hostile, match):
+     rf"opcode at byte 2 declares {_DECLARED} bytes; the file ends at byte 14"),
+    (b"\x80\x04\x95" + struct.pack("<Q", 1 << 63) + b"N.",  # a FRAME past the end (torch: an OverflowError)
+     r"frame at byte 2 declares 9223372036854775808 bytes; the file ends at byte 13"),
+], ids=["long_binput", "put", "binbytes8", "frame"])
+def test_a_few_byte_hostile_metadata_is_refused_before_unpickling_it(tmp_path, capsys, hostile, match):
     assert len(hostile) < 16
     path = _dcp_dir(tmp_path, "memo", hostile)
     tracemalloc.start()
     try:
         with pytest.raises(hdcp.CheckpointError, match=r"memo/\.metadata is not a readable torch DCP \.metadata "
-                                                       r"pickle: the opcode at " + match):
+                                                       r"pickle: the " + match):
             translate_metadata(path)
         assert tracemalloc.get_traced_memory()[1] < 4 << 20
     finally:

@@ -98,61 +98,70 @@ class _DcpUnpickler(pickle.Unpickler):
 
 # ------------------------------------------------ the opcode pre-scan (before the C unpickler runs)
 
-# How each opcode's argument is skipped (from pickletools' opcode table, so every protocol's
-# opcodes are known): a fixed size, a newline-ended line (two for GLOBAL/INST), a length of
-# 1/4/8 bytes then that many bytes, a memo store. (A custom walk: pickletools.genops, which
-# decodes every argument, took 2.5-3x as long on a 27 MB .metadata.)
-_FIXED, _LINES, _COUNTED, _SIGNED_COUNTED, _MEMOIZE, _PUT_LINE, _PUT_INDEX, _STOP = range(8)
+# How each opcode's argument is skipped, from pickletools' opcode table (so every protocol's
+# opcodes are known): most have a fixed size (_FIXED_SIZE, -1 for the others); the others are
+# a memo store, a newline-ended line (two for GLOBAL/INST), or a count of 1/4/8 bytes followed by
+# that many. (A walk of its own: pickletools.genops, which decodes every argument, took 2.5-3x
+# as long on a 27 MB .metadata; the fixed-size fast path halves the rest.)
+_LINES, _COUNTED, _SIGNED_COUNTED, _FRAME, _PUT_LINE, _PUT_INDEX, _STOP = range(7)
 _COUNT_BYTES = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: 4,
                 pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}
+_MEMOIZE = pickle.MEMOIZE[0]
 
 
-def _opcode_table() -> List[Optional[Tuple[int, int]]]:
-    table: List[Optional[Tuple[int, int]]] = [None] * 256
+def _opcode_tables() -> Tuple[List[int], Dict[int, Tuple[int, int]]]:
+    fixed, special = [-1] * 256, {}
     for op in pickletools.opcodes:
-        n = op.arg.n if op.arg is not None else 0
-        if op.name == "MEMOIZE":
-            entry = (_MEMOIZE, 0)
-        elif op.name == "STOP":
-            entry = (_STOP, 0)
+        code, n = op.code.encode("latin-1")[0], op.arg.n if op.arg is not None else 0
+        if op.name == "STOP":
+            special[code] = (_STOP, 0)
+        elif op.name == "FRAME":  # (a count of the opcodes that follow, which are scanned)
+            special[code] = (_FRAME, n)
         elif op.name == "PUT":
-            entry = (_PUT_LINE, 1)
+            special[code] = (_PUT_LINE, 1)
         elif op.name in ("BINPUT", "LONG_BINPUT"):
-            entry = (_PUT_INDEX, n)
-        elif n >= 0:
-            entry = (_FIXED, n)
+            special[code] = (_PUT_INDEX, n)
         elif n == pickletools.UP_TO_NEWLINE:
-            entry = (_LINES, 2 if op.arg.name == "stringnl_noescape_pair" else 1)
-        else:  # (BINSTRING's and LONG4's counts are signed)
-            entry = (_SIGNED_COUNTED if n == pickletools.TAKEN_FROM_ARGUMENT4 else _COUNTED, _COUNT_BYTES[n])
-        table[op.code.encode("latin-1")[0]] = entry
-    return table
+            special[code] = (_LINES, 2 if op.arg.name == "stringnl_noescape_pair" else 1)
+        elif n < 0:  # (BINSTRING's and LONG4's counts are signed)
+            special[code] = (_SIGNED_COUNTED if n == pickletools.TAKEN_FROM_ARGUMENT4 else _COUNTED, _COUNT_BYTES[n])
+        elif code != _MEMOIZE:
+            fixed[code] = n
+    return fixed, special
 
 
-_OPCODES = _opcode_table()
+_FIXED_SIZE, _SPECIAL = _opcode_tables()
 
 
 def _scan_opcodes(data: bytes) -> Optional[str]:
     """What makes ``data`` unsafe for the C unpickler (a memo index past the objects stored so
-    far, a counted argument past the end, an unknown opcode, no STOP), or None."""
-    pos, end, stored, table = 0, len(data), 0, _OPCODES
+    far, a counted argument or frame past the end, an unknown opcode, no STOP), or None."""
+    pos, end, stored, fixed = 0, len(data), 0, _FIXED_SIZE
     from_bytes = int.from_bytes
     while pos < end:
-        at, code = pos, data[pos]
-        entry = table[code]
-        if entry is None:
-            return f"unknown opcode {code:#04x} at byte {at}"
-        kind, n = entry
-        pos += 1
-        if kind == _MEMOIZE:
+        code = data[pos]
+        n = fixed[code]
+        if n >= 0:
+            pos += n + 1
+            continue
+        if code == _MEMOIZE:
             stored += 1
-        elif kind == _FIXED:
-            pos += n
-        elif kind == _COUNTED or kind == _SIGNED_COUNTED:
+            pos += 1
+            continue
+        at = pos
+        if code not in _SPECIAL:
+            return f"unknown opcode {code:#04x} at byte {at}"
+        kind, n = _SPECIAL[code]
+        pos += 1
+        if kind == _COUNTED or kind == _SIGNED_COUNTED:
             count = from_bytes(data[pos:pos + n], "little", signed=kind == _SIGNED_COUNTED)
             pos += n + count
             if count < 0 or pos > end:
                 return f"the opcode at byte {at} declares {count} bytes; the file ends at byte {end} (truncated?)"
+        elif kind == _FRAME:
+            count, pos = from_bytes(data[pos:pos + n], "little"), pos + n
+            if pos + count > end:
+                return f"the frame at byte {at} declares {count} bytes; the file ends at byte {end} (truncated?)"
         elif kind == _PUT_INDEX or kind == _PUT_LINE:
             if kind == _PUT_INDEX:
                 index, pos = from_bytes(data[pos:pos + n], "little"), pos + n
@@ -190,7 +199,7 @@ def unpickle_dcp_metadata(data: bytes, source: str) -> Any:
     except CheckpointError:
         raise
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
-            KeyError, RuntimeError, MemoryError, RecursionError) as exc:
+            KeyError, RuntimeError, MemoryError, RecursionError, OverflowError) as exc:
         raise CheckpointError(f"{source} is not a readable torch DCP .metadata pickle "
                               f"({type(exc).__name__}: {exc}); is the file truncated?") from None
 
