@@ -9,13 +9,14 @@ per-item storage location, ``torch.Size``, torch dtypes and layouts, the memory-
 containers need no global. Anything else is refused, naming ``module.name`` and the file,
 before it is called. The result is then checked field by field (:func:`read_dcp_metadata`).
 
-It is read by the C unpickler (about twice as fast as the pure-Python one on large files,
-``benchmarks/dcp_metadata_read.py``), after a pre-scan of its opcodes (:func:`_scan_opcodes`):
-the C unpickler sizes its memo table to the largest index a PUT names and allocates a counted
-string's declared length before reading it, so a few bytes could make it allocate gigabytes.
-The scan refuses a memo index past the number of objects stored so far (a pickler numbers them
-in order) and a counted argument longer than the rest of the file; what the C unpickler then
-allocates stays a small multiple of the file's size, as any pickle's objects do.
+It is read by the C unpickler (2-3x as fast as the pure-Python one on large files; the scan
+adds about a quarter: ``benchmarks/dcp_metadata_read.py``) after a pre-scan of its opcodes
+(:func:`_scan_opcodes`): the C unpickler sizes its memo table to the largest index a PUT names
+and allocates a counted string's declared length before reading it, so a few bytes could make
+it allocate gigabytes. The scan refuses a memo index past the number of objects stored so far
+(a pickler numbers them in order) and a counted argument or frame longer than the rest of the
+file; what the C unpickler then allocates stays a small multiple of the file's size, as any
+pickle's objects do.
 """
 
 from __future__ import annotations
