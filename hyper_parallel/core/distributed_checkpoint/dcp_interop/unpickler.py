@@ -101,9 +101,10 @@ class _DcpUnpickler(pickle.Unpickler):
 
 # How each opcode's argument is skipped, from pickletools' opcode table (so every protocol's
 # opcodes are known): most have a fixed size (_FIXED_SIZE, -1 for the others); the others are
-# a memo store, a newline-ended line (two for GLOBAL/INST), or a count of 1/4/8 bytes followed by
-# that many. (A walk of its own: pickletools.genops, which decodes every argument, took 2.5-3x
-# as long on a 27 MB .metadata; the fixed-size fast path halves the rest.)
+# a memo store, a newline-ended line (two for GLOBAL/INST), a count of 1/4/8 bytes followed by
+# that many, FRAME or STOP. (A walk of its own: pickletools.genops, which decodes every argument,
+# took 2.5-3x as long as a first version of this scan on a 27 MB .metadata, and the fixed-size
+# fast path halved that version's time.)
 _LINES, _COUNTED, _SIGNED_COUNTED, _FRAME, _PUT_LINE, _PUT_INDEX, _STOP = range(7)
 _COUNT_BYTES = {pickletools.TAKEN_FROM_ARGUMENT1: 1, pickletools.TAKEN_FROM_ARGUMENT4: 4,
                 pickletools.TAKEN_FROM_ARGUMENT4U: 4, pickletools.TAKEN_FROM_ARGUMENT8U: 8}
