@@ -1,10 +1,13 @@
 """Hostile torch DCP input, crafted here: records whose storage would expand (stride 0) or inflate
 (deflate) far beyond what the metadata says, int64 overflow, deep nesting, sparse and meta
-tensors, a chunk referenced millions of times. Each is refused with a CheckpointError (one CLI
+tensors, a chunk referenced millions of times, a few-byte .metadata whose memo index or counted
+string would make the C unpickler allocate hundreds of MB. Each is refused with a CheckpointError (one CLI
 line) before anything large is allocated."""
 
 import io
 import pickle
+import pickletools
+import struct
 import time
 import tracemalloc
 import zipfile
@@ -17,6 +20,7 @@ from hyper_parallel import checkpoint as hdcp
 from hyper_parallel._torch_compat import dcp_storage_info
 from hyper_parallel.core.distributed_checkpoint.cli import main
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpFiles, translate_metadata
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.unpickler import unpickle_dcp_metadata
 from hyper_parallel.core.distributed_checkpoint.format.metadata import MetadataIndex
 
 _DATA = "__0_0.distcp"
@@ -160,3 +164,40 @@ def test_a_chunk_referenced_millions_of_times_is_refused_at_once(tmp_path):
     with pytest.raises(hdcp.CheckpointError, match=r"'w' lists its chunk at \(0,\) more than once"):
         translate_metadata(path)
     assert time.monotonic() - started < 3  # (it took 90-100 s when every reference was compared)
+
+
+_MEMO_INDEX = 1 << 24  # the C unpickler sizes its memo table to twice the index: 256 MiB of pointers
+_DECLARED = 1 << 28  # a counted string's length: the C unpickler allocates it before reading
+
+
+@pytest.mark.parametrize("hostile, match", [
+    (b"\x80\x02N" + b"r" + struct.pack("<I", _MEMO_INDEX) + b".",  # LONG_BINPUT
+     rf"opcode at byte 3 stores memo entry {_MEMO_INDEX} after 0 were stored"),
+    (b"N" + b"p%d\n." % _MEMO_INDEX, rf"opcode at byte 1 stores memo entry {_MEMO_INDEX} after 0"),  # protocol 0's PUT
+    (b"\x80\x05\x8e" + struct.pack("<Q", _DECLARED) + b"ab.",  # BINBYTES8
+     rf"opcode at byte 2 declares {_DECLARED} bytes; the file ends at byte 14"),
+    (b"\x80\x04\x95" + struct.pack("<Q", 1 << 63) + b"N.",  # a FRAME past the end (torch: an OverflowError)
+     r"frame at byte 2 declares 9223372036854775808 bytes; the file ends at byte 13"),
+], ids=["long_binput", "put", "binbytes8", "frame"])
+def test_a_few_byte_hostile_metadata_is_refused_before_unpickling_it(tmp_path, capsys, hostile, match):
+    assert len(hostile) < 16
+    path = _dcp_dir(tmp_path, "memo", hostile)
+    tracemalloc.start()
+    try:
+        with pytest.raises(hdcp.CheckpointError, match=r"memo/\.metadata is not a readable torch DCP \.metadata "
+                                                       r"pickle: the " + match):
+            translate_metadata(path)
+        assert tracemalloc.get_traced_memory()[1] < 4 << 20
+    finally:
+        tracemalloc.stop()
+    _refused_everywhere(path, match, capsys, tmp_path)
+
+
+@pytest.mark.parametrize("protocol", range(2, pickle.HIGHEST_PROTOCOL + 1))
+def test_metadata_pickled_at_any_protocol_passes_the_opcode_scan(protocol):
+    chunks = [dcp_md.ChunkStorageMetadata((i, 0), (1, 2)) for i in range(300)]
+    original = pickle.loads(_metadata((300, 2), chunks, dtype=torch.bfloat16, length=10))
+    data = pickle.dumps(original, protocol=protocol)
+    stores = {op.name for op, _, _ in pickletools.genops(data)} & {"BINPUT", "LONG_BINPUT", "MEMOIZE"}
+    assert stores == ({"BINPUT", "LONG_BINPUT"} if protocol < 4 else {"MEMOIZE"})  # (indices past 255: 4 bytes)
+    assert unpickle_dcp_metadata(data, "m").state_dict_metadata == original.state_dict_metadata
