@@ -87,6 +87,7 @@ def _steps(model: MoETransformer, layout: str) -> Tuple[List[float], Dict[str, t
                                                       Dict[str, torch.Tensor]]:
     optim = torch.optim.AdamW(model.parameters(), lr=1e-2)
     ranks = [dist.get_rank()] if layout != "single" else list(range(WORLD))
+    model.set_aux_loss_scale(1 / len(ranks))  # each loss is divided by it before backward
     losses, grads = [], {}
     for step in range(1, STEPS + 1):
         total = torch.zeros((), dtype=torch.float64)
