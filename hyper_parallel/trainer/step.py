@@ -49,9 +49,11 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
         stats = MoEStepStatistics(list(model.moe_layers()), model.cfg.num_experts, batch.device)
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
-        if cp is not None:  # (not with a mixture of experts: the config refuses cp with model.moe)
+        if cp is not None:
             with cp.context() as context:  # loss_parallel included: vocab-parallel logits under TP
                 loss = cp.loss(model, micro, context)
+                if stats is not None:  # (the MoE layers balance over the CP group: see set_balance_group)
+                    stats.add(model)
                 (loss / grad_accum_steps).backward()
         else:  # the loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered
             with loss_parallel():
