@@ -134,7 +134,8 @@ def load_balance_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_
 
 
 @torch.compiler.disable
-def group_token_counts(counts: torch.Tensor, tokens: int, group: dist.ProcessGroup) -> Tuple[torch.Tensor, torch.Tensor]:
+def group_token_counts(counts: torch.Tensor, tokens: int,
+                       group: dist.ProcessGroup) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(counts, tokens)`` summed over ``group``'s ranks (one all-reduce, no autograd):
     int64 per-expert counts ``[num_experts]`` and a 0-dim token count. Collective."""
     summed = torch.cat([counts.detach().to(torch.int64), counts.new_tensor([tokens], dtype=torch.int64)])

@@ -81,7 +81,7 @@ class ParallelConfig:
     reshard_after_forward: bool = key(True)
     cp: int = key(1, min=1)                         # context-parallel degree: each sequence split over cp ranks
     cp_rotate: str = key("ring", choices=CP_ROTATE)  # how K/V blocks reach every CP rank: ring | allgather
-    ep: int = key(1, min=1)                         # expert-parallel degree (model.moe): experts split over ep of the dp_shard x cp ranks
+    ep: int = key(1, min=1)                         # expert-parallel degree (model.moe): experts over ep of the dp_shard x cp ranks
 
     def resolve(self, world_size: int) -> Tuple[Optional[ParallelDims], Optional[str]]:
         """The mesh shape (``dp_shard=-1``: the rest of the world), or why it does not factor
