@@ -208,6 +208,15 @@ class MoETransformer(nn.Module):
         for moe in self.moe_layers().values():
             moe.set_aux_loss_scale(scale)
 
+    def set_balance_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        """Balance each forward's tokens together with those of ``group``'s ranks, which hold
+        the other parts of the same sequences (context parallelism: the CP group), as one
+        forward of the whole sequences would (:meth:`MoE.set_balance_group`); None (default):
+        each forward balances its own. Each rank's :meth:`aux_loss` is then ``group size x``
+        its share, whose mean over the group is the whole sequences' loss."""
+        for moe in self.moe_layers().values():
+            moe.set_balance_group(group)
+
     def tokens_per_expert(self) -> Dict[str, torch.Tensor]:
         """Per MoE block name: the ``(token, expert)`` pairs each expert got in the last forward
         (int64, ``[num_experts]``; each sums to tokens x ``top_k``)."""

@@ -12,12 +12,18 @@ Megatron-LM's ``MoEAuxLossAutoScaler``): each layer attaches its weighted loss t
 with :func:`attach_aux_loss`, whose backward injects the loss's gradient, ``aux_loss_scale``
 (the factor the caller's loss is scaled by before ``backward``, e.g. ``1 / grad_accum``). So
 the aux loss needs nothing from the loss function, and works under a pipeline schedule.
+
+Under context parallelism each rank holds a part of every sequence; the ranks of a *balance
+group* (:meth:`MoE.set_balance_group`) then balance their tokens together, as one forward of
+the whole sequences would: the loss is linear in each part's probabilities, so each rank
+computes its part's share of it from the group's summed counts (:func:`load_balance_loss`
+with ``tokens``).
 """
 
 from __future__ import annotations
 
 import math
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -27,7 +33,7 @@ from torch import nn
 from hyper_parallel.models.llama import FeedForward, _upcast
 
 __all__ = ["GroupedExperts", "MoE", "Routing", "TopKRouter", "attach_aux_loss", "checked_aux_loss_scale",
-           "load_balance_loss"]
+           "group_token_counts", "load_balance_loss"]
 
 
 class Routing(NamedTuple):
@@ -103,18 +109,38 @@ class GroupedExperts(nn.Module):
         return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
-def load_balance_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int) -> torch.Tensor:
+def load_balance_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int,
+                      tokens: Optional[torch.Tensor] = None) -> torch.Tensor:
     """The Switch Transformer's auxiliary load-balancing loss for top-k routing (as
     DeepSeek normalises it): ``E / (k N) * sum_e count_e * mean_t probs[t, e]`` over ``N``
     tokens and ``E`` experts. 1 when the tokens and the probabilities are spread evenly, up to
     ``E / k`` when all go to the same experts. Its gradient reaches the router through
     ``probs``; the counts are constants.
+
+    ``tokens`` (a 0-dim tensor): ``probs`` are a part of a set of ``N = tokens`` tokens whose
+    counts are ``tokens_per_expert``; the result is this part's share ``E / (k N^2) * sum_e
+    count_e * sum_t probs[t, e]``, and the shares of the parts sum to the whole set's loss
+    (values and gradients). Default: ``probs`` are the whole set.
     """
-    tokens, num_experts = probs.shape
-    if tokens == 0:
-        return probs.sum()  # 0, attached to the graph
-    share = tokens_per_expert.to(probs.dtype) * probs.mean(dim=0)
-    return share.sum() * (num_experts / (top_k * tokens))
+    num_experts = probs.shape[1]
+    if tokens is None:
+        if probs.shape[0] == 0:
+            return probs.sum()  # 0, attached to the graph
+        share = tokens_per_expert.to(probs.dtype) * probs.mean(dim=0)
+        return share.sum() * (num_experts / (top_k * probs.shape[0]))
+    whole = tokens.to(probs.dtype).clamp_min(1)
+    share = tokens_per_expert.to(probs.dtype) * probs.sum(dim=0)
+    return share.sum() * num_experts / (top_k * whole * whole)
+
+
+@torch.compiler.disable
+def group_token_counts(counts: torch.Tensor, tokens: int,
+                       group: dist.ProcessGroup) -> Tuple[torch.Tensor, torch.Tensor]:
+    """``(counts, tokens)`` summed over ``group``'s ranks (one all-reduce, no autograd):
+    int64 per-expert counts ``[num_experts]`` and a 0-dim token count. Collective."""
+    summed = torch.cat([counts.detach().to(torch.int64), counts.new_tensor([tokens], dtype=torch.int64)])
+    dist.all_reduce(summed, group=group)
+    return summed[:-1], summed[-1]
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -168,10 +194,18 @@ class MoE(nn.Module):
     of a loss computed from it includes the balancing loss's gradients. ``aux_loss_scale``
     (default 1) must be the factor that loss is multiplied by before ``backward`` (e.g.
     ``1 / grad_accum``); set it with :meth:`set_aux_loss_scale`.
+
+    With a balance group (:meth:`set_balance_group`, the context-parallel ranks holding the
+    other parts of the same sequences) the group's ranks balance their tokens together: the
+    counts and token numbers are summed over the group, each rank's ``balance_loss`` is
+    ``group size x`` its part's share (:func:`load_balance_loss` with ``tokens``), so the
+    group's mean of ``balance_loss`` and gradients, as data-parallel averaging takes them, are
+    the loss and gradients of the whole sequences. ``tokens_per_expert`` stays this rank's own.
     """
 
     shared_expert: Optional[FeedForward]
     balance_loss: Optional[torch.Tensor]
+    balance_group: Optional[dist.ProcessGroup]
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int, top_k: int, *, norm_topk_prob: bool,
                  shared_hidden_dim: int = 0, router_bias: bool = False, expert_bias: bool = False,
@@ -187,6 +221,7 @@ class MoE(nn.Module):
         self.register_buffer("pending_tokens_per_expert", torch.zeros(num_experts, dtype=torch.int64),
                              persistent=False)
         self.balance_loss = None
+        self.balance_group = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -210,7 +245,12 @@ class MoE(nn.Module):
         out = out.view(shape)
         self.balance_loss = None
         if self.aux_loss_weight > 0:
-            balance = load_balance_loss(routing.probs, counts, self.top_k)
+            if self.balance_group is None:
+                balance = load_balance_loss(routing.probs, counts, self.top_k)
+            else:  # this rank's share of its group's loss, times the group size (see the class docstring)
+                group_counts, tokens = group_token_counts(counts, x.shape[0], self.balance_group)
+                share = load_balance_loss(routing.probs, group_counts, self.top_k, tokens)
+                balance = share * dist.get_world_size(self.balance_group)
             self.balance_loss = balance.detach()
             if torch.is_grad_enabled():
                 out = attach_aux_loss(out, balance * (self.aux_loss_weight * self.aux_loss_scale))
@@ -225,6 +265,12 @@ class MoE(nn.Module):
             ValueError: ``scale`` is not a finite number > 0.
         """
         self.aux_loss_scale = checked_aux_loss_scale(scale)
+
+    def set_balance_group(self, group: Optional[dist.ProcessGroup]) -> None:
+        """The ranks whose tokens this layer balances together (each rank's forward a part of
+        the same sequences, e.g. the context-parallel group; all must run every forward, which
+        all-reduces the counts over them); None: each forward balances its own tokens."""
+        self.balance_group = group
 
     @torch.no_grad()
     def update_expert_bias(self, rate: float, group: Optional[dist.ProcessGroup] = None) -> None:

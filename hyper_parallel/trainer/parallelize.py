@@ -82,13 +82,14 @@ def _mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
 def shard_experts(model: MoETransformer, data_mesh: DeviceMesh, ep: int, *, mixed_precision: str,
                   reshard_after_forward: bool) -> None:
     """Expert parallelism: the ``dp_shard`` ranks of the data-parallel mesh ``data_mesh`` (1-D
-    ``(shard,)``, or 2-D ``(replicate, shard)`` under HSDP; see :func:`dp_mesh`) regrouped into
+    ``(shard,)``, or 2-D ``(replicate, shard)`` under HSDP; with context parallelism the
+    flattened ``dp_shard_cp`` dim in place of ``shard``; see :func:`dp_mesh`) regrouped into
     ``efsdp`` x ``ep`` (:func:`~hyper_parallel.expert_parallel.expert_meshes`); each MoE
     block's routed experts split over ``ep`` (:class:`ExpertParallel`, their tokens sent by
     all-to-all) and ``fully_shard``-ed over ``efsdp`` (HSDP over ``(replicate, efsdp)`` when
     ``data_mesh`` has a replicate dim). An expert's gradient sums the tokens of its whole ep
-    group, so it is divided by the whole data-parallel size (``replicate x dp_shard``, the dense
-    average), not by the ``replicate x efsdp`` size that ``fully_shard`` would use. Call before
+    group, so it is divided by the whole data-parallel size (``replicate x dp_shard`` (``x cp``), the
+    dense average), not by the ``replicate x efsdp`` size that ``fully_shard`` would use. Call before
     :func:`shard_model`."""
     ep_mesh, efsdp_mesh = expert_meshes(data_mesh, ep)
     for moe in model.moe_layers().values():
@@ -133,7 +134,9 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
     """Build the configured model without allocating full weights, shard it, initialise it.
 
     A mixture of experts (``model.moe``) with ``ep > 1`` gets expert parallelism over the
-    mesh's ``shard`` dim first (:func:`shard_experts`).
+    mesh's ``shard`` dim (``dp_shard x cp`` with a ``cp`` dim) first (:func:`shard_experts`);
+    with a ``cp`` dim its MoE layers balance each sequence's tokens over the CP group
+    (:meth:`~hyper_parallel.models.moe.MoETransformer.set_balance_group`).
 
     Order (torchtitan's): tensor parallelism over ``mesh["tp"]`` when the mesh has that dim,
     float8 conversion with ``float8_recipe`` (None: none), activation checkpointing, per-block
@@ -170,6 +173,8 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
     context_parallel = mesh is not None and "cp" in mesh.mesh_dim_names
     if context_parallel:
         check_attention(model)
+        if isinstance(model, MoETransformer):  # the CP ranks of a sequence balance its tokens together
+            model.set_balance_group(mesh["cp"].get_group())
     tensor_parallel = mesh is not None and "tp" in mesh.mesh_dim_names
     if tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"])

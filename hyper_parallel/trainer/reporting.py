@@ -50,7 +50,7 @@ def layout(cfg: TrainConfig, dims: ParallelDims) -> str:
         parts.append(f"context parallel over {dims.cp} ranks ({cfg.parallel.cp_rotate})")
     if cfg.parallel.ep > 1:
         replicas = f" x replicate {dims.replicate}" if dims.replicate > 1 else ""
-        parts.append(f"experts over ep {cfg.parallel.ep} x efsdp {dims.shard // cfg.parallel.ep}{replicas}")
+        parts.append(f"experts over ep {cfg.parallel.ep} x efsdp {dims.shard * dims.cp // cfg.parallel.ep}{replicas}")
     float8 = cfg.training.float8_mode
     parts.append(cfg.parallel.mixed_precision + (f" with float8 {float8} linears" if float8 else ""))
     return ", ".join(parts)

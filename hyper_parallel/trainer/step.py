@@ -39,7 +39,9 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     all-gathers' float8 scales of all tensorwise float8 weights with one all-reduce. ``cp``:
     context parallelism (``batch`` is the same on every CP rank; each computes its part of the
     sequences, forward and backward under the CP context; ``loss`` is then this rank's share of
-    the mean over the data-parallel x CP group, see :class:`SequenceSplit`).
+    the mean over the data-parallel x CP group, see :class:`SequenceSplit`; a mixture of experts'
+    ``aux_loss`` is then ``cp x`` this rank's share of its CP group's balancing loss: see
+    :meth:`~hyper_parallel.models.moe.MoETransformer.set_balance_group`).
     """
     micro_batches = batch.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=batch.device)
@@ -49,9 +51,11 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
         stats = MoEStepStatistics(list(model.moe_layers()), model.cfg.num_experts, batch.device)
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
-        if cp is not None:  # (not with a mixture of experts: the config refuses cp with model.moe)
+        if cp is not None:
             with cp.context() as context:  # loss_parallel included: vocab-parallel logits under TP
                 loss = cp.loss(model, micro, context)
+                if stats is not None:  # (the MoE layers balance over the CP group: see set_balance_group)
+                    stats.add(model)
                 (loss / grad_accum_steps).backward()
         else:  # the loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered
             with loss_parallel():

@@ -81,7 +81,7 @@ class ParallelConfig:
     reshard_after_forward: bool = key(True)
     cp: int = key(1, min=1)                         # context-parallel degree: each sequence split over cp ranks
     cp_rotate: str = key("ring", choices=CP_ROTATE)  # how K/V blocks reach every CP rank: ring | allgather
-    ep: int = key(1, min=1)                         # expert-parallel degree (model.moe): experts split over ep of the dp_shard ranks
+    ep: int = key(1, min=1)                         # expert-parallel degree (model.moe): experts over ep of the dp_shard x cp ranks
 
     def resolve(self, world_size: int) -> Tuple[Optional[ParallelDims], Optional[str]]:
         """The mesh shape (``dp_shard=-1``: the rest of the world), or why it does not factor
@@ -188,21 +188,21 @@ class ParallelConfig:
 
     def moe_problems(self, num_experts: int, dims: Optional[ParallelDims]) -> List[str]:
         """What a mixture-of-experts model (``model.moe``) cannot run with yet: tensor parallelism
-        (no TP plan for the experts: use ``ep``) and context parallelism (each CP rank would
-        balance only its part of the sequences); and an ``ep`` that does not divide
-        ``dp_shard`` (``dims.shard``) and ``num_experts``. Pipeline parallelism is supported
-        (each stage's MoE layers attach their aux loss to their outputs), and so is float8 (on
-        the dense linears)."""
-        unsupported = [f"parallel.{name}={value}" for name, value in (("tp", self.tp), ("cp", self.cp))
+        (no TP plan for the experts: use ``ep``); and an ``ep`` that does not divide ``dp_shard x
+        cp`` and ``num_experts``. Pipeline parallelism is supported (each stage's MoE layers
+        attach their aux loss to their outputs), and so are context parallelism (the CP ranks of
+        a sequence balance its tokens together) and float8 (on the dense linears)."""
+        unsupported = [f"parallel.{name}={value}" for name, value in (("tp", self.tp),)
                        if isinstance(value, int) and value > 1]
         problems = [f"{', '.join(unsupported)} with model.moe is not supported yet (the recipe runs MoE models "
-                    "with data, expert and pipeline parallelism only); remove it or use a Llama model"] \
+                    "with data, expert, pipeline and context parallelism only); remove it or use a Llama model"] \
             if unsupported else []
         return problems + self.ep_problems(num_experts, dims)
 
     def ep_problems(self, num_experts: Optional[int], dims: Optional[ParallelDims]) -> List[str]:
         """Where ``ep`` cannot split: it needs an MoE model (``num_experts`` not None) and must
-        divide the ``dp_shard`` ranks (of each replica under HSDP) and the experts."""
+        divide the ``dp_shard x cp`` ranks (of each replica under HSDP; what ``fully_shard``
+        shards over) and the experts."""
         ep = self.ep
         if not isinstance(ep, int) or ep == 1:
             return []
@@ -212,7 +212,8 @@ class ParallelConfig:
         if num_experts % ep:
             problems.append(f"parallel.ep={ep} does not divide model.moe.num_experts={num_experts} "
                             "(each ep rank holds num_experts / ep experts)")
-        if dims is not None and dims.shard % ep:
-            problems.append(f"parallel.ep={ep} does not divide the {dims.shard} dp_shard ranks (expert "
+        if dims is not None and (dims.shard * dims.cp) % ep:
+            ranks = f"{dims.shard} dp_shard" if dims.cp == 1 else f"{dims.shard} x {dims.cp} dp_shard x cp"
+            problems.append(f"parallel.ep={ep} does not divide the {ranks} ranks (expert "
                             "parallelism splits the experts over ep of them)")
         return problems
