@@ -21,7 +21,7 @@ import math
 import pickle
 import sys
 import zipfile
-from typing import Any, Callable, Optional, Tuple
+from typing import Any, Callable, Tuple
 
 import torch
 
