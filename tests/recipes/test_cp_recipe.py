@@ -175,11 +175,11 @@ def _assert_resumes_on_the_cp1_curve(runs, tmp_path, world: int, checkpoint: str
     return (tmp_path / "metrics.jsonl").read_text()
 
 
-@pytest.mark.parametrize("world", [1, 2], ids=["cp1", "dp2"])
-def test_a_cp2_checkpoint_resumes_without_cp_on_the_uninterrupted_curve(runs, tmp_path, world):
-    """CP2's step-2 checkpoint, resumed on one rank or on two data-parallel ranks, continues
-    the uninterrupted losses (data order, optimizer state and schedule included)."""
-    _assert_resumes_on_the_cp1_curve(runs, tmp_path, world, f"{runs}/cp2/checkpoints/step-2", [])
+@pytest.mark.parametrize("source, world", [("cp4", 1), ("cp2", 2)], ids=["cp4_to_cp1", "cp2_to_dp2"])
+def test_a_cp_checkpoint_resumes_without_cp_on_the_uninterrupted_curve(runs, tmp_path, source, world):
+    """A CP4 (CP2) run's step-2 checkpoint, resumed on one rank (on two data-parallel ranks),
+    continues the uninterrupted losses (data order, optimizer state and schedule included)."""
+    _assert_resumes_on_the_cp1_curve(runs, tmp_path, world, f"{runs}/{source}/checkpoints/step-2", [])
 
 
 @pytest.mark.parametrize("overrides, mesh", [([*CP2, "parallel.tp=2"], '{"shard": 1, "cp": 2, "tp": 2}'),
