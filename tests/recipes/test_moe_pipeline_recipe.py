@@ -1,7 +1,7 @@
 """The recipe with a mixture of experts under pipeline parallelism (``model=moe_debug
 parallel.pp=2``, with and without ``parallel.ep=2``), in float64 in-process on the shared gloo
 rank pools: the losses, aux loss, expert load and evaluation of one process on the same
-micro-batches, a checkpoint resumed across pp/ep layouts, and the config checks."""
+micro-batches, an EP4 checkpoint resumed on PP2 x EP2, and the config checks."""
 
 from __future__ import annotations
 
@@ -46,23 +46,24 @@ def _assert_records_match(ref: str, run: str, steps: range) -> None:
         assert all(abs(x - y) <= REL * x for x, y in zip(a["expert_load_per_block"], b["expert_load_per_block"]))
 
 
-def test_pp2_ep2_trains_the_one_process_losses_and_resumes_on_pp2(tmp_path):
-    ref, ppep, pp = (str(tmp_path / name) for name in ("ref", "ppep", "pp"))
-    # One process: 4 micro-batches per step, the 2 data-parallel ranks x 2 pipeline micro-batches
-    # of the PP runs (each forward balances its own tokens).
+def test_an_ep4_checkpoint_resumes_on_pp2_x_ep2_on_the_one_process_curve(tmp_path):
+    ref, ep4, ppep = (str(tmp_path / name) for name in ("ref", "ep4", "ppep"))
+    # One process: 4 micro-batches per step, the 4 data-parallel ranks' batches of the EP4 run,
+    # and the 2 data-parallel ranks x 2 pipeline micro-batches of the PP run (each forward
+    # balances its own tokens).
     run_on_ranks(1, _train, [f"output_dir={ref}", "training.grad_accum_steps=4"], timeout=180)
-    # pp=2 x dp_shard=2 on 4 ranks, the experts over ep=2 of each stage's 2 ranks; stops after step 2.
+    # ep=4 over the 4 dp_shard ranks (2 experts each), stopped after step 2.
+    run_on_ranks(4, _train, [f"output_dir={ep4}", "parallel.ep=4", "training.stop_after_steps=2"], timeout=240)
+    assert sorted(last_loss_per_step(ep4)) == [1, 2]
+    _assert_records_match(ref, ep4, range(1, 3))
+    assert read_metrics(ep4)[0]["aux_loss"] > 0
+    # Its checkpoint resumed by pp=2 x dp_shard=2 on 4 ranks, the experts of each stage over ep=2
+    # of its 2 ranks, to the end.
     run_on_ranks(4, _train, [f"output_dir={ppep}", "parallel.pp=2", "parallel.ep=2", "parallel.pp_microbatches=2",
-                             "training.stop_after_steps=2"], timeout=240)
-    assert sorted(last_loss_per_step(ppep)) == [1, 2]
-    _assert_records_match(ref, ppep, range(1, 3))
-    assert read_metrics(ppep)[0]["aux_loss"] > 0
-    # Its checkpoint resumed by pp=2 alone on 2 ranks (4 pipeline micro-batches), to the end.
-    run_on_ranks(2, _train, [f"output_dir={pp}", "parallel.pp=2", "parallel.pp_microbatches=4",
-                             f"checkpoint.load_from={ppep}/checkpoints/step-2"], timeout=240)
-    assert sorted(last_loss_per_step(pp)) == [3, 4]
-    assert_losses_match(last_loss_per_step(ref), last_loss_per_step(pp), range(3, 5), rel=REL)
-    _assert_records_match(ref, pp, range(3, 5))
+                             f"checkpoint.load_from={ep4}/checkpoints/step-2"], timeout=240)
+    assert sorted(last_loss_per_step(ppep)) == [3, 4]
+    assert_losses_match(last_loss_per_step(ref), last_loss_per_step(ppep), range(3, 5), rel=REL)
+    _assert_records_match(ref, ppep, range(3, 5))
 
 
 @pytest.mark.parametrize("override, message", [
