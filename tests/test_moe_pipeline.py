@@ -74,10 +74,11 @@ def _pipelined(overrides: List[str]) -> Dict[str, object]:
 
 @pytest.mark.parametrize("ranks, overrides, model", [
     (4, ["parallel.pp=2", "parallel.ep=2"], []),  # pp=2 x dp_shard=2, the experts over ep=2 of each stage's 2 ranks
-    (2, ["parallel.pp=2"], ["model.activation_checkpointing=true"]),  # recomputed in the schedule's backward
-    # 2 stages per rank (blocks 0 | 1 on rank 0, 2 | 3 on rank 1): each stage reports its own blocks.
-    (2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"], ["model.n_layers=4"]),
-], ids=["pp2_ep2", "pp2_checkpointed", "pp2_interleaved"])
+    # 2 stages per rank (blocks 0 | 1 on rank 0, 2 | 3 on rank 1): each stage reports its own
+    # blocks; activation checkpointing: recomputed in the schedule's backward.
+    (2, ["parallel.pp=2", "parallel.pp_schedule=Interleaved1F1B"],
+     ["model.n_layers=4", "model.activation_checkpointing=true"]),
+], ids=["pp2_ep2", "pp2_interleaved_checkpointed"])
 def test_moe_pipeline_matches_one_process_on_the_global_batch(ranks, overrides, model):
     overrides = [*overrides, *model, f"parallel.pp_microbatches={MICROBATCHES}"]
     results = run_on_ranks(ranks, _pipelined, overrides, timeout=240)
