@@ -60,10 +60,13 @@ def block_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockKern
 def _fused(kernel: Optional[BlockKernel], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
            first_row: int) -> Optional[BlockKernel]:
     """The fused kernel that computes this block, or None: ``kernel`` (None: :func:`block_kernel`'s
-    choice) if fused and the block is non-empty and FULL or CAUSAL from its first row on a square
-    block (the kernels' causal mask is top-left aligned; they take no row offset)."""
+    choice) if fused, no input is being differentiated (so a forced kernel never breaks autograd),
+    and the block is non-empty and FULL or CAUSAL from its first row on a square block (the
+    kernels' causal mask is top-left aligned; they take no row offset)."""
     kernel = block_kernel(q, k, v) if kernel is None else kernel
     if kernel is BlockKernel.PLAIN or not (q.shape[2] and k.shape[2]):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return None
     if mask is BlockMask.FULL or (mask is BlockMask.CAUSAL and first_row == 0 and q.shape[2] == k.shape[2]):
         return kernel

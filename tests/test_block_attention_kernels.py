@@ -95,6 +95,9 @@ def test_blocks_a_fused_kernel_cannot_express_use_the_plain_ops(monkeypatch):
     block_attention(q[:, :, :6], k, v, BlockMask.CAUSAL)
     out, lse = block_attention(q, k[:, :, :0], v[:, :, :0])  # (the CPU kernel crashes on no keys)
     assert forward.calls == 1 and out.abs().max() == 0 and bool((lse == float("-inf")).all())
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]  # a forced fused kernel: autograd still exact
+    block_attention(*leaves, BlockMask.FULL, None, 0, BlockKernel.CPU_FLASH)[1].sum().backward()
+    assert forward.calls == 1 and leaves[0].grad.abs().max() > 0
     with pytest.raises(ValueError, match=r"query heads \(4\) are not a multiple of key/value heads \(3\)"):
         block_attention(q, k.repeat(1, 2, 1, 1)[:, :3], v[:, :1].repeat(1, 3, 1, 1))
 

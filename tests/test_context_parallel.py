@@ -94,7 +94,7 @@ def test_layouts_shard_positions_and_errors():
 
 
 @pytest.mark.parametrize("layout", list(Layout))
-@pytest.mark.parametrize("budget", [10**9, 1])  # whole blocks; tiles of the fewest rows
+@pytest.mark.parametrize("budget", [None, 10**9, 1])  # uncut (fused); whole blocks; tiles of the fewest rows
 def test_ring_plan_covers_each_causal_pair_once(layout, budget):
     """The blocks (or tiles) each rank computes over the ring cover every (query, key) pair with
     key <= query exactly once, and no other pair (load-balanced: every rank the same number of pairs)."""
