@@ -37,6 +37,10 @@ __all__ = [
     "TensorMeta",
     "chunk_cat",
     "compute_local_shape_and_global_offset",
+    "cpu_flash_attention",
+    "cpu_flash_attention_backward",
+    "cuda_efficient_attention",
+    "cuda_efficient_attention_backward",
     "current_graph_task_id",
     "dcp_fsspec_storage",
     "dcp_mem_format_encoding",
@@ -224,3 +228,42 @@ def tensor_rebuild_version(module: str, name: str) -> Optional[int]:
     """2 or 3 when ``module.name`` is the v2 / v3 tensor rebuild function of torch's pickles
     (a restricted unpickler admits them as descriptions, not calls); None otherwise."""
     return _TENSOR_REBUILDERS.get((module, name))
+
+
+# torch's fused attention kernels that return the log-sum-exp (the public SDPA returns only the
+# output) and their explicit backwards: what a ring attention block needs. Dropout is 0 throughout.
+
+
+def cpu_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                        scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """aten's flash attention for CPU: (out (B, H, Sq, D), lse (B, H, Sq)); k, v may have fewer
+    heads (H a multiple of theirs), any strides; causal is top-left aligned."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, is_causal, scale=scale)
+
+
+def cpu_flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
+                                 scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`cpu_flash_attention` given the final ``out`` and ``lse``."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout, q, k, v, out, lse, 0.0, is_causal, scale=scale)
+
+
+def cuda_efficient_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                             scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """aten's memory-efficient attention (CUDA; equal head counts): (out, lse (B, H, Sq padded
+    to a multiple of 32, float32))."""
+    out, lse, _, _ = torch.ops.aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, is_causal,
+                                                                           scale=scale)
+    return out, lse
+
+
+def cuda_efficient_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                      out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
+                                      scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`cuda_efficient_attention` given the final ``out`` and its padded ``lse``
+    (no dropout: the random-number state is unused, CPU scalars as its forward returns them)."""
+    seed = torch.zeros((), dtype=torch.long)
+    dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
+        dout, q, k, v, None, out, lse, seed, seed, 0.0, [True, True, True, False], is_causal, scale=scale)
+    return dq, dk, dv

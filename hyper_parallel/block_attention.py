@@ -1,8 +1,12 @@
 """Attention over one block of keys/values, returning its log-sum-exp, and the exact merge of
 such partial results: the pieces ring attention (``hyper_parallel.context_parallel``) is made of.
 
-Plain torch ops (any device, any dtype; at least float32 inside). Grouped-query attention: the
-query heads are grouped over the key/value heads, K/V are broadcast, never expanded into a copy.
+A block is computed by one of the :class:`BlockKernel` s, chosen by :func:`block_kernel`: torch's
+fused attention kernels that return the log-sum-exp where they apply (flash attention for CPU;
+memory-efficient attention on CUDA), else plain torch ops (any device, any dtype, at least
+float32 inside; the scores are materialised, so callers tile the queries). Grouped-query
+attention: the plain ops and the CPU kernel take K/V with their own heads (broadcast, never
+expanded); the CUDA kernel needs equal head counts, so K/V are repeated for its call only.
 """
 
 from __future__ import annotations
@@ -12,7 +16,10 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["BlockMask", "accumulation_dtype", "block_attention", "block_attention_backward", "merge_attention"]
+from hyper_parallel import _torch_compat as compat
+
+__all__ = ["BlockKernel", "BlockMask", "accumulation_dtype", "block_attention", "block_attention_backward",
+           "block_kernel", "merge_attention"]
 
 
 class BlockMask(enum.Enum):
@@ -21,6 +28,84 @@ class BlockMask(enum.Enum):
     FULL = "full"
     CAUSAL = "causal"  # query i sees keys 0..i (top-left aligned, as SDPA's is_causal)
     MASKED = "masked"  # none
+
+
+class BlockKernel(enum.Enum):
+    """What computes a block's attention (see :func:`block_kernel`)."""
+
+    PLAIN = "plain"  # torch ops, the scores materialised: any device and dtype; differentiable
+    CPU_FLASH = "cpu_flash"  # aten's flash attention for CPU, run in the accumulation dtype
+    CUDA_EFFICIENT = "cuda_efficient"  # aten's memory-efficient attention (float16, bfloat16, float32)
+
+
+_CUDA_EFFICIENT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def block_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> BlockKernel:
+    """The kernel for blocks of q over k, v: a fused one where torch has one for their device and
+    dtype (CPU: any float dtype; CUDA: float16/bfloat16/float32, head size a multiple of 8), the
+    head sizes are equal and no input is being differentiated (a fused kernel's log-sum-exp
+    has no gradient: callers differentiate through :func:`block_attention_backward`); else PLAIN."""
+    if not (q.shape[-1] == k.shape[-1] == v.shape[-1]) or not (q.dtype == k.dtype == v.dtype):
+        return BlockKernel.PLAIN
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return BlockKernel.PLAIN
+    if q.device.type == "cpu" and q.dtype.is_floating_point:
+        return BlockKernel.CPU_FLASH
+    if q.device.type == "cuda" and q.dtype in _CUDA_EFFICIENT_DTYPES and q.shape[-1] % 8 == 0:
+        return BlockKernel.CUDA_EFFICIENT
+    return BlockKernel.PLAIN
+
+
+def _fused(kernel: Optional[BlockKernel], q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask,
+           first_row: int) -> Optional[BlockKernel]:
+    """The fused kernel that computes this block, or None: ``kernel`` (None: :func:`block_kernel`'s
+    choice) if fused, no input is being differentiated (so a forced kernel never breaks autograd),
+    and the block is non-empty and FULL or CAUSAL from its first row on a square block (the
+    kernels' causal mask is top-left aligned; they take no row offset)."""
+    kernel = block_kernel(q, k, v) if kernel is None else kernel
+    if kernel is BlockKernel.PLAIN or not (q.shape[2] and k.shape[2]):
+        return None
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
+        return None
+    if mask is BlockMask.FULL or (mask is BlockMask.CAUSAL and first_row == 0 and q.shape[2] == k.shape[2]):
+        return kernel
+    return None
+
+
+def _repeat_heads(t: torch.Tensor, heads: int) -> torch.Tensor:
+    """``t`` (B, Hkv, S, D) with each head repeated for its query group: a copy (G x ``t``)."""
+    return t if t.shape[1] == heads else t.repeat_interleave(heads // t.shape[1], 1)
+
+
+def _fused_forward(kernel: BlockKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool,
+                   scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    acc = accumulation_dtype(q.dtype)
+    if kernel is BlockKernel.CPU_FLASH:  # GQA as is; the casts are no-ops in float32/float64
+        return compat.cpu_flash_attention(q.to(acc), k.to(acc), v.to(acc), causal, scale)
+    heads = q.shape[1]
+    out, lse = compat.cuda_efficient_attention(q, _repeat_heads(k, heads), _repeat_heads(v, heads), causal, scale)
+    return out.to(acc), lse[..., :q.shape[2]].to(acc)  # lse's rows are padded to a multiple of 32
+
+
+def _fused_backward(kernel: BlockKernel, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
+                    out: torch.Tensor, lse: torch.Tensor, causal: bool,
+                    scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    acc = dout.dtype
+    if kernel is BlockKernel.CPU_FLASH:
+        return compat.cpu_flash_attention_backward(dout, q.to(acc), k.to(acc), v.to(acc), out, lse, causal, scale)
+    (bsz, heads, sq, _), kv_heads = q.shape, k.shape[1]
+    padded = lse.new_zeros((bsz, heads, -(-sq // 32) * 32), dtype=torch.float32)
+    padded[..., :sq] = lse
+    dq, dk, dv = compat.cuda_efficient_attention_backward(
+        dout.to(q.dtype), q, _repeat_heads(k, heads), _repeat_heads(v, heads), out.to(q.dtype), padded, causal, scale)
+    per_kv = lambda t: t.unflatten(1, (kv_heads, -1)).sum(2).to(acc)  # noqa: E731 - the group's sum
+    return dq.to(acc), per_kv(dk), per_kv(dv)
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor) -> None:
+    if q.shape[1] % k.shape[1]:
+        raise ValueError(f"query heads ({q.shape[1]}) are not a multiple of key/value heads ({k.shape[1]})")
 
 
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -34,8 +119,6 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, scale: float, fir
 
     Grouped-query attention: q's H = Hkv * G heads are viewed as (Hkv, G) and k is broadcast
     over G, so K/V are never expanded into a copy."""
-    if q.shape[1] % k.shape[1]:
-        raise ValueError(f"query heads ({q.shape[1]}) are not a multiple of key/value heads ({k.shape[1]})")
     acc = accumulation_dtype(q.dtype)
     qg = (q.to(acc) * scale).unflatten(1, (k.shape[1], -1))
     s = qg @ k.to(acc).unsqueeze(2).transpose(-1, -2)
@@ -45,24 +128,28 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, scale: float, fir
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask = BlockMask.FULL,
-                    scale: Optional[float] = None, first_row: int = 0) -> Tuple[torch.Tensor, torch.Tensor]:
+                    scale: Optional[float] = None, first_row: int = 0,
+                    kernel: Optional[BlockKernel] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, H, Sq, D) over one block k, v (B, Hkv, Sk, D), H a multiple of Hkv.
 
     ``first_row`` (causal blocks): q holds the block's query rows ``first_row``.. (a tile of them).
 
     Returns (out (B, H, Sq, Dv), lse (B, H, Sq)), both in at least float32: ``lse`` is the
     log-sum-exp of each query's scaled scores over the block (-inf where it sees no key; its
-    ``out`` is then 0). Differentiable. ``scale`` defaults to D ** -0.5.
+    ``out`` is then 0). ``scale`` defaults to D ** -0.5. ``kernel`` (default
+    :func:`block_kernel`'s choice) computes it where it can express the block, else the plain
+    ops do; the result is differentiable when the plain ops compute it.
     """
-    # TODO(cuda): on CUDA the block's (out, lse) could come from torch's fused SDPA kernels
-    # (aten._scaled_dot_product_efficient_attention with compute_log_sumexp=True); not done here
-    # because no GPU was available to test it.
+    _check_heads(q, k)
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     bsz, heads, sq, _ = q.shape
     acc = accumulation_dtype(q.dtype)
     if mask is BlockMask.MASKED:
         return (q.new_zeros((bsz, heads, sq, v.shape[-1]), dtype=acc),
                 q.new_full((bsz, heads, sq), float("-inf"), dtype=acc))
+    fused = _fused(kernel, q, k, v, mask, first_row)
+    if fused is not None:
+        return _fused_forward(fused, q, k, v, mask is BlockMask.CAUSAL, scale)
     s = _scores(q, k, mask, scale, first_row)
     lse = s.logsumexp(-1)
     shift = lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1)
@@ -82,15 +169,24 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
 
 
 def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
-                             lse: torch.Tensor, delta: torch.Tensor, mask: BlockMask, scale: float,
-                             first_row: int = 0) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                             out: torch.Tensor, lse: torch.Tensor, mask: BlockMask, scale: float,
+                             first_row: int = 0, kernel: Optional[BlockKernel] = None
+                             ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block (flash attention's backward; not itself differentiable).
 
-    ``dout``, ``lse`` and ``delta = sum(dout * out, -1)`` are the queries' over all blocks (final
-    output and log-sum-exp), grouped as (B, Hkv, G, Sq[, Dv]) in the accumulation dtype; the
-    results are in that dtype, dq (B, H, Sq, D), dk and dv summed over the query groups.
+    ``dout`` (B, H, Sq, Dv), ``out`` and ``lse`` (B, H, Sq) are the queries' over all blocks
+    (gradient of the final output, final output and log-sum-exp) in the accumulation dtype; the
+    results are in that dtype, dq (B, H, Sq, D), dk and dv (B, Hkv, Sk, D) summed over the query
+    groups. ``kernel`` as in :func:`block_attention`.
     """
+    _check_heads(q, k)
+    fused = _fused(kernel, q, k, v, mask, first_row)
+    if fused is not None:
+        return _fused_backward(fused, q, k, v, dout, out, lse, mask is BlockMask.CAUSAL, scale)
     acc = dout.dtype
+    grouped = lambda t: t.unflatten(1, (k.shape[1], -1))  # noqa: E731 - (B, Hkv, G, ...)
+    delta = grouped((dout * out).sum(-1))
+    dout, lse = grouped(dout), grouped(lse)
     p = _scores(q, k, mask, scale, first_row).sub_(lse.unsqueeze(-1)).exp_()  # in place: 2 score tensors at most
     vg = v.to(acc).unsqueeze(2)
     dv = (p.transpose(-1, -2) @ dout).sum(2)

@@ -4,7 +4,7 @@ Each rank of the group holds a part of every sequence (:class:`Layout`); attenti
 attention: every rank computes its queries against one block of keys/values at a time while the
 K/V blocks travel round the group (``rotate="ring"``: send/recv to the neighbours; or
 ``"allgather"``: all blocks gathered at once), and the partial results are merged exactly with
-their log-sum-exp. Everything is plain torch ops, so it runs (and is tested) on CPU with gloo.
+their log-sum-exp. It runs (and is tested) on CPU with gloo.
 
     with context_parallel(mesh["cp"]) as cp:          # tells the model's attention it runs under CP
         loss = mean_token_loss(model(cp.shard(inputs)), cp.shard(labels), group=dp_cp_group)
@@ -13,8 +13,10 @@ their log-sum-exp. Everything is plain torch ops, so it runs (and is tested) on 
 Memory: the ring saves only this rank's queries, keys, values, output and log-sum-exp for the
 backward, which recomputes the attention block by block and sends the K/V gradients round the
 ring back to their owners, so a rank's activation memory is ~1/cp of the whole sequence's. The
-scores are computed in tiles of query rows (``_TILE_SCORES``), so their transient memory does not
-grow with the sequence. The block math is in ``hyper_parallel.block_attention``.
+block math is in ``hyper_parallel.block_attention``: torch's fused attention kernel where one
+applies (``block_kernel``: CPU flash attention, CUDA memory-efficient attention), which never
+materialises the scores; else plain torch ops, whose scores are computed in tiles of query rows
+(``_TILE_SCORES``), so their transient memory does not grow with the sequence.
 Activation checkpointing recomputes forwards during the backward: run the backward inside the
 context as well.
 """
@@ -33,11 +35,11 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
-from hyper_parallel.block_attention import (BlockMask, accumulation_dtype, block_attention, block_attention_backward,
-                                            merge_attention)
+from hyper_parallel.block_attention import (BlockKernel, BlockMask, accumulation_dtype, block_attention,
+                                            block_attention_backward, block_kernel, merge_attention)
 
 __all__ = [
-    "BlockMask", "ContextParallel", "Layout", "Rotate", "block_attention", "context_parallel",
+    "BlockKernel", "BlockMask", "ContextParallel", "Layout", "Rotate", "block_attention", "context_parallel",
     "cp_attention", "current_context", "gather_sequence", "mean_token_loss", "merge_attention",
     "rope_rows", "sequence_positions", "shard_sequence",
 ]
@@ -217,12 +219,17 @@ _TILE_SCORES = 2**19
 _MIN_TILE_ROWS = 16
 
 
-def _tiles(plan: List[Tuple[slice, int, BlockMask]], budget: int) -> Iterator[Tuple[slice, int, BlockMask, int]]:
-    """The plan's computations cut into tiles of query rows of at most ``budget`` scores each:
-    (rows, keys seen, mask, first row within the causal block). A causal tile sees only the keys
-    up to its last row."""
+# The block kernel of the ring (None: block_kernel's choice); tests force PLAIN here.
+_KERNEL: Optional[BlockKernel] = None
+
+
+def _tiles(plan: List[Tuple[slice, int, BlockMask]], budget: Optional[int]
+           ) -> Iterator[Tuple[slice, int, BlockMask, int]]:
+    """The plan's computations cut into tiles of query rows of at most ``budget`` scores each
+    (None: uncut, for a fused kernel): (rows, keys seen, mask, first row within the causal
+    block). A causal tile sees only the keys up to its last row."""
     for rows, seen, mask in plan:
-        step = max(_MIN_TILE_ROWS, budget // seen)
+        step = rows.stop - rows.start if budget is None else max(_MIN_TILE_ROWS, budget // seen)
         for start in range(rows.start, rows.stop, step):
             stop = min(start + step, rows.stop)
             if mask is BlockMask.CAUSAL:  # the whole diagonal block: rows and keys start together
@@ -279,15 +286,16 @@ class _RingAttention(torch.autograd.Function):
         n, acc = q.shape[2], accumulation_dtype(q.dtype)
         out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=acc)
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
-        budget = _TILE_SCORES // (q.shape[0] * q.shape[1])
+        kernel = block_kernel(q, k, v) if _KERNEL is None else _KERNEL
+        budget = _TILE_SCORES // (q.shape[0] * q.shape[1]) if kernel is BlockKernel.PLAIN else None
         for src, block in _kv_blocks(_flat_kv(k, v), cp):
             kb, vb = _split_kv(block, k, v)
             for rows, seen, mask, first in _tiles(_plan(cp.rank, cp.size, src, cp.layout, causal, n), budget):
-                o, l = block_attention(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen], mask, scale, first)
+                o, l = block_attention(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen], mask, scale, first, kernel)
                 out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows], o, l)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.causal, ctx.scale = cp, causal, scale
+        ctx.cp, ctx.causal, ctx.scale, ctx.kernel, ctx.budget = cp, causal, scale, kernel, budget
         return out
 
     @staticmethod
@@ -296,19 +304,15 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
         n, acc, size = q.shape[2], lse.dtype, cp.size
-        grouped = lambda t: t.unflatten(1, (k.shape[1], -1))  # noqa: E731 - (B, Hkv, G, ...)
-        dout = dout.to(acc)
-        dout_g, lse_g = grouped(dout), grouped(lse)
-        delta_g = grouped((dout * out.to(acc)).sum(-1))
+        dout, out = dout.to(acc), out.to(acc)
         dq = torch.zeros_like(q, dtype=acc)
-        budget = _TILE_SCORES // (q.shape[0] * q.shape[1])
 
         def add_block(src: int, block: torch.Tensor, grads: torch.Tensor) -> None:
             (kb, vb), (dkb, dvb) = _split_kv(block, k, v), _split_kv(grads, k, v)
-            for rows, seen, mask, first in _tiles(_plan(cp.rank, size, src, cp.layout, ctx.causal, n), budget):
+            for rows, seen, mask, first in _tiles(_plan(cp.rank, size, src, cp.layout, ctx.causal, n), ctx.budget):
                 dq_b, dk_b, dv_b = block_attention_backward(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen],
-                                                   dout_g[..., rows, :], lse_g[..., rows], delta_g[..., rows],
-                                                   mask, ctx.scale, first)
+                                                            dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
+                                                            mask, ctx.scale, first, ctx.kernel)
                 dq[:, :, rows] += dq_b
                 dkb[:, :, :seen] += dk_b
                 dvb[:, :, :seen] += dv_b

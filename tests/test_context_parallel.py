@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import hyper_parallel as hp
 from hyper_parallel.context_parallel import (
-    BlockMask, Layout, Rotate, block_attention, context_parallel, cp_attention, current_context,
+    BlockKernel, BlockMask, Layout, Rotate, block_attention, context_parallel, cp_attention, current_context,
     gather_sequence, mean_token_loss, merge_attention, rope_rows, sequence_positions, shard_sequence,
 )
 from hyper_parallel.context_parallel import _MIN_TILE_ROWS, _plan, _tiles
@@ -94,7 +94,7 @@ def test_layouts_shard_positions_and_errors():
 
 
 @pytest.mark.parametrize("layout", list(Layout))
-@pytest.mark.parametrize("budget", [10**9, 1])  # whole blocks; tiles of the fewest rows
+@pytest.mark.parametrize("budget", [None, 10**9, 1])  # uncut (fused); whole blocks; tiles of the fewest rows
 def test_ring_plan_covers_each_causal_pair_once(layout, budget):
     """The blocks (or tiles) each rank computes over the ring cover every (query, key) pair with
     key <= query exactly once, and no other pair (load-balanced: every rank the same number of pairs)."""
@@ -181,21 +181,33 @@ def test_bad_input_under_cp_raises_one_line_errors():
 
 
 def _attention_on_rank(seq: int) -> dict:
-    """Max differences to whole-sequence attention (outputs, q/k/v gradients) per setting; with
-    whole blocks and with tiles of the fewest query rows."""
+    """Max differences to whole-sequence attention (outputs, q/k/v gradients) per setting: the
+    default (fused CPU) kernel, and the plain ops with whole blocks and with tiles of the fewest
+    query rows; and the calls of the fused CPU kernel per kernel setting."""
+    from hyper_parallel import _torch_compat as compat
     from hyper_parallel import context_parallel as module
 
     group = dist.group.WORLD
     rank, size = dist.get_rank(), dist.get_world_size()
-    diffs = {}
-    default = module._TILE_SCORES
+    diffs, calls = {}, {}
+    default, real = module._TILE_SCORES, (compat.cpu_flash_attention, compat.cpu_flash_attention_backward)
+
+    def counted(fn, key):
+        def call(*args, **kwargs):
+            calls[key] = calls.get(key, 0) + 1
+            return fn(*args, **kwargs)
+        return call
+    kernels = (("default", None, default), ("plain", BlockKernel.PLAIN, default), ("plain tiles", BlockKernel.PLAIN, 1))
     try:
-        for setting in itertools.product((True, False), Layout, Rotate, (1, 4), (default, 1)):
-            module._TILE_SCORES = setting[-1]
-            diffs[" ".join(map(str, setting))] = _attention_diff(rank, size, group, seq, *setting[:-1])
+        for *setting, (name, kernel, tile) in itertools.product((True, False), Layout, Rotate, (1, 4), kernels):
+            module._KERNEL, module._TILE_SCORES = kernel, tile
+            compat.cpu_flash_attention, compat.cpu_flash_attention_backward = (
+                counted(real[0], (name, "forward")), counted(real[1], (name, "backward")))
+            diffs[" ".join(map(str, setting + [name]))] = _attention_diff(rank, size, group, seq, *setting)
     finally:
-        module._TILE_SCORES = default
-    return diffs
+        module._KERNEL, module._TILE_SCORES = None, default
+        compat.cpu_flash_attention, compat.cpu_flash_attention_backward = real
+    return {"diffs": diffs, "calls": calls}
 
 
 def _attention_diff(rank, size, group, seq, causal, layout, rotate, kv_heads) -> float:
@@ -212,8 +224,11 @@ def _attention_diff(rank, size, group, seq, causal, layout, rotate, kv_heads) ->
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_ring_attention_equals_whole_sequence_attention(world):
-    for diffs in run_on_ranks(world, _attention_on_rank, 2 * _MIN_TILE_ROWS * world, timeout=120):
-        assert len(diffs) == 32 and max(diffs.values()) < TOL, diffs
+    for result in run_on_ranks(world, _attention_on_rank, 2 * _MIN_TILE_ROWS * world, timeout=180):
+        diffs = result["diffs"]
+        assert len(diffs) == 48 and max(diffs.values()) < TOL, diffs
+        # the default path runs the fused CPU kernel, forward and backward; the plain one never
+        assert set(result["calls"]) == {("default", "forward"), ("default", "backward")}, result["calls"]
 
 
 # --------------------------------------------------------------------------- the Llama model on ranks

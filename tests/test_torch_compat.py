@@ -272,3 +272,30 @@ def test_package_imports_private_torch_names_only_through_compat():
                 if private.search(line) and not line.lstrip().startswith("#"):
                     offenders.append(f"{path.relative_to(repo)}:{lineno}: {line.strip()}")
     assert not offenders, "private torch names outside _torch_compat.py:\n" + "\n".join(offenders)
+
+
+def test_cpu_flash_attention_backward_is_sdpas_gradient():
+    """cpu_flash_attention's (out, lse) and cpu_flash_attention_backward's gradients are SDPA's
+    (grouped-query: 4 query heads over 2 key/value heads, causal)."""
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, heads, 6, 8, generator=gen, dtype=torch.float64) for heads in (4, 2, 2))
+    dout = torch.randn(2, 4, 6, 8, generator=gen, dtype=torch.float64)
+    out, lse = compat.cpu_flash_attention(q, k, v, True, 0.3)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, scale=0.3, enable_gqa=True)
+    ref.backward(dout)
+    scores = (q.unflatten(1, (2, 2)) @ k.unsqueeze(2).transpose(-1, -2)).flatten(1, 2) * 0.3
+    ref_lse = scores.masked_fill(torch.ones(6, 6, dtype=torch.bool).triu(1), float("-inf")).logsumexp(-1)
+    assert (out - ref).abs().max() < 1e-12 and (lse - ref_lse).abs().max() < 1e-12
+    grads = compat.cpu_flash_attention_backward(dout, q, k, v, out, lse, True, 0.3)
+    assert max((g - leaf.grad).abs().max().item() for g, leaf in zip(grads, leaves)) < 1e-12
+
+
+def test_cuda_efficient_attention_backward_on_meta_tensors():
+    """cuda_efficient_attention and its backward resolve and take these arguments (meta tensors:
+    shapes only; their numbers need a GPU)."""
+    q = torch.empty(2, 4, 40, 8, device="meta")
+    out, lse = compat.cuda_efficient_attention(q, q, q, True, 0.3)
+    assert out.shape == q.shape and lse.shape == (2, 4, 64)  # lse rows padded to a multiple of 32
+    grads = compat.cuda_efficient_attention_backward(out, q, q, q, out, lse, True, 0.3)
+    assert [g.shape for g in grads] == [q.shape] * 3
