@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 NPROC ?= 2
 
-.PHONY: install extras train test test-torch bench clean
+.PHONY: install extras train test test-all test-torch bench clean
 
 # A pip constraint holding the environment's installed torch (torch==<its version>, e.g.
 # 2.13.0+cpu), passed to every pip install of this package's extras: pyproject.toml's torch
@@ -40,6 +40,10 @@ train: install
 
 test: install
 	$(PY) -m pytest -q $(ARGS)
+
+# Every test, those marked slow included (each also covered by a faster one in `make test`).
+test-all: install
+	$(PY) -m pytest -q -m '' $(ARGS)
 
 # The suite on another torch version, in its own venv .venv-torch-<version> (not in CI):
 #   make test-torch TORCH=2.15.0 [ARGS="tests/fully_shard -x"]

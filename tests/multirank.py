@@ -140,12 +140,20 @@ class RankPool:
         return self._collect(timeout, what=getattr(fn, "__qualname__", repr(fn)))
 
     def close(self, force: bool = False) -> None:
-        for conn, proc in zip(self._conns, self._procs):
-            if not force:
-                try:
-                    conn.send(None)
-                except (BrokenPipeError, OSError):
-                    pass
+        if not force:
+            self.ask_to_stop()
+        self.join(force)
+
+    def ask_to_stop(self) -> None:
+        """Tell every rank to leave its loop (they exit on their own; :meth:`join` waits)."""
+        for conn in self._conns:
+            try:
+                conn.send(None)
+            except (BrokenPipeError, OSError):
+                pass
+
+    def join(self, force: bool = False) -> None:
+        """Wait for the ranks to exit (``force``: kill them at once), then forget them."""
         for proc in self._procs:
             proc.join(timeout=0 if force else 10)
             if proc.is_alive():
@@ -167,6 +175,8 @@ def run_on_ranks(world_size: int, fn: Callable, *args, timeout: float = 180.0, d
 
 
 def close_all_pools() -> None:
+    for pool in _POOLS.values():  # every pool's ranks exit at the same time
+        pool.ask_to_stop()
     for pool in _POOLS.values():
-        pool.close()
+        pool.join()
     _POOLS.clear()

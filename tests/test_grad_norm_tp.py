@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import copy
 import math
 
@@ -86,6 +88,7 @@ def _fsdp_tp_norms(norm_type: float):
     return norms, norm_diffs, grad_diffs
 
 
+@pytest.mark.slow  # FSDP x TP norms: the tests above
 def test_fsdp_tp_with_biases_norm_matches_torch():
     for norm_type in (2.0, math.inf):
         for norms, norm_diffs, grad_diffs in run_on_ranks(4, _fsdp_tp_norms, norm_type, timeout=180):

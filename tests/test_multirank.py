@@ -33,12 +33,14 @@ def test_results_in_rank_order(world):
     assert results == [(r, world, float(total)) for r in range(world)]
 
 
+@pytest.mark.slow  # the test harness's own recovery
 def test_failing_rank_traceback_is_surfaced_and_pool_recovers():
     with pytest.raises(RankError, match="boom on rank one"):
         run_on_ranks(2, _fail_on_rank_one, timeout=60)
     assert run_on_ranks(2, _all_reduce_rank)[0] == (0, 2, 1.0)
 
 
+@pytest.mark.slow  # the test harness's own recovery
 def test_timeout_kills_and_recovers():
     with pytest.raises(TimeoutError):
         run_on_ranks(2, _sleep, 30, timeout=2)

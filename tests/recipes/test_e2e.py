@@ -66,6 +66,7 @@ def test_loss_goes_down_with_progress_metrics_and_summary(reference):
     assert sorted(set(os.listdir(folder)) - {LOCK_FILE}) == ["step-12", "step-6"]
 
 
+@pytest.mark.slow  # HSDP resume: in-process in test_nd_resume.py
 def test_resume_on_hsdp_2x2_over_two_nodes_matches(reference, tmp_path):
     """Two torchrun agents ("nodes") x 2 ranks on loopback, c10d rendezvous, via scripts/train.sh."""
     ref_out, _ = reference

@@ -70,7 +70,7 @@ def _load(overrides: List[str]) -> Dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("saved, loaded", [
-    ((4, TP2_FSDP2), (4, HSDP2_TP2)),
+    pytest.param((4, TP2_FSDP2), (4, HSDP2_TP2), marks=pytest.mark.slow),  # HSDP x TP: the next case
     ((4, HSDP2_TP2), (2, FSDP2)),
     ((2, TP2_FSDP2 + ["parallel.dp_shard=1"]), (4, TP2_FSDP2)),
 ], ids=["tp2xfsdp2-to-hsdp2xtp2", "hsdp2xtp2-to-fsdp2", "tp2-to-tp2xfsdp2"])

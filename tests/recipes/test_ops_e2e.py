@@ -109,6 +109,7 @@ def stopped_then_resumed(corpus, reference, tmp_path_factory):
     return out, first, command, "".join(outputs)
 
 
+@pytest.mark.slow  # stop/resume: test_e2e.py, test_stop_and_resume.py
 def test_stop_after_steps_then_resume_on_prepared_tokens_matches_the_text_run(reference, stopped_then_resumed):
     ref_out, _ = reference
     out, first, command, resumed = stopped_then_resumed

@@ -4,6 +4,8 @@ recipe rank running."""
 
 from __future__ import annotations
 
+import pytest
+
 import os
 import signal
 import subprocess
@@ -78,6 +80,7 @@ def _alive(pid: int) -> bool:
         return False
 
 
+@pytest.mark.slow  # the test harness's own cleanup
 def test_interrupting_a_test_session_ends_the_ranks_it_started(tmp_path):
     (tmp_path / "test_inner.py").write_text(_INTERRUPTED_SESSION)
     pids_file = tmp_path / "pids"
