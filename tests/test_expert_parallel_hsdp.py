@@ -20,12 +20,11 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.expert_parallel import expert_meshes
-from hyper_parallel.models import build_moe
 from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.parallelize import (
     apply_activation_checkpointing, build_mesh, dp_mesh, shard_experts, shard_model)
-from tests.checkpoint.test_moe_checkpoint import WORLD, _loss, _tokens
+from tests.checkpoint.test_moe_checkpoint import WORLD, _loss, _tokens, meta_moe_float64
 from tests.multirank import run_on_ranks
 
 STEPS = 3
@@ -37,13 +36,7 @@ LAYOUTS = {"hsdp_ep2": (2, 2, 2), "fsdp_ep2": (1, 4, 2)}
 def build(layout: str, checkpointing: bool) -> MoETransformer:
     """moe_debug (aux loss on) in float64: sharded as ``layout`` by the recipe's functions, or
     ``"single"`` (one process)."""
-    default = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        with torch.device("meta"):
-            model = build_moe("moe_debug")
-    finally:
-        torch.set_default_dtype(default)
+    model = meta_moe_float64()
     if checkpointing:
         apply_activation_checkpointing(model)
     if layout != "single":

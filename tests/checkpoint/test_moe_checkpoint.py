@@ -31,16 +31,21 @@ SEQ, BATCH = 12, 2
 LOSS_TOL = 1e-10  # float64: the layouts sum the same products, at most in another order
 
 
-def build(layout: str, seed: int) -> MoETransformer:
-    """moe_debug in float64 under ``layout``: "ep4" / "ep2" (experts Shard(0) over ep, FSDP over
-    the other ranks, dense FSDP over all), "fsdp" (every rank), "hsdp" (2 x 2) or "single"."""
+def meta_moe_float64() -> MoETransformer:
+    """moe_debug in float64 on the meta device."""
     default = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
         with torch.device("meta"):
-            model = build_moe("moe_debug")
+            return build_moe("moe_debug")
     finally:
         torch.set_default_dtype(default)
+
+
+def build(layout: str, seed: int) -> MoETransformer:
+    """moe_debug in float64 under ``layout``: "ep4" / "ep2" (experts Shard(0) over ep, FSDP over
+    the other ranks, dense FSDP over all), "fsdp" (every rank), "hsdp" (2 x 2) or "single"."""
+    model = meta_moe_float64()
     if layout == "hsdp":
         mesh = init_device_mesh("cpu", (2, WORLD // 2), mesh_dim_names=("replicate", "shard"))
         for block in model.layers.values():

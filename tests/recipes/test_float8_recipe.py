@@ -24,6 +24,22 @@ def test_missing_torchao_is_one_clear_line(monkeypatch):
     assert preflight.package_problems(typed_config(compose_config(OVERRIDES[:-1]))) == []
 
 
+def _train_steps(model, cfg, steps: int, *, float8_scales: bool):
+    """``steps`` recipe steps of ``model`` on this rank's batches: the losses and the dtypes of
+    every collective's payload."""
+    opt = build_optimizer(model, cfg.optim)
+    loader = DistributedBatchLoader(MarkovSource(256, 16, seed=1), 8, dp_rank=dist.get_rank(),
+                                    dp_size=dist.get_world_size())
+    losses, gathered = [], set()
+    for _ in range(steps):
+        collectives.reset_collective_counts()
+        result = train_step(model, loader.next_batch(), opt, grad_accum_steps=1, max_grad_norm=1.0,
+                            float8_scales=float8_scales)
+        gathered |= {str(dtype) for _, dtype in collectives.collective_bytes()}
+        losses.append(float(result["loss"]))
+    return losses, sorted(gathered)
+
+
 def _float8_steps(recipe):
     torch.manual_seed(0)
     cfg = compose_config(OVERRIDES + [f"training.float8_recipe={recipe}"])
@@ -32,16 +48,7 @@ def _float8_steps(recipe):
     model = build_model(cfg.model, mesh=build_mesh(dims, "cpu"), device=cpu, seed=0, float8_recipe=recipe)
     names = sorted({type(m).__name__ for m in (model.layers["0"].attention.wq, model.layers["0"].feed_forward.w1,
                                               model.output)})
-    opt = build_optimizer(model, cfg.optim)
-    loader = DistributedBatchLoader(MarkovSource(256, 16, seed=1), 8, dp_rank=dist.get_rank(),
-                                    dp_size=dist.get_world_size())
-    losses, gathered = [], set()
-    for _ in range(4):
-        collectives.reset_collective_counts()
-        result = train_step(model, loader.next_batch(), opt, grad_accum_steps=1, max_grad_norm=1.0,
-                            float8_scales=recipe == "tensorwise")
-        gathered |= {str(dtype) for _, dtype in collectives.collective_bytes()}
-        losses.append(float(result["loss"]))
+    losses, gathered = _train_steps(model, cfg, 4, float8_scales=recipe == "tensorwise")
     scales = [local_tensor(m.weight)._precomputed_scale is not None for m in model.modules()
               if type(m).__name__ == "Float8Linear" and recipe == "tensorwise"]
     return names, losses, sorted(gathered), scales
@@ -74,17 +81,8 @@ def _moe_float8_steps(ep: int):
     float8 = {name: type(module).__name__ == "Float8Linear" for name, module in (
         ("wq", model.layers["0"].attention.wq), ("router", moe.router.gate), ("experts", moe.experts),
         ("output", model.output))}
-    opt = build_optimizer(model, cfg.optim)
-    loader = DistributedBatchLoader(MarkovSource(256, 16, seed=1), 8, dp_rank=dist.get_rank(),
-                                    dp_size=dist.get_world_size())
-    losses, gathered = [], set()
-    for _ in range(3):
-        collectives.reset_collective_counts()
-        result = train_step(model, loader.next_batch(), opt, grad_accum_steps=1, max_grad_norm=1.0,
-                            float8_scales=True)
-        gathered |= {str(dtype) for _, dtype in collectives.collective_bytes()}
-        losses.append(float(result["loss"]))
-    return float8, losses, sorted(gathered)
+    losses, gathered = _train_steps(model, cfg, 3, float8_scales=True)
+    return float8, losses, gathered
 
 
 def test_float8_on_a_mixture_of_experts_converts_the_dense_linears_only():
