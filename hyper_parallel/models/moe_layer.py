@@ -252,7 +252,7 @@ class MoE(nn.Module):
                 share = load_balance_loss(routing.probs, group_counts, self.top_k, tokens)
                 balance = share * dist.get_world_size(self.balance_group)
             self.balance_loss = balance.detach()
-            if torch.is_grad_enabled():
+            if training:
                 out = attach_aux_loss(out, balance * (self.aux_loss_weight * self.aux_loss_scale))
         return out
 

@@ -51,18 +51,14 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
         stats = MoEStepStatistics(list(model.moe_layers()), model.cfg.num_experts, batch.device)
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
-        if cp is not None:
-            with cp.context() as context:  # loss_parallel included: vocab-parallel logits under TP
-                loss = cp.loss(model, micro, context)
-                if stats is not None:  # (the MoE layers balance over the CP group: see set_balance_group)
-                    stats.add(model)
-                (loss / grad_accum_steps).backward()
-        else:  # the loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered
-            with loss_parallel():
-                loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:])
-                if stats is not None:  # (before backward: activation checkpointing reruns forwards)
-                    stats.add(model)
-                (loss / grad_accum_steps).backward()
+        # The loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered
+        # (cp.context() enters loss_parallel too).
+        with (cp.context() if cp is not None else loss_parallel()) as context:
+            loss = (cp.loss(model, micro, context) if cp is not None
+                    else cross_entropy(model(micro[:, :-1]), micro[:, 1:]))
+            if stats is not None:  # before backward: activation checkpointing reruns forwards
+                stats.add(model)
+            (loss / grad_accum_steps).backward()
         loss_sum = loss_sum + loss.detach()
     clip = max_grad_norm if max_grad_norm > 0 else float("inf")
     grad_norm = clip_grad_norm_(model.parameters(), clip)
