@@ -53,6 +53,8 @@ __all__ = [
     "foreach_mul_",
     "fsdp2_export_modules",
     "get_layout",
+    "grouped_mm",
+    "grouped_mm_dtypes",
     "init_fake_process_group",
     "local_tensor",
     "lookup_compile_backend",
@@ -69,6 +71,26 @@ __all__ = [
 chunk_cat = torch._chunk_cat
 # torch._foreach_mul_(tensors, scalar_tensor): one multi-tensor kernel (gradient clipping).
 foreach_mul_ = torch._foreach_mul_
+# torch._grouped_mm(a [rows, k], b [groups, k, n], offs=int32 cumulative row ends): one grouped
+# GEMM, group g multiplying rows offs[g-1]:offs[g] of ``a`` by ``b[g]``, forward and backward,
+# with the offsets on the device (no host sync). Its kernels read rows and weights through TMA
+# loads: every stride a multiple of 16 bytes (the group sizes themselves need no padding in
+# bf16 or fp32, as torchtitan 0.3.0 relies on; only float8/MX grouped GEMMs pad the groups).
+grouped_mm = torch._grouped_mm
+_GROUPED_MM_DTYPES = {
+    "cpu": (torch.float32, torch.bfloat16, torch.float16),
+    "cuda": (torch.bfloat16,),  # the fused kernel; other dtypes or GPUs run a per-group loop that syncs
+}
+
+
+def grouped_mm_dtypes(device: torch.device) -> Tuple[torch.dtype, ...]:
+    """The dtypes :data:`grouped_mm` runs on ``device`` as one kernel without a host sync
+    (empty: none). On CUDA that is bf16 on compute capability 9.0 or newer (torch's fused kernel)."""
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (9, 0):
+        return ()
+    return _GROUPED_MM_DTYPES.get(device.type, ())
+
+
 # Context manager: writes inside it do not bump a tensor's version counter (refilling the
 # unsharded parameters that autograd saved in forward).
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter

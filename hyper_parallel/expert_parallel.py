@@ -159,13 +159,13 @@ def _raise_on_problems(problems: List[int], widths: List[int], message: str, cou
     if problems[me] != _Problem.NONE:
         raise ValueError(f"expert parallel dispatch: {message}")
     bad = [r for r, p in enumerate(problems) if p != _Problem.NONE]
-    group_ranks = ep_mesh.mesh.flatten().tolist()
     if bad:
+        group_ranks = ep_mesh.mesh.flatten().tolist()
         raise ValueError(f"expert parallel dispatch: rank {group_ranks[bad[0]]} of the ep group "
                          f"{group_ranks} passed invalid tokens or counts (its own error says which)")
     if len(set(widths)) > 1:
         raise ValueError(f"expert parallel dispatch: the tokens' width differs across the ep group "
-                         f"{group_ranks}: {widths}")
+                         f"{ep_mesh.mesh.flatten().tolist()}: {widths}")
 
 
 def combine_tokens(y: Tensor, routing: Routing, ep_mesh: DeviceMesh) -> Tensor:

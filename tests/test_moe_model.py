@@ -168,7 +168,7 @@ def test_expert_bias_moves_towards_balance_and_changes_only_the_choice():
 
 def test_grouped_experts_refuse_counts_that_do_not_match():
     experts = _layer().experts
-    with pytest.raises(ValueError, match=r"6 non-negative counts summing to the 4 rows of x, got \[1, 1, 1, 0, 0, 0\]"):
+    with pytest.raises(ValueError, match=r"non-negative counts summing to the 4 rows of x, got \[1, 1, 1, 0, 0, 0\]"):
         experts(torch.zeros(4, DIM, dtype=torch.float64), torch.tensor([1, 1, 1, 0, 0, 0]))
     out = experts(torch.zeros(0, DIM, dtype=torch.float64), torch.zeros(EXPERTS, dtype=torch.long))
     assert out.shape == (0, DIM)

@@ -22,6 +22,7 @@ with ``tokens``).
 
 from __future__ import annotations
 
+import enum
 import math
 from typing import NamedTuple, Optional, Tuple
 
@@ -29,11 +30,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from hyper_parallel._torch_compat import grouped_mm, grouped_mm_dtypes
 from hyper_parallel.models.llama import FeedForward, _upcast
 
-__all__ = ["GroupedExperts", "MoE", "Routing", "TopKRouter", "attach_aux_loss", "checked_aux_loss_scale",
-           "group_token_counts", "load_balance_loss"]
+__all__ = ["ExpertMatmul", "GroupedExperts", "MoE", "Routing", "TopKRouter", "attach_aux_loss", "checked_aux_loss_scale",
+           "checkpoint_context", "expert_matmul", "group_token_counts", "load_balance_loss"]
 
 
 class Routing(NamedTuple):
@@ -75,38 +78,87 @@ class TopKRouter(nn.Module):
         return Routing(probs, experts, weights)
 
 
+class ExpertMatmul(enum.Enum):
+    """How :class:`GroupedExperts` multiplies each expert's rows by its weights."""
+
+    GROUPED_MM = "grouped_mm"  # one torch._grouped_mm per weight, offsets on the device (no host sync)
+    SPLIT = "split"            # the rows split on the host counts, one matmul per expert with rows (any dtype)
+
+
+def expert_matmul(x: torch.Tensor, *weights: torch.Tensor) -> ExpertMatmul:
+    """The one place the experts' matmul is chosen: grouped GEMM where the device and dtype
+    have it (``x`` and every weight of one dtype, every row stride a multiple of 16 bytes, as
+    its kernels load rows with TMA), else the split fallback (e.g. float64, or odd sizes)."""
+    dtype = x.dtype
+    if dtype not in grouped_mm_dtypes(x.device) or any(w.dtype != dtype for w in weights):
+        return ExpertMatmul.SPLIT
+    align = 16 // x.element_size()
+    aligned = all(t.shape[-1] % align == 0 and t.is_contiguous() and t.storage_offset() % align == 0
+                  for t in (x, *weights))
+    return ExpertMatmul.GROUPED_MM if aligned else ExpertMatmul.SPLIT
+
+
 class GroupedExperts(nn.Module):
     """``num_experts`` SwiGLU experts, their weights stacked on dim 0: ``w1``, ``w3``
     ``[num_experts, hidden_dim, dim]`` and ``w2`` ``[num_experts, dim, hidden_dim]`` (each
     expert's slice is laid out as an ``nn.Linear`` weight, out x in).
 
-    Expert ``e`` computes ``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))`` for each of its rows.
+    Expert ``e`` computes ``w2[e] @ (silu(w1[e] @ x) * (w3[e] @ x))`` for each of its rows, all
+    experts at once with grouped GEMM (:func:`expert_matmul` chooses; ``matmul`` set to an
+    :class:`ExpertMatmul` forces one, e.g. for a benchmark). Neither path indexes a weight per
+    expert, so the backward writes each weight's gradient once, whatever the number of experts.
     """
+
+    matmul: Optional[ExpertMatmul]
 
     def __init__(self, dim: int, hidden_dim: int, num_experts: int):
         super().__init__()
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim))
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim))
+        self.matmul = None
 
     def forward(self, x: torch.Tensor, num_tokens_per_expert: torch.Tensor) -> torch.Tensor:
-        """``x``: ``[N, dim]``, rows sorted by expert; ``num_tokens_per_expert``: int64, one count
-        per expert of dim 0, summing to ``N``. Returns ``[N, dim]`` in the rows' order.
+        """``x``: ``[N, dim]``, rows sorted by expert; ``num_tokens_per_expert``: integer, one
+        count per expert of dim 0 (on ``x``'s device), summing to ``N`` (the grouped path reads
+        them on the device only: their values are not checked there). Returns ``[N, dim]`` in
+        the rows' order.
 
         Raises:
-            ValueError: the counts do not match the experts or the rows.
+            ValueError: ``x`` is not 2-D or the counts are not one per expert.
         """
-        counts = num_tokens_per_expert.tolist()
-        if len(counts) != self.w1.shape[0] or sum(counts) != x.shape[0] or min(counts, default=0) < 0:
-            raise ValueError(f"num_tokens_per_expert must hold {self.w1.shape[0]} non-negative counts summing to "
-                             f"the {x.shape[0]} rows of x, got {counts}")
-        rows = torch.split(x, counts)
-        # Experts without tokens are skipped; with no tokens at all, expert 0 runs on the empty
-        # rows so that the weights still take part in autograd (zero gradients).
-        active = [e for e, count in enumerate(counts) if count] or [0]
-        outs = [F.linear(F.silu(F.linear(rows[e], self.w1[e])) * F.linear(rows[e], self.w3[e]), self.w2[e])
-                for e in active]
-        return outs[0] if len(outs) == 1 else torch.cat(outs)
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if x.dim() != 2 or num_tokens_per_expert.shape != (w1.shape[0],):
+            raise ValueError(f"GroupedExperts needs x [tokens, dim] and one count per expert ({w1.shape[0]}), got "
+                             f"x {tuple(x.shape)} and num_tokens_per_expert {tuple(num_tokens_per_expert.shape)}")
+        matmul = self.matmul or expert_matmul(x, w1, w2, w3)
+        if matmul is ExpertMatmul.GROUPED_MM:
+            offsets = torch.cumsum(num_tokens_per_expert, dim=0, dtype=torch.int32)
+            h = F.silu(grouped_mm(x, w1.transpose(-2, -1), offs=offsets))
+            h = h * grouped_mm(x, w3.transpose(-2, -1), offs=offsets)
+            return grouped_mm(h, w2.transpose(-2, -1), offs=offsets)
+        return _split_experts(x, num_tokens_per_expert, w1, w2, w3)
+
+
+def _split_experts(x: torch.Tensor, counts: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor,
+                   w3: torch.Tensor) -> torch.Tensor:
+    """The experts without grouped GEMM: the rows split by the counts (read on the host: one
+    sync on an accelerator), the weights by ``unbind`` (one view per expert, whose backward
+    stacks the experts' gradients into one tensor), a matmul chain per expert with rows.
+
+    Raises:
+        ValueError: the counts are negative or do not sum to the rows.
+    """
+    sizes = counts.tolist()
+    if sum(sizes) != x.shape[0] or min(sizes, default=0) < 0:
+        raise ValueError(f"num_tokens_per_expert must hold non-negative counts summing to the {x.shape[0]} rows "
+                         f"of x, got {sizes}")
+    rows, w1s, w2s, w3s = x.split(sizes), w1.unbind(0), w2.unbind(0), w3.unbind(0)
+    # Experts without rows are skipped; with no rows at all, expert 0 runs on the empty rows so
+    # that the weights still take part in autograd (zero gradients).
+    active = [e for e, size in enumerate(sizes) if size] or [0]
+    outs = [F.linear(F.silu(F.linear(rows[e], w1s[e])) * F.linear(rows[e], w3s[e]), w2s[e]) for e in active]
+    return outs[0] if len(outs) == 1 else torch.cat(outs)
 
 
 def load_balance_loss(probs: torch.Tensor, tokens_per_expert: torch.Tensor, top_k: int,
@@ -138,9 +190,27 @@ def group_token_counts(counts: torch.Tensor, tokens: int,
                        group: dist.ProcessGroup) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(counts, tokens)`` summed over ``group``'s ranks (one all-reduce, no autograd):
     int64 per-expert counts ``[num_experts]`` and a 0-dim token count. Collective."""
-    summed = torch.cat([counts.detach().to(torch.int64), counts.new_tensor([tokens], dtype=torch.int64)])
+    summed = torch.cat([counts.detach().to(torch.int64), counts.new_full((1,), tokens, dtype=torch.int64)])
     dist.all_reduce(summed, group=group)
     return summed[:-1], summed[-1]
+
+
+# Under activation checkpointing the routing is saved, not recomputed: a recomputed top-k that
+# differed from the forward's (ties, nondeterministic kernels, an expert bias changed in between)
+# would route other tokens (wrong gradients) or, under expert parallelism, change the
+# all-to-all sizes on one rank only (its peers then wait forever).
+_SAVED_UNDER_CHECKPOINT = frozenset({torch.ops.aten.topk.default})
+
+
+def _checkpoint_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in _SAVED_UNDER_CHECKPOINT else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def checkpoint_context():
+    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` around
+    blocks holding MoE layers: everything is recomputed except the routers' top-k (indices and
+    values), which the recomputation takes from the forward (torch's selective checkpointing)."""
+    return create_selective_checkpoint_contexts(_checkpoint_policy)
 
 
 class _AttachAuxLoss(torch.autograd.Function):
@@ -228,13 +298,16 @@ class MoE(nn.Module):
         x = x.reshape(-1, shape[-1])
         routing = self.router(x)
         pairs = routing.experts.flatten()
-        counts = torch.bincount(pairs, minlength=self.num_experts)
+        # Everything below stays on the device: no host sync without expert parallelism (a
+        # scatter-add where bincount would read the largest index on the host; index_select
+        # where boolean masks would size their output on the host).
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=pairs.device)
+        counts.scatter_add_(0, pairs, torch.ones_like(pairs))
         order = torch.argsort(pairs, stable=True)
-        routed = self.experts(x[order // self.top_k], counts)
-        weighted = routed * routing.weights.flatten()[order].unsqueeze(-1)
-        inverse = torch.empty_like(order)
-        inverse[order] = torch.arange(order.numel(), device=order.device)
-        out = weighted[inverse].view(x.shape[0], self.top_k, -1).sum(dim=1).type_as(x)
+        routed = self.experts(x.index_select(0, order // self.top_k), counts)
+        weighted = routed * routing.weights.flatten().index_select(0, order).unsqueeze(-1)
+        inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+        out = weighted.index_select(0, inverse).view(x.shape[0], self.top_k, shape[-1]).sum(dim=1).type_as(x)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         training = torch.is_grad_enabled()  # not a no_grad evaluation

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils.checkpoint import checkpoint
+from torch.utils.checkpoint import checkpoint, noop_context_fn
 
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
@@ -18,6 +18,7 @@ from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
 from hyper_parallel.models.hf_llama import load_pretrained
 from hyper_parallel.models.llama import LlamaConfig, Transformer
 from hyper_parallel.models.moe import MoEConfig, MoETransformer
+from hyper_parallel.models.moe_layer import checkpoint_context
 from hyper_parallel.parallel import apply_tensor_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
@@ -51,15 +52,17 @@ def apply_activation_checkpointing(model: Transformer) -> None:
     The block's ``forward`` is wrapped in place (no wrapper module), so parameter names and
     checkpoints are the same with and without it. The wrapper is a plain Python function (not a
     ``functools.partial`` of ``checkpoint``): a compiled block then has a frame for dynamo to
-    trace, which captures the checkpointed region in the block's graph.
+    trace, which captures the checkpointed region in the block's graph. A mixture of experts'
+    routing is saved, not recomputed (:func:`~hyper_parallel.models.moe_layer.checkpoint_context`).
     """
+    context_fn = checkpoint_context if isinstance(model, MoETransformer) else noop_context_fn
     for block in model.layers.values():
-        block.forward = _checkpointed(block.forward)
+        block.forward = _checkpointed(block.forward, context_fn)
 
 
-def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+def _checkpointed(forward: Callable[..., torch.Tensor], context_fn: Callable) -> Callable[..., torch.Tensor]:
     def checkpointed_forward(*args: Any) -> torch.Tensor:
-        return checkpoint(forward, *args, use_reentrant=False)
+        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
     return checkpointed_forward
 
 
