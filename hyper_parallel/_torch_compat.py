@@ -28,6 +28,9 @@ from torch.distributed.fsdp._fully_shard._fsdp_common import (  # noqa: F401  (r
     ShardPlacementResult,
 )
 from torch.serialization import _get_layout as get_layout  # noqa: F401
+# The base class of a mode that sees every aten op a block runs (torch exports it from no public
+# module; hyper_parallel.utils.host_reads counts the ops that read values on the host with it).
+from torch.utils._python_dispatch import TorchDispatchMode  # noqa: F401  (re-exported)
 
 __all__ = [
     "DTensorSpec",
@@ -35,6 +38,7 @@ __all__ = [
     "HSDPMeshInfo",
     "ShardPlacementResult",
     "TensorMeta",
+    "TorchDispatchMode",
     "chunk_cat",
     "compute_local_shape_and_global_offset",
     "cpu_flash_attention",

@@ -1,12 +1,13 @@
-"""The load-balancing loss split over the parts of the same sequences (context parallelism):
-the parts' shares sum to the whole sequences' loss and gradients, and MoE layers with a balance
-group of 2 gloo ranks, each holding half of every sequence, train as one layer on the whole
-sequences (float64)."""
+"""The load-balancing loss over the global micro-batch: the parts' shares sum to the whole
+batch's loss and gradients, and MoE layers whose balance group is every rank train as one layer
+on the global batch (float64) on any data-parallel x CP layout: 2 ranks as dp2 or cp2 (each
+rank half of every sequence), 4 ranks as dp4 or dp2 x cp2."""
 
 from __future__ import annotations
 
 from typing import Dict
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -47,8 +48,8 @@ def _layer() -> MoE:
 
 def _inputs():
     g = torch.Generator().manual_seed(1)
-    return (torch.randn(3, 10, DIM, generator=g, dtype=torch.float64),
-            torch.randn(3, 10, DIM, generator=g, dtype=torch.float64))
+    return (torch.randn(4, 10, DIM, generator=g, dtype=torch.float64),
+            torch.randn(4, 10, DIM, generator=g, dtype=torch.float64))
 
 
 def _step(moe: MoE, x: torch.Tensor, weights: torch.Tensor, scale: float) -> Dict[str, torch.Tensor]:
@@ -59,15 +60,19 @@ def _step(moe: MoE, x: torch.Tensor, weights: torch.Tensor, scale: float) -> Dic
     return {**grads, "balance_loss": moe.balance_loss.reshape(1), "tokens": moe.tokens_per_expert.clone()}
 
 
-def _cp_rank_step() -> Dict[str, torch.Tensor]:
+def _layout_rank_step(dp: int, cp: int) -> Dict[str, torch.Tensor]:
+    """Rank ``r`` holds data-parallel part ``r // cp`` of the sequences and CP part ``r % cp``
+    of their positions; its loss is its part's, times the ranks (the gradients are averaged)."""
     rank, size = dist.get_rank(), dist.get_world_size()
+    assert dp * cp == size
     moe = _layer()
     moe.set_balance_group(dist.group.WORLD)
     x, weights = _inputs()
-    part = x.shape[1] // size  # this rank's half of every sequence
-    rows = slice(rank * part, (rank + 1) * part)
-    result = _step(moe, x[:, rows], weights[:, rows], scale=size)
-    # As FSDP over the CP ranks: the gradients (and the reported loss) averaged, the counts summed.
+    seqs, positions = x.shape[0] // dp, x.shape[1] // cp
+    part = (slice((rank // cp) * seqs, (rank // cp + 1) * seqs), slice((rank % cp) * positions,
+                                                                        (rank % cp + 1) * positions))
+    result = _step(moe, x[part], weights[part], scale=size)
+    # As FSDP over the ranks: the gradients (and the reported loss) averaged, the counts summed.
     for name, value in result.items():
         dist.all_reduce(value)
         if name != "tokens":
@@ -75,9 +80,10 @@ def _cp_rank_step() -> Dict[str, torch.Tensor]:
     return result
 
 
-def test_a_balance_group_of_two_ranks_trains_as_the_whole_sequences():
+@pytest.mark.parametrize("ranks, dp, cp", [(2, 1, 2), (2, 2, 1), (4, 4, 1), (4, 2, 2)])
+def test_every_layout_balances_the_global_batch_as_one_process(ranks, dp, cp):
     whole = _step(_layer(), *_inputs(), scale=1)
-    split = run_on_ranks(2, _cp_rank_step, timeout=60)[0]
+    split = run_on_ranks(ranks, _layout_rank_step, dp, cp, timeout=180)[0]
     assert sorted(split) == sorted(whole)
     assert torch.equal(split["tokens"], whole["tokens"])
     for name in whole:

@@ -6,9 +6,7 @@ parallelism, one with it), the routing saved under activation checkpointing, and
 from __future__ import annotations
 
 import copy
-from collections import Counter
-from contextlib import contextmanager
-from typing import Dict, Iterator
+from typing import Dict
 
 import torch
 import torch.distributed as dist
@@ -16,12 +14,11 @@ import torch.nn.functional as F
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel.expert_parallel import ExpertParallel
 from hyper_parallel.models.moe_layer import ExpertMatmul, MoE, checkpoint_context, expert_matmul
+from hyper_parallel.utils.host_reads import counted_host_reads
 from tests.multirank import run_on_ranks
 
 DIM, HIDDEN, EXPERTS, TOP_K = 16, 24, 8, 2
@@ -83,55 +80,9 @@ def test_the_matmul_is_chosen_by_dtype_and_alignment():
 
 # --- device-to-host syncs ----------------------------------------------------------------------
 
-# The aten ops that read a device tensor's values on the host (on CUDA: a sync), and the Python
-# methods that do (``tolist`` reads memory directly, below the dispatcher).
-_SYNCING_OPS = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default,
-                torch.ops.aten.bincount.default, torch.ops.aten.masked_select.default,
-                torch.ops.aten.unique_dim.default, torch.ops.aten._unique2.default,
-                torch.ops.aten.unique_consecutive.default}
-_SYNCING_METHODS = {"tolist", "item", "__bool__", "__int__", "__float__", "__index__"}
-
-
-class _SyncCounter(TorchDispatchMode):
-    def __init__(self, counts: Counter):
-        super().__init__()
-        self.counts = counts
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in _SYNCING_OPS:
-            self.counts[str(func)] += 1
-        elif func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
-            self.counts[str(func)] += 1  # sizes its output from the repeats' sum
-        elif func is torch.ops.aten.index.Tensor and any(
-                i is not None and i.dtype == torch.bool for i in args[1]):
-            self.counts["boolean index"] += 1
-        return func(*args, **kwargs)
-
-
-class _MethodCounter(TorchFunctionMode):
-    def __init__(self, counts: Counter):
-        super().__init__()
-        self.counts = counts
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if getattr(func, "__name__", None) in _SYNCING_METHODS:
-            self.counts[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
-
-@contextmanager
-def counted_syncs() -> Iterator[Counter]:
-    """The host reads of tensor values (what is a device-to-host sync on an accelerator) inside
-    the block, by op or method."""
-    counts: Counter = Counter()
-    with _MethodCounter(counts), _SyncCounter(counts):
-        yield counts
-
-
-def test_the_sync_counter_sees_the_syncs_it_must_catch():
+def test_the_host_read_counter_sees_the_syncs_it_must_catch():
     t = torch.tensor([1, 2, 0])
-    with counted_syncs() as counts:
+    with counted_host_reads() as counts:
         t.tolist(), t.sum().item(), torch.bincount(t), t[t > 0], t.nonzero(), torch.repeat_interleave(t)
         bool(t[0])
     assert set(counts) == {"tolist", "item", "__bool__", "aten.bincount.default", "boolean index",
@@ -141,7 +92,7 @@ def test_the_sync_counter_sees_the_syncs_it_must_catch():
 def test_a_moe_layer_reads_nothing_on_the_host_without_expert_parallelism():
     moe = _layer(torch.float32, aux_loss_weight=0.1, shared_hidden_dim=8)
     x = _tokens(30, torch.float32).view(2, 15, DIM)
-    with counted_syncs() as counts:
+    with counted_host_reads() as counts:
         (moe(x) * 0.5).sum().backward()
     assert not counts, counts
 
@@ -161,9 +112,9 @@ def _ep_zero_tokens_and_syncs() -> Dict[str, object]:
     parallelize_module(moe.experts, init_device_mesh("cpu", (world,), mesh_dim_names=("ep",)), ExpertParallel())
     x, cotangent = _rank_tokens(rank, torch.float32)
     x.requires_grad_(True)
-    with counted_syncs() as forward_syncs:
+    with counted_host_reads() as forward_syncs:
         y = moe(x)
-    with counted_syncs() as backward_syncs:
+    with counted_host_reads() as backward_syncs:
         y.backward(cotangent)
     grads = {name: (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
              for name, p in moe.named_parameters()}

@@ -299,3 +299,11 @@ def test_cuda_efficient_attention_backward_on_meta_tensors():
     assert out.shape == q.shape and lse.shape == (2, 4, 64)  # lse rows padded to a multiple of 32
     grads = compat.cuda_efficient_attention_backward(out, q, q, q, out, lse, True, 0.3)
     assert [g.shape for g in grads] == [q.shape] * 3
+
+
+def test_grouped_mm_and_grouped_mm_dtypes():
+    assert torch.float32 in compat.grouped_mm_dtypes(torch.device("cpu"))
+    assert torch.float64 not in compat.grouped_mm_dtypes(torch.device("cpu"))
+    a, b = torch.randn(5, 8), torch.randn(2, 8, 4)
+    out = compat.grouped_mm(a, b, offs=torch.tensor([2, 5], dtype=torch.int32))  # groups of 2 and 3 rows
+    torch.testing.assert_close(out, torch.cat([a[:2] @ b[0], a[2:] @ b[1]]))

@@ -20,18 +20,27 @@ class DistributedBatchLoader:
     same global batches, and a loader restored from :meth:`state_dict` continues exactly where
     the saved one stopped, whatever the new number of ranks.
 
+    ``micro_batches`` ``M`` (the steps' gradient accumulation): the global batch is cut into
+    ``M`` global micro-batches of ``G/M`` consecutive rows first, and rank ``r`` takes its
+    ``1/D`` of each, in order; so the ``m``-th ``1/M`` of every rank's slice (the ``m``-th
+    micro-step) holds, over all ranks, the same rows whatever ``D`` (what a mixture of experts
+    balances over: see :meth:`~hyper_parallel.models.moe_layer.MoE.set_balance_group`).
+
     Raises:
-        ValueError: ``global_batch_size`` not divisible by ``dp_size`` or a rank out of range.
+        ValueError: ``global_batch_size`` not divisible by ``dp_size x micro_batches`` or a rank
+            out of range.
     """
 
     def __init__(self, source: TokenSource, global_batch_size: int, *, dp_rank: int = 0,
-                 dp_size: int = 1, seed: int = 0, shuffle: bool = True):
-        if global_batch_size % dp_size:
-            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by {dp_size} data-parallel ranks")
+                 dp_size: int = 1, seed: int = 0, shuffle: bool = True, micro_batches: int = 1):
+        if global_batch_size % (dp_size * micro_batches):
+            raise ValueError(f"global_batch_size={global_batch_size} is not divisible by {dp_size} data-parallel ranks"
+                             + (f" x {micro_batches} micro-batches" if micro_batches > 1 else ""))
         if not 0 <= dp_rank < dp_size:
             raise ValueError(f"dp_rank={dp_rank} is outside dp_size={dp_size}")
         self.source, self.global_batch_size = source, global_batch_size
         self.dp_rank, self.dp_size, self.seed, self.shuffle = dp_rank, dp_size, seed, shuffle
+        self.micro_batches = micro_batches
         self.batches_consumed = 0
         self._perm_epoch: Optional[int] = None
         self._perm: Optional[torch.Tensor] = None
@@ -55,8 +64,11 @@ class DistributedBatchLoader:
     def peek(self) -> torch.Tensor:
         """This rank's ``(local_batch_size, seq_len + 1)`` slice of the next global batch,
         without moving past it (see :meth:`advance`)."""
-        first = self.batches_consumed * self.global_batch_size + self.dp_rank * self.local_batch_size
-        return self.source.samples([self._sample_index(p) for p in range(first, first + self.local_batch_size)])
+        micro = self.global_batch_size // self.micro_batches  # rows of one global micro-batch
+        part = micro // self.dp_size  # this rank's rows of it
+        start = self.batches_consumed * self.global_batch_size + self.dp_rank * part
+        positions = [start + m * micro + i for m in range(self.micro_batches) for i in range(part)]
+        return self.source.samples([self._sample_index(p) for p in positions])
 
     def advance(self) -> None:
         """Count the next global batch as consumed (the position a checkpoint records)."""

@@ -210,10 +210,10 @@ class MoETransformer(nn.Module):
 
     def set_balance_group(self, group: Optional[dist.ProcessGroup]) -> None:
         """Balance each forward's tokens together with those of ``group``'s ranks, which hold
-        the other parts of the same sequences (context parallelism: the CP group), as one
-        forward of the whole sequences would (:meth:`MoE.set_balance_group`); None (default):
-        each forward balances its own. Each rank's :meth:`aux_loss` is then ``group size x``
-        its share, whose mean over the group is the whole sequences' loss."""
+        the other parts of the same global micro-batch (the data-parallel ranks, x CP), as one
+        forward of that micro-batch would (:meth:`MoE.set_balance_group`); None (default): each
+        forward balances its own. Each rank's :meth:`aux_loss` is then ``group size x`` its
+        share, whose mean over the group is the global micro-batch's loss."""
         for moe in self.moe_layers().values():
             moe.set_balance_group(group)
 

@@ -13,11 +13,13 @@ with :func:`attach_aux_loss`, whose backward injects the loss's gradient, ``aux_
 (the factor the caller's loss is scaled by before ``backward``, e.g. ``1 / grad_accum``). So
 the aux loss needs nothing from the loss function, and works under a pipeline schedule.
 
-Under context parallelism each rank holds a part of every sequence; the ranks of a *balance
-group* (:meth:`MoE.set_balance_group`) then balance their tokens together, as one forward of
-the whole sequences would: the loss is linear in each part's probabilities, so each rank
-computes its part's share of it from the group's summed counts (:func:`load_balance_loss`
-with ``tokens``).
+Balancing over the global batch: with a *balance group* (:meth:`MoE.set_balance_group`, in
+training every data-parallel rank, x CP) the ranks balance the tokens of each micro-step
+together, as one forward of the global micro-batch (all ranks' tokens of that micro-step)
+would: the per-expert counts and token numbers are summed over the group (one all-reduce, no
+gradient), and since the loss is linear in each token's probabilities, each rank computes its
+tokens' share of it (:func:`load_balance_loss` with ``tokens``). The objective is then the
+same on every data-parallel / CP layout of the same global micro-batches.
 """
 
 from __future__ import annotations
@@ -265,12 +267,13 @@ class MoE(nn.Module):
     (default 1) must be the factor that loss is multiplied by before ``backward`` (e.g.
     ``1 / grad_accum``); set it with :meth:`set_aux_loss_scale`.
 
-    With a balance group (:meth:`set_balance_group`, the context-parallel ranks holding the
-    other parts of the same sequences) the group's ranks balance their tokens together: the
-    counts and token numbers are summed over the group, each rank's ``balance_loss`` is
-    ``group size x`` its part's share (:func:`load_balance_loss` with ``tokens``), so the
-    group's mean of ``balance_loss`` and gradients, as data-parallel averaging takes them, are
-    the loss and gradients of the whole sequences. ``tokens_per_expert`` stays this rank's own.
+    With a balance group (:meth:`set_balance_group`: the data-parallel and CP ranks that run the
+    same micro-step, each on its part of the global micro-batch) the group's ranks balance their
+    tokens together: the counts and token numbers are summed over the group, each rank's
+    ``balance_loss`` is ``group size x`` its tokens' share (:func:`load_balance_loss` with
+    ``tokens``), so the group's mean of ``balance_loss`` and gradients, as data-parallel
+    averaging takes them, are the loss and gradients of the global micro-batch, whatever the
+    layout. ``tokens_per_expert`` stays this rank's own.
     """
 
     shared_expert: Optional[FeedForward]
@@ -340,9 +343,10 @@ class MoE(nn.Module):
         self.aux_loss_scale = checked_aux_loss_scale(scale)
 
     def set_balance_group(self, group: Optional[dist.ProcessGroup]) -> None:
-        """The ranks whose tokens this layer balances together (each rank's forward a part of
-        the same sequences, e.g. the context-parallel group; all must run every forward, which
-        all-reduces the counts over them); None: each forward balances its own tokens."""
+        """The ranks whose tokens this layer balances together: the ranks whose forwards are
+        parts of one global micro-batch (in training every data-parallel rank, x CP; all must
+        run every forward, which all-reduces the counts over them); None: each forward balances
+        its own tokens."""
         self.balance_group = group
 
     @torch.no_grad()

@@ -85,6 +85,17 @@ class SequenceSplit:
         return self.token_loss(model(cp.shard(batch[:, :-1])), cp.shard(batch[:, 1:]))
 
 
+def data_parallel_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:
+    """The process group of every data-parallel rank of ``mesh`` (replicate x shard x cp: the
+    ranks whose gradients FSDP averages; not pp or tp), None when there is only this rank."""
+    names = _data_parallel_names(mesh)
+    if not names or mesh[names].size() == 1:
+        return None
+    if len(names) == 1:
+        return mesh[names[0]].get_group()
+    return flatten_mesh(mesh[names], "dp_cp" if "cp" in names else "dp").get_group()
+
+
 def split_sequences(mesh: DeviceMesh, rotate: str) -> Optional[SequenceSplit]:
     """The :class:`SequenceSplit` of a mesh with a ``cp`` dim (see ``build_mesh``); None without one."""
     if "cp" not in mesh.mesh_dim_names:

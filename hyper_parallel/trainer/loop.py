@@ -43,11 +43,15 @@ T = TypeVar("T")
 
 def build_loader(cfg: TrainConfig, vocab_size: int, dp_rank: int, dp_size: int,
                  source: Optional[TokenSource] = None) -> DistributedBatchLoader:
-    """The data loader of this rank over ``source`` (default: the training split of ``data``)."""
+    """The data loader of this rank over ``source`` (default: the training split of ``data``),
+    each global batch cut into the global micro-batches of the steps' forwards first (gradient
+    accumulation x pipeline micro-batches), so those hold the same rows on every layout."""
     if source is None:
         source = build_sources(cfg, vocab_size, with_val=False).train
+    pipeline = cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1
     return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                                  seed=cfg.training.seed, shuffle=cfg.data.shuffles())
+                                  seed=cfg.training.seed, shuffle=cfg.data.shuffles(),
+                                  micro_batches=cfg.training.grad_accum_steps * pipeline)
 
 
 def _load_data(cfg: TrainConfig, dims: ParallelDims, rank: int,

@@ -23,7 +23,7 @@ from hyper_parallel.parallel import apply_tensor_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import ModelConfig, llama_config, model_config
-from hyper_parallel.trainer.context import check_attention, dp_cp_mesh
+from hyper_parallel.trainer.context import check_attention, data_parallel_group, dp_cp_mesh
 from hyper_parallel.trainer.float8 import convert_to_float8
 
 
@@ -138,8 +138,8 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
 
     A mixture of experts (``model.moe``) with ``ep > 1`` gets expert parallelism over the
     mesh's ``shard`` dim (``dp_shard x cp`` with a ``cp`` dim) first (:func:`shard_experts`);
-    with a ``cp`` dim its MoE layers balance each sequence's tokens over the CP group
-    (:meth:`~hyper_parallel.models.moe.MoETransformer.set_balance_group`).
+    its MoE layers balance each micro-step's tokens over all data-parallel ranks (x CP), the
+    global micro-batch (:meth:`~hyper_parallel.models.moe.MoETransformer.set_balance_group`).
 
     Order (torchtitan's): tensor parallelism over ``mesh["tp"]`` when the mesh has that dim,
     float8 conversion with ``float8_recipe`` (None: none), activation checkpointing, per-block
@@ -176,8 +176,8 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
     context_parallel = mesh is not None and "cp" in mesh.mesh_dim_names
     if context_parallel:
         check_attention(model)
-        if isinstance(model, MoETransformer):  # the CP ranks of a sequence balance its tokens together
-            model.set_balance_group(mesh["cp"].get_group())
+    if isinstance(model, MoETransformer) and mesh is not None:  # balance each global micro-batch
+        model.set_balance_group(data_parallel_group(mesh))
     tensor_parallel = mesh is not None and "tp" in mesh.mesh_dim_names
     if tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"])

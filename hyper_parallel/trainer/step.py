@@ -39,8 +39,9 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     all-gathers' float8 scales of all tensorwise float8 weights with one all-reduce. ``cp``:
     context parallelism (``batch`` is the same on every CP rank; each computes its part of the
     sequences, forward and backward under the CP context; ``loss`` is then this rank's share of
-    the mean over the data-parallel x CP group, see :class:`SequenceSplit`; a mixture of experts'
-    ``aux_loss`` is then ``cp x`` this rank's share of its CP group's balancing loss: see
+    the mean over the data-parallel x CP group, see :class:`SequenceSplit`). A mixture of
+    experts balances each micro-step over all data-parallel (x CP) ranks: its ``aux_loss`` is
+    then ``ranks x`` this rank's share of the global micro-batch's balancing loss (see
     :meth:`~hyper_parallel.models.moe.MoETransformer.set_balance_group`).
     """
     micro_batches = batch.chunk(grad_accum_steps)

@@ -105,3 +105,18 @@ def test_bad_data_is_reported(tmp_path):
     loader = DistributedBatchLoader(source, 8)
     with pytest.raises(ValueError, match="global_batch_size: saved 4"):
         loader.load_state_dict({**loader.state_dict(), "global_batch_size": 4})
+
+
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_each_micro_step_holds_the_same_rows_on_any_number_of_ranks(world):
+    # 8 samples, 2 micro-batches: micro-step m of every layout is rows 4m..4m+3 of the global batch
+    # (what a mixture of experts balances together), the ranks' parts in rank order.
+    source = MarkovSource(32, 8, seed=1)
+    whole = DistributedBatchLoader(source, 8, seed=3).next_batch()
+    slices = [DistributedBatchLoader(source, 8, dp_rank=r, dp_size=world, seed=3, micro_batches=2).next_batch()
+              for r in range(world)]
+    for m in range(2):
+        micro_step = torch.cat([part.chunk(2)[m] for part in slices])
+        assert torch.equal(micro_step, whole[4 * m:4 * m + 4]), (world, m)
+    with pytest.raises(ValueError, match="global_batch_size=8 is not divisible by 4 data-parallel ranks x 4 micro-batches"):
+        DistributedBatchLoader(source, 8, dp_size=4, micro_batches=4)

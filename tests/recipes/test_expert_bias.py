@@ -34,18 +34,18 @@ def _biases(folder: str) -> List[torch.Tensor]:
 
 def test_expert_bias_moves_with_the_global_counts_and_resumes(tmp_path):
     two, one, resumed = (str(tmp_path / name) for name in ("two", "one", "resumed"))
-    # Two ranks with ep=2 against one process running their halves as micro-batches: the same
+    # Two ranks with ep=2 against one process on the same batches: the same
     # biases (the counts are summed over the data-parallel ranks, not each rank's own), with an
     # evaluation after every step (its forwards do not count).
     run_on_ranks(2, _train, [f"output_dir={two}", "parallel.ep=2"], timeout=180)
-    run_on_ranks(1, _train, [f"output_dir={one}", "training.grad_accum_steps=2"], timeout=180)
+    run_on_ranks(1, _train, [f"output_dir={one}"], timeout=180)
     assert sorted(last_loss_per_step(two)) == [1, 2, 3, 4]
     assert_losses_match(last_loss_per_step(one), last_loss_per_step(two), rel=1e-5)
     for a, b in zip(_biases(f"{one}/checkpoints/step-4"), _biases(f"{two}/checkpoints/step-4")):
         assert a.abs().sum() > 0 and torch.allclose(a, b, rtol=0, atol=1e-6), (a, b)
     # The step-2 biases are in the checkpoint: a resumed run continues the uninterrupted losses.
-    run_on_ranks(1, _train, [f"output_dir={resumed}", "training.grad_accum_steps=2",
-                             f"checkpoint.load_from={two}/checkpoints/step-2"], timeout=180)
+    run_on_ranks(1, _train, [f"output_dir={resumed}", f"checkpoint.load_from={two}/checkpoints/step-2"],
+                 timeout=180)
     assert_losses_match(last_loss_per_step(two), last_loss_per_step(resumed), range(3, 5), rel=1e-5)
 
 

@@ -53,12 +53,12 @@ def test_cp2_trains_the_one_process_curve_and_resumes_without_cp(tmp_path):
 
 
 def test_cp2_ep2_on_four_ranks_trains_the_one_process_curve(tmp_path):
-    # dp_shard=2 x cp=2: the experts over ep=2 of the 4 dp_shard x cp ranks (efsdp 2). One
-    # process runs the 2 data-parallel ranks' halves of the batch as micro-batches. With
-    # DeepSeek's expert bias as well (its counts summed over every rank).
+    # dp_shard=2 x cp=2: the experts over ep=2 of the 4 dp_shard x cp ranks (efsdp 2). The 4
+    # ranks balance the global batch together: one process on the same batch trains the same.
+    # With DeepSeek's expert bias as well (its counts summed over every rank).
     ref, cpep = str(tmp_path / "ref"), str(tmp_path / "cpep")
     bias = ["model.moe.expert_bias_update_rate=0.001"]
-    run_on_ranks(1, _train, [f"output_dir={ref}", "training.grad_accum_steps=2", *bias], timeout=180)
+    run_on_ranks(1, _train, [f"output_dir={ref}", *bias], timeout=180)
     run_on_ranks(4, _train, [f"output_dir={cpep}", "parallel.cp=2", "parallel.ep=2", *bias], timeout=300)
     assert sorted(last_loss_per_step(cpep)) == [1, 2, 3, 4]
     _assert_records_match(ref, cpep, range(1, 5))

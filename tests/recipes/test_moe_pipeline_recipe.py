@@ -48,12 +48,13 @@ def _assert_records_match(ref: str, run: str, steps: range) -> None:
 
 def test_an_ep4_checkpoint_resumes_on_pp2_x_ep2_on_the_one_process_curve(tmp_path):
     ref, ep4, ppep = (str(tmp_path / name) for name in ("ref", "ep4", "ppep"))
-    # One process: 4 micro-batches per step, the 4 data-parallel ranks' batches of the EP4 run,
-    # and the 2 data-parallel ranks x 2 pipeline micro-batches of the PP run (each forward
-    # balances its own tokens).
-    run_on_ranks(1, _train, [f"output_dir={ref}", "training.grad_accum_steps=4"], timeout=180)
+    # One process: 2 micro-batches per step, the 2 global micro-batches of the EP4 run (2
+    # accumulation steps) and of the PP run (2 pipeline micro-batches), each balanced over all
+    # data-parallel ranks.
+    run_on_ranks(1, _train, [f"output_dir={ref}", "training.grad_accum_steps=2"], timeout=180)
     # ep=4 over the 4 dp_shard ranks (2 experts each), stopped after step 2.
-    run_on_ranks(4, _train, [f"output_dir={ep4}", "parallel.ep=4", "training.stop_after_steps=2"], timeout=240)
+    run_on_ranks(4, _train, [f"output_dir={ep4}", "parallel.ep=4", "training.grad_accum_steps=2",
+                             "training.stop_after_steps=2"], timeout=240)
     assert sorted(last_loss_per_step(ep4)) == [1, 2]
     _assert_records_match(ref, ep4, range(1, 3))
     assert read_metrics(ep4)[0]["aux_loss"] > 0

@@ -28,10 +28,10 @@ def _train(overrides: List[str]) -> None:
 
 
 def test_fsdp2_matches_one_process_with_the_aux_loss(tmp_path):
-    # Each rank balances its own tokens, so one process with two micro-batches (the two ranks'
-    # halves of the batch) is the same training as FSDP on 2 ranks.
+    # The ranks balance the global batch together, so one process on the same batch is the same
+    # training as FSDP on 2 ranks.
     one, two = str(tmp_path / "one"), str(tmp_path / "two")
-    run_on_ranks(1, _train, [f"output_dir={one}", "training.grad_accum_steps=2"], timeout=180)
+    run_on_ranks(1, _train, [f"output_dir={one}"], timeout=180)
     run_on_ranks(2, _train, [f"output_dir={two}"], timeout=180)
     expected = last_loss_per_step(one)
     assert sorted(expected) == [1, 2, 3, 4] and expected[4] < expected[1]
@@ -44,8 +44,7 @@ def test_fsdp2_matches_one_process_with_the_aux_loss(tmp_path):
         assert 1 < a["expert_load"] <= 8 / 2 and abs(a["expert_load"] - b["expert_load"]) < 1e-9, (a, b)
     # The aux loss is in the backward: without it the same run trains differently.
     plain = str(tmp_path / "plain")
-    run_on_ranks(1, _train, [f"output_dir={plain}", "training.grad_accum_steps=2", "model.moe.aux_loss_weight=0"],
-                 timeout=180)
+    run_on_ranks(1, _train, [f"output_dir={plain}", "model.moe.aux_loss_weight=0"], timeout=180)
     unbalanced = last_loss_per_step(plain)
     assert unbalanced[1] == expected[1] and abs(unbalanced[4] - expected[4]) > 1e-5 * expected[4]
 
@@ -119,9 +118,8 @@ def test_resume_an_ep2_checkpoint_on_one_process(tmp_path):
     assert layout(validate_config(compose_config([*MOE, "parallel.ep=2"]), 2).cfg, ParallelDims(1, 2)) == \
         "mesh 2 (shard), experts over ep 2 x efsdp 1, fp32"
     run_on_ranks(2, _train, [f"output_dir={ep2}", "parallel.ep=2", "training.stop_after_steps=2"], timeout=180)
-    # One process, the two ranks' halves as micro-batches (each balances its own tokens).
-    run_on_ranks(1, _train, [f"output_dir={one}", "training.grad_accum_steps=2",
-                             f"checkpoint.load_from={ep2}/checkpoints/step-2"], timeout=180)
+    # One process, the same settings (the global batch balanced as the two ranks balanced it).
+    run_on_ranks(1, _train, [f"output_dir={one}", f"checkpoint.load_from={ep2}/checkpoints/step-2"], timeout=180)
     assert sorted(last_loss_per_step(ep2)) == [1, 2] and sorted(last_loss_per_step(one)) == [3, 4]
     assert_losses_match(last_loss_per_step(ref), last_loss_per_step(one), range(3, 5), rel=1e-5)
     # The experts (and their optimizer moments) are saved as global [num_experts, ...] tensors.
@@ -146,9 +144,8 @@ def test_ep_with_hsdp_matches_ep1_and_resumes_on_one_process(tmp_path):
     assert_losses_match(expected, last_loss_per_step(ep2), rel=1e-5)
     norms = [(a["grad_norm"], b["grad_norm"]) for a, b in zip(read_metrics(ep1), read_metrics(ep2))]
     assert len(norms) == 4 and all(abs(a - b) <= 1e-5 * a for a, b in norms), norms
-    # Its step-2 checkpoint resumes on one process (the 4 ranks' quarters as micro-batches, each
-    # balancing its own tokens) and continues the uninterrupted curve.
-    run_on_ranks(1, _train, [f"output_dir={one}", "training.grad_accum_steps=4",
-                             f"checkpoint.load_from={ep2}/checkpoints/step-2"], timeout=180)
+    # Its step-2 checkpoint resumes on one process with the same settings (the global batch
+    # balanced as the 4 ranks balanced it) and continues the uninterrupted curve.
+    run_on_ranks(1, _train, [f"output_dir={one}", f"checkpoint.load_from={ep2}/checkpoints/step-2"], timeout=180)
     assert sorted(last_loss_per_step(one)) == [3, 4]
     assert_losses_match(expected, last_loss_per_step(one), range(3, 5), rel=1e-5)
