@@ -308,9 +308,12 @@ class MoE(nn.Module):
         counts.scatter_add_(0, pairs, torch.ones_like(pairs))
         order = torch.argsort(pairs, stable=True)
         routed = self.experts(x.index_select(0, order // self.top_k), counts)
-        weighted = routed * routing.weights.flatten().index_select(0, order).unsqueeze(-1)
         inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
-        out = weighted.index_select(0, inverse).view(x.shape[0], self.top_k, shape[-1]).sum(dim=1).type_as(x)
+        # Back in token order, each token's top_k outputs weighted and summed by one batched
+        # matmul (in at least float32, as the weights).
+        dtype = torch.promote_types(routed.dtype, routing.weights.dtype)
+        unsorted = routed.index_select(0, inverse).view(x.shape[0], self.top_k, shape[-1]).to(dtype)
+        out = torch.bmm(routing.weights.to(dtype).unsqueeze(1), unsorted).squeeze(1).type_as(x)
         if self.shared_expert is not None:
             out = out + self.shared_expert(x)
         training = torch.is_grad_enabled()  # not a no_grad evaluation

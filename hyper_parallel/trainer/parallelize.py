@@ -46,16 +46,19 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh if names == mesh.mesh_dim_names else mesh[names]
 
 
-def apply_activation_checkpointing(model: Transformer) -> None:
+def apply_activation_checkpointing(model: Transformer, *, compiled: bool = False) -> None:
     """Recompute each block's activations during backward.
 
     The block's ``forward`` is wrapped in place (no wrapper module), so parameter names and
     checkpoints are the same with and without it. The wrapper is a plain Python function (not a
     ``functools.partial`` of ``checkpoint``): a compiled block then has a frame for dynamo to
     trace, which captures the checkpointed region in the block's graph. A mixture of experts'
-    routing is saved, not recomputed (:func:`~hyper_parallel.models.moe_layer.checkpoint_context`).
+    routing is saved, not recomputed (:func:`~hyper_parallel.models.moe_layer.checkpoint_context`),
+    unless the blocks are ``compiled`` (torch's selective checkpointing does not replay a
+    compiled MoE block, whose graph breaks run other ops in the recomputation: there the
+    routing is recomputed).
     """
-    context_fn = checkpoint_context if isinstance(model, MoETransformer) else noop_context_fn
+    context_fn = checkpoint_context if isinstance(model, MoETransformer) and not compiled else noop_context_fn
     for block in model.layers.values():
         block.forward = _checkpointed(block.forward, context_fn)
 
@@ -187,10 +190,10 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
     fullgraph = not (context_parallel or isinstance(model, MoETransformer))
     if (tensor_parallel or not fullgraph) and compile_backend is not None and model_cfg.activation_checkpointing:
         compile_block_forwards(model, compile_backend, fullgraph=fullgraph)  # checkpointing around the compiled code
-        apply_activation_checkpointing(model)
+        apply_activation_checkpointing(model, compiled=True)
     else:
         if model_cfg.activation_checkpointing:
-            apply_activation_checkpointing(model)
+            apply_activation_checkpointing(model, compiled=compile_backend is not None)
         if compile_backend is not None:
             compile_blocks(model, compile_backend, fullgraph=fullgraph)
     if mesh is not None and ep > 1:
