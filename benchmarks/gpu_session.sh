@@ -17,7 +17,7 @@
 # gloo ranks on the CPU cores (ring attention and the Llama model under CP, exact against one
 # process, and the recipe's CP runs), checked on that machine's CUDA build of torch.
 #
-#   benchmarks/gpu_session.sh accel|cp|tests|step|checkpoint|all
+#   benchmarks/gpu_session.sh accel|cp|tests|step|checkpoint|moe|all
 #
 # Logs go to $OUT (the device tool's output folder; default ./gpu_out): one log per run and
 # summary.txt with each command and its exit status. On the GPU machine the recipe's three
@@ -98,10 +98,20 @@ checkpoint | all)
         run "checkpoint_io_verify_$verify" "$PY" benchmarks/checkpoint_io.py --device cuda --gb 2 --reps 2 \
             --verify "$verify" --dir /tmp/hp_ckpt_bench
     done
+    ;;&
+cp | tests | step) ;;&
+# ---- MoE layer (appended block; `moe` alone, or within `all`) ------------------------------
+# One process, one GPU, bf16: the host syncs of one MoE layer step counted under
+# torch.cuda.set_sync_debug_mode("warn") (expected 0: no expert parallelism), and its step
+# time with the experts as grouped GEMM (torch._grouped_mm) against the split fallback, and
+# against a plain grouped-GEMM layer (benchmarks/moe_layer.py; it runs on CPU too).
+moe | all)
+    run moe_layer "$PY" benchmarks/moe_layer.py --device cuda --skip-torchtitan --experts 64 128 \
+        --tokens 16384 --dim 2048 --hidden 768 --steps 20 --json "$OUT/moe_layer.json"
     ;;
-cp | tests | step) ;;
+accel | cp | tests | step | checkpoint) ;;
 *)
-    echo "usage: $0 accel|cp|tests|step|checkpoint|all" >&2
+    echo "usage: $0 accel|cp|tests|step|checkpoint|moe|all" >&2
     exit 2
     ;;
 esac
