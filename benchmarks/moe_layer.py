@@ -1,5 +1,6 @@
 """One MoE layer's training step at a shape where the experts matter (default 64 and 128
-experts, top-8), in one process, three comparisons (times are medians over alternating steps):
+experts, top-8), in one process, three comparisons (times are medians over alternating steps,
+process CPU time on CPU, wall time on CUDA):
 
 1. ``vs torchtitan``: our ``MoE`` against torchtitan 0.3.0's MoE layer (same weights, softmax
    routing, renormalised top-k, no shared expert), each wrapped in torch's ``fully_shard``
@@ -135,20 +136,22 @@ def _step_fn(module: nn.Module, x: torch.Tensor, target: torch.Tensor,
 
 
 def _time_pair(steps: Dict[str, Callable[[], float]], n: int, device: torch.device) -> Dict[str, float]:
-    """Median seconds per step of each callable, alternating (two warm-up steps each)."""
+    """Median seconds per step of each callable, alternating (two warm-up steps each): this
+    process's CPU time on CPU (a shared machine's other jobs do not count), wall time on CUDA."""
     for step in steps.values():
         step(), step()
     times: Dict[str, List[float]] = {name: [] for name in steps}
     names = list(steps)
+    clock = time.perf_counter if device.type == "cuda" else time.process_time
     for i in range(n):
         for name in names if i % 2 == 0 else names[::-1]:
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            start = time.perf_counter()
+            start = clock()
             steps[name]()
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            times[name].append(time.perf_counter() - start)
+            times[name].append(clock() - start)
     return {name: statistics.median(t) for name, t in times.items()}
 
 
