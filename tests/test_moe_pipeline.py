@@ -1,8 +1,9 @@
 """A mixture of experts under pipeline parallelism, in float64 on gloo ranks: the recipe's
 pipeline (``build_pipeline`` / ``pipelined_step``) with the aux loss on, PP2 x EP2 (4 ranks:
 pp=2, dp_shard=2, ep=2), PP2 alone with activation checkpointing and PP2 interleaved, against one process training on the global batch
-(``train_step``, one micro-batch per pipeline micro-batch: each forward balances its own
-tokens) after a few optimizer steps: the losses, every parameter, the aux loss and the tokens
+(``train_step``, one micro-batch per global pipeline micro-batch: each rank takes its part of
+each, as the recipe's loader cuts them, and the data-parallel ranks balance it together) after a
+few optimizer steps: the losses, every parameter, the aux loss and the tokens
 per expert summed over the stages."""
 
 from __future__ import annotations
@@ -62,8 +63,11 @@ def _pipelined(overrides: List[str]) -> Dict[str, object]:
         pipeline = build_pipeline(config.cfg.model, config.cfg.parallel, mesh=build_mesh(dims, "cpu"),
                                   device=torch.device("cpu"), seed=SEED, grad_accum_steps=1)
         opt = torch.optim.AdamW([p for part in pipeline.parts for p in part.parameters()], lr=LR)
-        dp_rank, local = dims.dp_rank(dist.get_rank()), GLOBAL_BATCH // dims.dp_size
-        steps = [pipelined_step(pipeline, batch[dp_rank * local:(dp_rank + 1) * local], opt, max_grad_norm=MAX_NORM)
+        dp_rank, part = dims.dp_rank(dist.get_rank()), GLOBAL_BATCH // (dims.dp_size * MICROBATCHES)
+        # This rank's part of each global micro-batch (DistributedBatchLoader(micro_batches=...)).
+        steps = [pipelined_step(pipeline, torch.cat([micro[dp_rank * part:(dp_rank + 1) * part]
+                                                     for micro in batch.chunk(MICROBATCHES)]),
+                                opt, max_grad_norm=MAX_NORM)
                  for batch in _batches()]
     finally:
         torch.set_default_dtype(torch.float32)
@@ -83,7 +87,7 @@ def test_moe_pipeline_matches_one_process_on_the_global_batch(ranks, overrides, 
     overrides = [*overrides, *model, f"parallel.pp_microbatches={MICROBATCHES}"]
     results = run_on_ranks(ranks, _pipelined, overrides, timeout=240)
     dp = ranks // 2
-    ref = _reference(dp * MICROBATCHES, model)
+    ref = _reference(MICROBATCHES, model)
     moe_blocks = len(ref["tokens"][0])
     # The loss: the mean over the last stage's data-parallel ranks.
     losses = torch.tensor([r["loss"] for r in results if r["last"]], dtype=torch.float64).mean(dim=0)

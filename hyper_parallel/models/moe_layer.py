@@ -26,19 +26,20 @@ from __future__ import annotations
 
 import enum
 import math
-from typing import NamedTuple, Optional, Tuple
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Iterator, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from hyper_parallel._torch_compat import grouped_mm, grouped_mm_dtypes
 from hyper_parallel.models.llama import FeedForward, _upcast
 
-__all__ = ["ExpertMatmul", "GroupedExperts", "MoE", "Routing", "TopKRouter", "attach_aux_loss", "checked_aux_loss_scale",
-           "checkpoint_context", "expert_matmul", "group_token_counts", "load_balance_loss"]
+__all__ = ["ExpertMatmul", "GroupedExperts", "MoE", "Routing", "TopKRouter", "attach_aux_loss", "RoutingReplay", "checked_aux_loss_scale",
+           "expert_matmul", "group_token_counts", "load_balance_loss", "replaying_routing"]
 
 
 class Routing(NamedTuple):
@@ -73,7 +74,7 @@ class TopKRouter(nn.Module):
     def forward(self, x: torch.Tensor) -> Routing:
         probs = F.softmax(_upcast(self.gate(x)), dim=-1)
         scores = probs if self.expert_bias is None else probs + self.expert_bias.to(probs.dtype)
-        experts = torch.topk(scores, self.top_k, dim=-1).indices
+        experts = _chosen_experts(scores, self.top_k)
         weights = probs.gather(-1, experts)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
@@ -197,22 +198,53 @@ def group_token_counts(counts: torch.Tensor, tokens: int,
     return summed[:-1], summed[-1]
 
 
-# Under activation checkpointing the routing is saved, not recomputed: a recomputed top-k that
-# differed from the forward's (ties, nondeterministic kernels, an expert bias changed in between)
-# would route other tokens (wrong gradients) or, under expert parallelism, change the
-# all-to-all sizes on one rank only (its peers then wait forever).
-_SAVED_UNDER_CHECKPOINT = frozenset({torch.ops.aten.topk.default})
+class RoutingReplay:
+    """The routers' choices of one checkpointed forward, replayed by its recomputation.
+
+    Under activation checkpointing the recomputation must route every token as the forward did:
+    a recomputed top-k that differed (ties, nondeterministic kernels, an expert bias changed in
+    between) would give other gradients or, under expert parallelism, other all-to-all sizes on
+    one rank only (its peers would wait forever). Inside :func:`replaying_routing` the first run
+    records each router's chosen experts in order; after :meth:`replay` the next runs take them.
+    One object per checkpointed call: it lives as long as that call's recomputation can happen.
+    """
+
+    def __init__(self) -> None:
+        self.saved: List[torch.Tensor] = []
+        self.replaying = False
+        self.position = 0
+
+    def choose(self, scores: torch.Tensor, top_k: int) -> torch.Tensor:
+        if not self.replaying:
+            experts = torch.topk(scores.detach(), top_k, dim=-1).indices
+            self.saved.append(experts)
+            return experts
+        experts = self.saved[self.position]
+        self.position += 1
+        return experts
+
+    def replay(self) -> None:
+        """From now on, return the recorded choices (from the first)."""
+        self.replaying, self.position = True, 0
 
 
-def _checkpoint_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
-    return CheckpointPolicy.MUST_SAVE if op in _SAVED_UNDER_CHECKPOINT else CheckpointPolicy.PREFER_RECOMPUTE
+_ROUTING_REPLAY: ContextVar[Optional[RoutingReplay]] = ContextVar("hyper_parallel_routing_replay", default=None)
 
 
-def checkpoint_context():
-    """``context_fn`` for ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` around
-    blocks holding MoE layers: everything is recomputed except the routers' top-k (indices and
-    values), which the recomputation takes from the forward (torch's selective checkpointing)."""
-    return create_selective_checkpoint_contexts(_checkpoint_policy)
+@contextmanager
+def replaying_routing(replay: RoutingReplay) -> Iterator[None]:
+    """Routers inside the block record their choices in ``replay`` or replay them."""
+    token = _ROUTING_REPLAY.set(replay)
+    try:
+        yield
+    finally:
+        _ROUTING_REPLAY.reset(token)
+
+
+def _chosen_experts(scores: torch.Tensor, top_k: int) -> torch.Tensor:
+    replay = _ROUTING_REPLAY.get()
+    # (the scores detached: the choice carries no gradient, and autograd saves nothing for it)
+    return torch.topk(scores.detach(), top_k, dim=-1).indices if replay is None else replay.choose(scores, top_k)
 
 
 class _AttachAuxLoss(torch.autograd.Function):

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor.parallel import parallelize_module
-from torch.utils.checkpoint import checkpoint, noop_context_fn
+from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
@@ -18,7 +18,7 @@ from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
 from hyper_parallel.models.hf_llama import load_pretrained
 from hyper_parallel.models.llama import LlamaConfig, Transformer
 from hyper_parallel.models.moe import MoEConfig, MoETransformer
-from hyper_parallel.models.moe_layer import checkpoint_context
+from hyper_parallel.models.moe_layer import RoutingReplay, replaying_routing
 from hyper_parallel.parallel import apply_tensor_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
@@ -53,19 +53,31 @@ def apply_activation_checkpointing(model: Transformer, *, compiled: bool = False
     checkpoints are the same with and without it. The wrapper is a plain Python function (not a
     ``functools.partial`` of ``checkpoint``): a compiled block then has a frame for dynamo to
     trace, which captures the checkpointed region in the block's graph. A mixture of experts'
-    routing is saved, not recomputed (:func:`~hyper_parallel.models.moe_layer.checkpoint_context`),
-    unless the blocks are ``compiled`` (torch's selective checkpointing does not replay a
-    compiled MoE block, whose graph breaks run other ops in the recomputation: there the
-    routing is recomputed).
+    routing is recorded in the forward and replayed by the recomputation
+    (:class:`~hyper_parallel.models.moe_layer.RoutingReplay`), unless the blocks are ``compiled``
+    (there it is recomputed).
     """
-    context_fn = checkpoint_context if isinstance(model, MoETransformer) and not compiled else noop_context_fn
+    replay = isinstance(model, MoETransformer) and not compiled
     for block in model.layers.values():
-        block.forward = _checkpointed(block.forward, context_fn)
+        block.forward = _checkpointed(block.forward) if not replay else _checkpointed_replaying_routing(block.forward)
 
 
-def _checkpointed(forward: Callable[..., torch.Tensor], context_fn: Callable) -> Callable[..., torch.Tensor]:
+def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
     def checkpointed_forward(*args: Any) -> torch.Tensor:
-        return checkpoint(forward, *args, use_reentrant=False, context_fn=context_fn)
+        return checkpoint(forward, *args, use_reentrant=False)
+    return checkpointed_forward
+
+
+def _checkpointed_replaying_routing(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    def checkpointed_forward(*args: Any) -> torch.Tensor:
+        replay = RoutingReplay()  # this call's: its recomputation runs the same closure
+
+        def run(*inputs: Any) -> torch.Tensor:
+            with replaying_routing(replay):
+                out = forward(*inputs)
+            replay.replay()
+            return out
+        return checkpoint(run, *args, use_reentrant=False)
     return checkpointed_forward
 
 
