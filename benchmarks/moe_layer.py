@@ -225,9 +225,11 @@ def run(args: argparse.Namespace) -> Dict[str, dict]:
 def main(argv=None) -> None:
     args = _parse_args(argv)
     results = run(args)
+    threads = torch.get_num_threads() if args.device == "cpu" else 1
+    clock = "CPU time" if args.device == "cpu" else "wall time"
     print(f"MoE layer: dim {args.dim}, expert hidden {args.hidden}, top-{args.top_k}, {args.tokens} tokens/step, "
-          f"{args.device} ({torch.get_num_threads() if args.device == 'cpu' else 1} threads), torch {torch.__version__}, "
-          f"median of {args.steps} alternating steps")
+          f"{args.device} ({threads} threads), torch {torch.__version__}, median {clock} of {args.steps} "
+          f"alternating steps")
     for shape, row in results.items():
         print(f"\n{shape}")
         for name, value in row.items():

@@ -38,8 +38,9 @@ from torch import nn
 from hyper_parallel._torch_compat import grouped_mm, grouped_mm_dtypes
 from hyper_parallel.models.llama import FeedForward, _upcast
 
-__all__ = ["ExpertMatmul", "GroupedExperts", "MoE", "Routing", "TopKRouter", "attach_aux_loss", "RoutingReplay", "checked_aux_loss_scale",
-           "expert_matmul", "group_token_counts", "load_balance_loss", "replaying_routing"]
+__all__ = ["ExpertMatmul", "GroupedExperts", "MoE", "Routing", "RoutingReplay", "TopKRouter", "attach_aux_loss",
+           "checked_aux_loss_scale", "expert_matmul", "group_token_counts", "load_balance_loss",
+           "replaying_routing"]
 
 
 class Routing(NamedTuple):
@@ -228,7 +229,7 @@ class RoutingReplay:
         self.replaying, self.position = True, 0
 
 
-_ROUTING_REPLAY: ContextVar[Optional[RoutingReplay]] = ContextVar("hyper_parallel_routing_replay", default=None)
+_ROUTING_REPLAY: ContextVar[Optional[RoutingReplay]] = ContextVar("routing_replay", default=None)
 
 
 @contextmanager

@@ -118,5 +118,6 @@ def test_each_micro_step_holds_the_same_rows_on_any_number_of_ranks(world):
     for m in range(2):
         micro_step = torch.cat([part.chunk(2)[m] for part in slices])
         assert torch.equal(micro_step, whole[4 * m:4 * m + 4]), (world, m)
-    with pytest.raises(ValueError, match="global_batch_size=8 is not divisible by 4 data-parallel ranks x 4 micro-batches"):
+    message = "global_batch_size=8 is not divisible by 4 data-parallel ranks x 4 micro-batches"
+    with pytest.raises(ValueError, match=message):
         DistributedBatchLoader(source, 8, dp_size=4, micro_batches=4)
