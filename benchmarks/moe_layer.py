@@ -7,7 +7,7 @@ process CPU time on CPU, wall time on CUDA):
    (one rank, bf16 parameters, fp32 reduce: torchtitan's experts compute in bf16 whatever the
    parameters), forward + backward + AdamW. Skipped when torchtitan is not installed.
 2. ``vs plain``: our ``MoE`` alone against a plain grouped-GEMM layer written out below (route,
-   sort, three ``torch._grouped_mm``, unsort; no statistics, no checks), forward + backward.
+   sort, three grouped GEMMs, unsort; no statistics, no checks), forward + backward.
 3. ``grouped vs split``: our experts' grouped GEMM against the split fallback
    (``ExpertMatmul.SPLIT``), forward + backward.
 

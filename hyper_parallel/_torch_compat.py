@@ -37,6 +37,7 @@ __all__ = [
     "FSDPMeshInfo",
     "HSDPMeshInfo",
     "ShardPlacementResult",
+    "HOST_READING_OPS",
     "TensorMeta",
     "TorchDispatchMode",
     "chunk_cat",
@@ -95,6 +96,13 @@ def grouped_mm_dtypes(device: torch.device) -> Tuple[torch.dtype, ...]:
     return _GROUPED_MM_DTYPES.get(device.type, ())
 
 
+# The aten ops that read a tensor's values on the host (a scalar, or the size of their output):
+# on an accelerator each waits for the device. (``item``/``tolist``/``bool`` reach the first.)
+HOST_READING_OPS = frozenset({
+    torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default, torch.ops.aten.bincount.default,
+    torch.ops.aten.masked_select.default, torch.ops.aten.unique_dim.default, torch.ops.aten._unique2.default,
+    torch.ops.aten.unique_consecutive.default,
+})
 # Context manager: writes inside it do not bump a tensor's version counter (refilling the
 # unsharded parameters that autograd saved in forward).
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter

@@ -85,7 +85,7 @@ class TopKRouter(nn.Module):
 class ExpertMatmul(enum.Enum):
     """How :class:`GroupedExperts` multiplies each expert's rows by its weights."""
 
-    GROUPED_MM = "grouped_mm"  # one torch._grouped_mm per weight, offsets on the device (no host sync)
+    GROUPED_MM = "grouped_mm"  # one grouped GEMM per weight, offsets on the device (no host sync)
     SPLIT = "split"            # the rows split on the host counts, one matmul per expert with rows (any dtype)
 
 

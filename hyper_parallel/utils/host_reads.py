@@ -11,17 +11,11 @@ from typing import Iterator
 import torch
 from torch.overrides import TorchFunctionMode
 
-from hyper_parallel._torch_compat import TorchDispatchMode
+from hyper_parallel._torch_compat import HOST_READING_OPS, TorchDispatchMode
 
 __all__ = ["counted_host_reads"]
 
-# The aten ops that read values on the host (a scalar, or the size of their output) ...
-_READING_OPS = frozenset({
-    torch.ops.aten._local_scalar_dense.default, torch.ops.aten.nonzero.default, torch.ops.aten.bincount.default,
-    torch.ops.aten.masked_select.default, torch.ops.aten.unique_dim.default, torch.ops.aten._unique2.default,
-    torch.ops.aten.unique_consecutive.default,
-})
-# ... and the Python methods that do (``tolist`` reads the memory below the dispatcher).
+# The aten ops that read values on the host (HOST_READING_OPS) and the Python methods that do (``tolist`` reads the memory below the dispatcher).
 _READING_METHODS = frozenset({"tolist", "item", "__bool__", "__int__", "__float__", "__index__"})
 
 
@@ -32,7 +26,7 @@ class _OpCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _READING_OPS:
+        if func in HOST_READING_OPS:
             self.counts[str(func)] += 1
         elif func is torch.ops.aten.repeat_interleave.Tensor and kwargs.get("output_size") is None:
             self.counts[str(func)] += 1  # sizes its output from the repeats' sum
