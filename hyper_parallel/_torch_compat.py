@@ -40,6 +40,9 @@ __all__ = [
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
     "cuda_efficient_attention",
+    "cuda_flash_attention",
+    "cuda_flash_attention_applies",
+    "cuda_flash_attention_backward",
     "cuda_efficient_attention_backward",
     "current_graph_task_id",
     "dcp_fsspec_storage",
@@ -267,3 +270,31 @@ def cuda_efficient_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: to
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, out, lse, seed, seed, 0.0, [True, True, True, False], is_causal, scale=scale)
     return dq, dk, dv
+
+
+def cuda_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                         scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """aten's flash attention (CUDA, float16/bfloat16, sm80+): (out (B, H, Sq, D) laid out as
+    (B, Sq, H, D), lse (B, H, Sq) float32); k, v may have fewer heads (H a multiple of theirs)."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    return out, lse
+
+
+def cuda_flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
+                                  scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`cuda_flash_attention` given the final ``out`` (q's dtype) and its
+    contiguous float32 ``lse``; dk, dv have k's heads. Dense inputs (no cumulative sequence
+    lengths); no dropout, so the random-number state is not read."""
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, is_causal, seed, offset, scale=scale)
+    return dq, dk, dv
+
+
+def cuda_flash_attention_applies(device: torch.device) -> bool:
+    """Whether torch's CUDA flash attention kernel runs on ``device``: built in, enabled
+    (``torch.backends.cuda.flash_sdp_enabled``) and an sm80 or newer GPU."""
+    return (device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
+            and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(device) >= (8, 0))

@@ -299,3 +299,19 @@ def test_cuda_efficient_attention_backward_on_meta_tensors():
     assert out.shape == q.shape and lse.shape == (2, 4, 64)  # lse rows padded to a multiple of 32
     grads = compat.cuda_efficient_attention_backward(out, q, q, q, out, lse, True, 0.3)
     assert [g.shape for g in grads] == [q.shape] * 3
+
+
+def test_cuda_flash_attention_backward_on_meta_tensors():
+    """cuda_flash_attention (grouped-query K/V as they are) and its backward resolve and take
+    these arguments (meta tensors: shapes only; their numbers need a GPU)."""
+    q = torch.empty(2, 4, 40, 8, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 40, 8, device="meta", dtype=torch.bfloat16)
+    out, lse = compat.cuda_flash_attention(q, k, k, True, 0.3)
+    assert out.shape == q.shape and (lse.shape, lse.dtype) == ((2, 4, 40), torch.float32)
+    grads = compat.cuda_flash_attention_backward(out, q, k, k, out, lse, True, 0.3)
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+
+
+def test_cuda_flash_attention_applies_only_on_a_gpu_it_runs_on():
+    assert not compat.cuda_flash_attention_applies(torch.device("cpu"))
+    assert not compat.cuda_flash_attention_applies(torch.device("meta"))
