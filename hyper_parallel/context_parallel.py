@@ -33,15 +33,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from hyper_parallel.block_attention import (BlockKernel, BlockMask, accumulation_dtype, block_attention,
-                                            block_attention_backward, block_kernel, merge_attention)
+                                            block_attention_backward, block_kernel, merge_attention,
+                                            new_kernel_layout)
+from hyper_parallel.chunked_loss import summed_token_loss
 
 __all__ = [
     "BlockKernel", "BlockMask", "ContextParallel", "Layout", "Rotate", "block_attention", "context_parallel",
     "cp_attention", "current_context", "gather_sequence", "mean_token_loss", "merge_attention",
-    "rope_rows", "sequence_positions", "shard_sequence",
+    "rope_rows", "sequence_positions", "shard_sequence", "token_loss_scale",
 ]
 
 
@@ -238,18 +239,31 @@ def _tiles(plan: List[Tuple[slice, int, BlockMask]], budget: Optional[int]
                 yield slice(start, stop), seen, mask, 0
 
 
-def _shift(flat: torch.Tensor, cp: ContextParallel, tag: int) -> Tuple[List[dist.Work], torch.Tensor]:
+@dataclass
+class _Shift:
+    """A started ring shift: its send/recv works, the buffer being sent (kept alive until the
+    wait) and the one being received."""
+
+    works: List[dist.Work]
+    sent: torch.Tensor
+    received: torch.Tensor
+    tag: int
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+def _shift(flat: torch.Tensor, cp: ContextParallel, tag: int) -> _Shift:
     """Start sending ``flat`` to the next rank of the ring and receiving the previous one's."""
     received = torch.empty_like(flat)
     ops = [dist.P2POp(dist.isend, flat, group=cp.group, group_peer=(cp.rank + 1) % cp.size, tag=tag),
            dist.P2POp(dist.irecv, received, group=cp.group, group_peer=(cp.rank - 1) % cp.size, tag=tag)]
-    return dist.batch_isend_irecv(ops), received
+    return _Shift(dist.batch_isend_irecv(ops), flat, received, tag)
 
 
-def _wait(pending: Tuple[List[dist.Work], torch.Tensor]) -> torch.Tensor:
-    for work in pending[0]:
-        work.wait()
-    return pending[1]
+_KV_TAG, _GRAD_TAG = 0, 1  # the K/V blocks' shifts and their gradients'
 
 
 def _kv_blocks(flat: torch.Tensor, cp: ContextParallel) -> Iterator[Tuple[int, torch.Tensor]]:
@@ -263,10 +277,10 @@ def _kv_blocks(flat: torch.Tensor, cp: ContextParallel) -> Iterator[Tuple[int, t
             yield (rank - i) % size, gathered[(rank - i) % size]
         return
     for i in range(size):
-        pending = _shift(flat, cp, tag=0) if i < size - 1 else None
+        pending = _shift(flat, cp, _KV_TAG) if i < size - 1 else None
         yield (rank - i) % size, flat
         if pending is not None:
-            flat = _wait(pending)
+            flat = pending.wait()
 
 
 def _flat_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -284,7 +298,7 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, causal: bool, scale: float):  # type: ignore[override]
         n, acc = q.shape[2], accumulation_dtype(q.dtype)
-        out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=acc)
+        out = new_kernel_layout(q.shape[:-1] + v.shape[-1:], q, acc).zero_()  # so the kernels' backwards read it as is
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
         kernel = block_kernel(q, k, v) if _KERNEL is None else _KERNEL
         budget = _TILE_SCORES // (q.shape[0] * q.shape[1]) if kernel is BlockKernel.PLAIN else None
@@ -293,7 +307,7 @@ class _RingAttention(torch.autograd.Function):
             for rows, seen, mask, first in _tiles(_plan(cp.rank, cp.size, src, cp.layout, causal, n), budget):
                 o, l = block_attention(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen], mask, scale, first, kernel)
                 out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows], o, l)
-        out = out.to(q.dtype)
+        out = out.to(q.dtype)  # (keeps the layout)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.causal, ctx.scale, ctx.kernel, ctx.budget = cp, causal, scale, kernel, budget
         return out
@@ -304,7 +318,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
         n, acc, size = q.shape[2], lse.dtype, cp.size
-        dout, out = dout.to(acc), out.to(acc)
         dq = torch.zeros_like(q, dtype=acc)
 
         def add_block(src: int, block: torch.Tensor, grads: torch.Tensor) -> None:
@@ -325,11 +338,16 @@ class _RingAttention(torch.autograd.Function):
             own = grads.new_empty(flat.numel())
             dist.reduce_scatter_single(own, grads.view(-1), op=dist.ReduceOp.SUM, group=cp.group)
         else:  # each block's gradients travel with it and reach its owner after the last step
-            own = flat.new_zeros(flat.numel(), dtype=acc)
+            arriving: Optional[_Shift] = None  # the previous ranks' gradients of the block now here
             for src, block in _kv_blocks(flat, cp):
-                add_block(src, block, own)
+                own = flat.new_zeros(flat.numel(), dtype=acc)
+                add_block(src, block, own)  # overlaps the arriving gradients' transfer (as torch's ring)
+                if arriving is not None:
+                    own += arriving.wait()
                 if size > 1:
-                    own = _wait(_shift(own, cp, tag=1))
+                    arriving = _shift(own, cp, _GRAD_TAG)
+            if arriving is not None:
+                own = arriving.wait()
         dk, dv = _split_kv(own, k, v)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
@@ -361,25 +379,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal
     return _ring_attention(q, k, v, cp, is_causal, scale)
 
 
-def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                    ignore_index: int = -100) -> torch.Tensor:
-    """This rank's share of the cross entropy averaged over every token of the global batch.
-
-    ``group``: all the ranks whose gradients are averaged (data parallel x CP: FSDP's mesh), each
-    holding some of the batch's tokens; None: this process alone (plain mean). The result is
-    (this rank's summed token losses) x (group size) / (tokens in the group, ``ignore_index``
-    excluded), so its mean over the ranks is the global mean, and so is the mean of its gradients
-    (what FSDP's reduction computes). A collective over ``group``.
-
-    ``logits`` sharded on the vocabulary (a DTensor, tensor parallelism) are reduced by torch's
-    ``loss_parallel`` (call this and the backward inside it; no rank gathers the whole
-    vocabulary); the result is then the same plain tensor on every tensor-parallel rank.
-    """
-    flat_logits = logits.flatten(0, -2)
-    total = F.cross_entropy(flat_logits.to(accumulation_dtype(flat_logits.dtype)), labels.flatten(),
-                            ignore_index=ignore_index, reduction="sum")
-    if isinstance(total, DTensor):  # the vocab-parallel sum: replicated over the tensor-parallel ranks
-        total = total.full_tensor()
+def token_loss_scale(labels: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                     ignore_index: int = -100) -> float:
+    """What :func:`mean_token_loss` multiplies this rank's summed token losses by: (group size) /
+    (tokens of ``labels`` over ``group``, ``ignore_index`` excluded). A collective over ``group``."""
     count = (labels != ignore_index).sum().to(torch.float64)
     size = 1
     if group is not None:
@@ -387,4 +390,21 @@ def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[
         size = dist.get_world_size(group)
     if count.item() == 0:
         raise ValueError(f"mean_token_loss: no token to average over (every label is ignore_index={ignore_index})")
-    return total * (size / count.item())
+    return size / count.item()
+
+
+def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                    ignore_index: int = -100) -> torch.Tensor:
+    """This rank's share of the cross entropy averaged over every token of the global batch.
+
+    ``group``: all the ranks whose gradients are averaged (data parallel x CP: FSDP's mesh), each
+    holding some of the batch's tokens; None: this process alone (plain mean). The result is
+    (this rank's summed token losses) x :func:`token_loss_scale`, so its mean over the ranks is
+    the global mean, and so is the mean of its gradients (what FSDP's reduction computes). A
+    collective over ``group``.
+
+    ``logits`` sharded on the vocabulary (a DTensor, tensor parallelism) are reduced by torch's
+    ``loss_parallel`` (call this and the backward inside it; no rank gathers the whole
+    vocabulary); the result is then the same plain tensor on every tensor-parallel rank.
+    """
+    return summed_token_loss(logits, labels, ignore_index) * token_loss_scale(labels, group, ignore_index)

@@ -16,9 +16,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hyper_parallel as hp
+from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.context_parallel import (
     BlockKernel, BlockMask, Layout, Rotate, block_attention, context_parallel, cp_attention, current_context,
     gather_sequence, mean_token_loss, merge_attention, rope_rows, sequence_positions, shard_sequence,
+    token_loss_scale,
 )
 from hyper_parallel.context_parallel import _MIN_TILE_ROWS, _plan, _tiles
 from hyper_parallel.models import build_llama
@@ -231,6 +233,89 @@ def test_ring_attention_equals_whole_sequence_attention(world):
         assert set(result["calls"]) == {("default", "forward"), ("default", "backward")}, result["calls"]
 
 
+def _cuda_kernels_in_the_ring_on_rank(seq: int) -> dict:
+    """The ring with each CUDA block kernel forced, run by fakes under the kernels' contracts
+    (tests/test_block_attention_kernels.FakeCudaKernels): max difference to whole-sequence
+    attention, the facts the fakes recorded, and whether the backward had to copy ``out`` into
+    the kernels' layout (it must not: the ring's output is kept in it)."""
+    from hyper_parallel import block_attention as blocks
+    from hyper_parallel import context_parallel as module
+    from tests.test_block_attention_kernels import CUDA_KERNELS, FakeCudaKernels
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    real_layout, copies, result = blocks.kernel_layout, [], {}
+
+    def recording_layout(t, dtype=None):
+        laid = real_layout(t, dtype)
+        copies.append(laid is not t)
+        return laid
+    blocks.kernel_layout = recording_layout
+    try:
+        for kernel, layout, causal in itertools.product(CUDA_KERNELS, Layout, (True, False)):
+            module._KERNEL = kernel
+            with FakeCudaKernels() as fake:
+                diff = _attention_diff(rank, size, dist.group.WORLD, seq, causal, layout, Rotate.RING, 2)
+            result[f"{kernel.value} {layout.value} {causal}"] = (diff, fake.calls)
+    finally:
+        module._KERNEL, blocks.kernel_layout = None, real_layout
+    return {"settings": result, "copies": copies}
+
+
+def test_ring_hands_the_cuda_kernels_what_they_read():
+    """Ring attention with the CUDA kernels (fakes that read ``out`` as the kernels do): exact
+    to the kernels' float32 log-sum-exp, ``out`` handed over in their layout without a copy,
+    flash attention given the K/V heads as they are."""
+    from tests.test_block_attention_kernels import FAKE_KERNEL_TOL
+
+    for result in run_on_ranks(2, _cuda_kernels_in_the_ring_on_rank, 4 * _MIN_TILE_ROWS, timeout=120):
+        assert len(result["settings"]) == 8 and result["copies"] and not any(result["copies"])
+        for name, (diff, calls) in result["settings"].items():
+            assert diff < FAKE_KERNEL_TOL, (name, diff)
+            backwards = [facts for kind, facts in calls if kind.endswith("backward")]
+            assert backwards and all(f["out_strides_ok"] and f["lse"] == (torch.float32, True) for f in backwards)
+            assert {f["kv_heads"] for _, f in calls} == {2 if name.startswith("cuda_flash") else 4}, name
+
+
+def _ring_backward_order_on_rank(rotate: str) -> list:
+    """The ring backward's events in order: block gradient computations, and the starts and
+    waits of the K/V and gradient shifts."""
+    from hyper_parallel import context_parallel as module
+
+    events, real_shift, real_wait, real_block = [], module._shift, module._Shift.wait, module.block_attention_backward
+    kinds = {module._KV_TAG: "kv", module._GRAD_TAG: "grad"}
+
+    def shift(flat, cp, tag):
+        events.append(f"start {kinds[tag]}")
+        return real_shift(flat, cp, tag)
+
+    def wait(pending):
+        events.append(f"wait {kinds[pending.tag]}")
+        return real_wait(pending)
+
+    def block(*args, **kwargs):
+        events.append("compute")
+        return real_block(*args, **kwargs)
+    q, k, v, dout = _qkv(5, seq=4 * dist.get_world_size())
+    with context_parallel(dist.group.WORLD, rotate=rotate) as cp:
+        leaves = [cp.shard(t, dim=2).requires_grad_() for t in (q, k, v)]
+        out = cp_attention(*leaves, is_causal=False)
+        module._shift, module._Shift.wait, module.block_attention_backward = shift, wait, block
+        try:
+            out.backward(cp.shard(dout, dim=2))
+        finally:
+            module._shift, module._Shift.wait, module.block_attention_backward = real_shift, real_wait, real_block
+    return events
+
+
+def test_ring_backward_overlaps_each_gradient_shift_with_the_next_block():
+    """Each block's dK/dV shift is started and waited for only after the next block's gradients
+    are computed (as torch's ring does); only the last shift, to the owner, has nothing left to
+    overlap."""
+    for events in run_on_ranks(2, _ring_backward_order_on_rank, "ring", timeout=60):
+        grads = [e for e in events if e != "start kv" and e != "wait kv"]
+        assert grads == ["compute", "start grad", "compute", "wait grad", "start grad", "wait grad"], events
+
+
 # --------------------------------------------------------------------------- the Llama model on ranks
 
 SEQ = 32  # divisible by 2 * cp for cp in (1, 2, 4)
@@ -287,9 +372,14 @@ def _llama_on_rank(setting: str, dp: int) -> dict:
         model.compile(backend=backend)
     inputs, targets = (t.chunk(dp)[mesh.get_local_rank("shard")] for t in (tokens[:, :-1], labels))
     with context_parallel(mesh["cp"]) as cp, loss_parallel():
-        logits = model(cp.shard(inputs))
-        assert isinstance(logits, hp.DTensor) == (tp > 1)
-        loss = mean_token_loss(logits, cp.shard(targets), group=everyone.get_group())
+        if "chunks" in setting:  # the loss in 3 chunks of the rank's part: the logits never whole
+            part = cp.shard(targets)
+            summed = model(cp.shard(inputs), loss=ChunkedLoss(part, 3))
+            loss = summed * token_loss_scale(part, everyone.get_group())
+        else:
+            logits = model(cp.shard(inputs))
+            assert isinstance(logits, hp.DTensor) == (tp > 1)
+            loss = mean_token_loss(logits, cp.shard(targets), group=everyone.get_group())
         loss.backward()
     global_loss = loss.detach().clone()
     dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
@@ -306,7 +396,7 @@ def _llama_on_rank(setting: str, dp: int) -> dict:
 
 
 @pytest.mark.parametrize("world,dp,setting", [
-    (2, 1, "plain"), (2, 1, "fsdp"), (2, 1, "fsdp ac"),
+    (2, 1, "plain"), (2, 1, "fsdp"), (2, 1, "fsdp ac"), (2, 1, "fsdp ac chunks"),
     pytest.param(2, 1, "fsdp compile", marks=pytest.mark.slow),  # CP compiled: test_compile_recipe.py
     (4, 1, "plain"), (4, 2, "fsdp"), (4, 2, "fsdp ac"), (4, 1, "fsdp tp"),
 ])

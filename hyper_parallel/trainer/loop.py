@@ -267,7 +267,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         else:
             result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
                                 max_grad_norm=t.max_grad_norm,
-                                float8_scales=t.float8_mode == "tensorwise", cp=job.cp)
+                                float8_scales=t.float8_mode == "tensorwise", cp=job.cp, loss_chunks=t.loss_chunks)
         if update_expert_bias is not None:
             update_expert_bias()
         job.loader.advance()

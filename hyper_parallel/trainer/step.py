@@ -7,6 +7,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
+from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.core.grad_norm import clip_grad_norm_
 from hyper_parallel.models.moe import MoETransformer
@@ -23,7 +24,7 @@ def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
 
 def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
                *, grad_accum_steps: int, max_grad_norm: float, float8_scales: bool = False,
-               cp: Optional[SequenceSplit] = None) -> Dict[str, torch.Tensor]:
+               cp: Optional[SequenceSplit] = None, loss_chunks: int = 1) -> Dict[str, torch.Tensor]:
     """One optimizer step on this data-parallel rank's slice of the global batch (the same on
     every tensor-parallel rank of it).
 
@@ -41,7 +42,9 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     sequences, forward and backward under the CP context; ``loss`` is then this rank's share of
     the mean over the data-parallel x CP group, see :class:`SequenceSplit`; a mixture of experts'
     ``aux_loss`` is then ``cp x`` this rank's share of its CP group's balancing loss: see
-    :meth:`~hyper_parallel.models.moe.MoETransformer.set_balance_group`).
+    :meth:`~hyper_parallel.models.moe.MoETransformer.set_balance_group`). ``loss_chunks``: the
+    loss computed that many pieces of each sequence at a time, the logits never whole
+    (:class:`~hyper_parallel.chunked_loss.ChunkedLoss`; the same loss).
     """
     micro_batches = batch.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=batch.device)
@@ -54,8 +57,12 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
         # The loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered
         # (cp.context() enters loss_parallel too).
         with (cp.context() if cp is not None else loss_parallel()) as context:
-            loss = (cp.loss(model, micro, context) if cp is not None
-                    else cross_entropy(model(micro[:, :-1]), micro[:, 1:]))
+            if cp is not None:
+                loss = cp.loss(model, micro, context, loss_chunks)
+            elif loss_chunks > 1:
+                loss = model(micro[:, :-1], loss=ChunkedLoss(micro[:, 1:], loss_chunks)) / micro[:, 1:].numel()
+            else:
+                loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:])
             if stats is not None:  # before backward: activation checkpointing reruns forwards
                 stats.add(model)
             (loss / grad_accum_steps).backward()

@@ -143,6 +143,7 @@ def test_startup_line_names_the_mesh_with_cp_also_with_tp_or_pp():
      "training.seq_len=12 / parallel.cp=2 = 6 tokens per CP rank is not divisible by parallel.tp=4"),
     (2, ["parallel.cp=3", "training.seq_len=60"], "parallel.cp=3 does not divide the world size 2"),
     (2, ["parallel.cp_rotate=zigzag"], "parallel.cp_rotate"),
+    (2, ["parallel.cp=1", "parallel.cp_rotate=allgather"], "parallel.cp_rotate=allgather needs parallel.cp > 1"),
 ])
 def test_impossible_cp_settings_are_refused_in_one_line(check, monkeypatch, world, overrides, expected):
     monkeypatch.setenv("WORLD_SIZE", str(world))
