@@ -90,7 +90,7 @@ def check_ring(device: str, seq: int, dim: int) -> List[Tuple[str, float, float]
         q, k, v = (torch.randn(1, h, seq, dim, device=device, dtype=dtype, generator=gen) for h in (8, 2, 2))
         dout = torch.randn(1, 8, seq, dim, device=device, dtype=dtype, generator=gen)
         for causal in (True, False):
-            leaves = [t.float().requires_grad_() for t in (q, k, v)]
+            leaves = [t.detach().float().requires_grad_() for t in (q, k, v)]
             expected = F.scaled_dot_product_attention(*leaves, is_causal=causal, enable_gqa=True)
             expected.backward(dout.float())
             reference = [expected.detach()] + [t.grad for t in leaves]
@@ -99,7 +99,7 @@ def check_ring(device: str, seq: int, dim: int) -> List[Tuple[str, float, float]
                     continue
                 ring._KERNEL = kernel
                 try:
-                    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                    leaves = [t.detach().clone().requires_grad_() for t in (q, k, v)]
                     with context_parallel(dist.group.WORLD):
                         out = cp_attention(*leaves, is_causal=causal)
                         out.backward(dout)

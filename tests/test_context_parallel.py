@@ -434,3 +434,32 @@ def _activation_ratio_on_rank() -> float:
 def test_activations_saved_per_rank_fall_as_one_over_cp(world):
     for ratio in run_on_ranks(world, _activation_ratio_on_rank, timeout=60):
         assert ratio < 1.05 / world, ratio
+
+
+# --------------------------------------------------------------------------- the docs' example
+
+
+def _docs_snippet_on_rank(code: str) -> dict:
+    """Run docs/fully_shard.md's long-context snippet as written; its loss and that of the same
+    model on the whole batch in this process (the snippet's dp is 1 on 2 ranks)."""
+    scope: dict = {}
+    exec(compile(code, "docs/fully_shard.md", "exec"), scope)  # noqa: S102 - the docs' own example
+    model, inputs, labels = scope["model"], scope["inputs"], scope["labels"]
+    reference = build_llama("llama_debug", max_seq_len=64)
+    reference.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    expected = F.cross_entropy(reference(inputs).flatten(0, 1), labels.flatten())
+    share = scope["loss"].detach().clone()
+    dist.all_reduce(share, op=dist.ReduceOp.AVG)
+    grads = all(p.grad is not None for p in model.parameters())
+    return {"loss": share.item(), "expected": expected.item(), "grads": grads}
+
+
+def test_the_long_context_snippet_of_the_docs_runs_as_written():
+    import os
+    import re
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "fully_shard.md")) as f:
+        section = f.read().split("## Long context (context parallelism)", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    for result in run_on_ranks(2, _docs_snippet_on_rank, code, timeout=60):
+        assert result["grads"] and abs(result["loss"] - result["expected"]) < 1e-5, result

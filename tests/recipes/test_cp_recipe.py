@@ -144,6 +144,8 @@ def test_startup_line_names_the_mesh_with_cp_also_with_tp_or_pp():
     (2, ["parallel.cp=3", "training.seq_len=60"], "parallel.cp=3 does not divide the world size 2"),
     (2, ["parallel.cp_rotate=zigzag"], "parallel.cp_rotate"),
     (2, ["parallel.cp=1", "parallel.cp_rotate=allgather"], "parallel.cp_rotate=allgather needs parallel.cp > 1"),
+    (4, ["parallel.tp=2", "training.loss_chunks=2"], "training.loss_chunks=2 with parallel.tp>1 is not supported yet"),
+    (2, ["training.seq_len=16", "training.loss_chunks=9"], "training.loss_chunks=9 exceeds the 8 tokens of each"),
 ])
 def test_impossible_cp_settings_are_refused_in_one_line(check, monkeypatch, world, overrides, expected):
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -191,3 +193,23 @@ def test_a_cp4_checkpoint_resumes_on_cp_x_tp_and_pp_x_cp_on_the_uninterrupted_cu
     uninterrupted losses."""
     metrics = _assert_resumes_on_the_cp1_curve(runs, tmp_path, 4, f"{runs}/cp4/checkpoints/step-2", overrides)
     assert f'"mesh": {mesh}' in metrics
+
+
+def test_every_command_of_the_long_context_docs_validates_on_its_ranks():
+    """docs/recipes.md's long-context commands (the 128k one included) pass the pre-start check
+    on the number of ranks they name."""
+    import re
+    import shlex
+
+    from tests.recipes.launch import REPO
+
+    with open(os.path.join(REPO, "docs", "recipes.md")) as f:
+        section = f.read().split("## Long context (context parallelism)", 1)[1].split("\n## ", 1)[0]
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+                for line in block.replace("\\\n", " ").strip().splitlines()]
+    assert len(commands) >= 5, commands
+    for command in commands:
+        words = shlex.split(command, comments=True)
+        ranks = int(next(w for w in words if w.startswith("--nproc_per_node=")).split("=")[1])
+        config = validate_config(compose_config(words[words.index("recipes/train.py") + 1:]), ranks)
+        assert config.dims.cp > 1, command
