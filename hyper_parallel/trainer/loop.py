@@ -303,7 +303,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
                   else "stop_after_steps" if limits.steps_done(step) else None)
         # An agreed SIGTERM or time limit skips the evaluation: the save starts at this boundary.
         if reason in (None, "stop_after_steps") and job.evaluator is not None and job.evaluator.due(step, t.steps):
-            record.update(job.evaluator.evaluate(job.model, cp=job.cp))
+            record.update(job.evaluator.evaluate(job.model, cp=job.cp, loss_chunks=t.loss_chunks))
             if count_ranks(stop.requested, job.device):  # a SIGTERM during the evaluation: save now, not a step later
                 reason = "SIGTERM"
         if job.profiler is not None and (trace := job.profiler.after_step(step)):

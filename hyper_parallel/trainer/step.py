@@ -22,6 +22,17 @@ def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
+def next_token_loss(model: nn.Module, batch: torch.Tensor, loss_chunks: int = 1) -> torch.Tensor:
+    """The mean next-token cross entropy of ``batch`` ``(samples, seq_len + 1)`` in at least
+    float32, the logits computed ``loss_chunks`` pieces of the sequence at a time
+    (:class:`~hyper_parallel.chunked_loss.ChunkedLoss`; 1: whole). Vocabulary-parallel logits:
+    inside ``loss_parallel``."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    if loss_chunks == 1:
+        return cross_entropy(model(inputs), targets)
+    return model(inputs, loss=ChunkedLoss(targets, loss_chunks)) / targets.numel()
+
+
 def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
                *, grad_accum_steps: int, max_grad_norm: float, float8_scales: bool = False,
                cp: Optional[SequenceSplit] = None, loss_chunks: int = 1) -> Dict[str, torch.Tensor]:
@@ -59,10 +70,8 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
         with (cp.context() if cp is not None else loss_parallel()) as context:
             if cp is not None:
                 loss = cp.loss(model, micro, context, loss_chunks)
-            elif loss_chunks > 1:
-                loss = model(micro[:, :-1], loss=ChunkedLoss(micro[:, 1:], loss_chunks)) / micro[:, 1:].numel()
             else:
-                loss = cross_entropy(model(micro[:, :-1]), micro[:, 1:])
+                loss = next_token_loss(model, micro, loss_chunks)
             if stats is not None:  # before backward: activation checkpointing reruns forwards
                 stats.add(model)
             (loss / grad_accum_steps).backward()

@@ -76,9 +76,10 @@ def _assert_close(expected: Dict[int, float], actual: Dict[int, float]) -> None:
 
 
 # name: (world size, overrides)
-RUNS = {"cp1": (1, []), "dp2": (2, []), "cp2": (2, CP2),
-        "hsdp2_cp2_allgather_ac_accum": (4, [*CP2, "parallel.dp_replicate=2", "parallel.cp_rotate=allgather",
-                                             "model.activation_checkpointing=true", "training.grad_accum_steps=2"]),
+RUNS = {"cp1": (1, []), "dp2_loss_chunks4": (2, ["training.loss_chunks=4"]), "cp2": (2, CP2),
+        "hsdp2_cp2_allgather_ac_accum_loss_chunks3": (4, [*CP2, "parallel.dp_replicate=2", "parallel.cp_rotate=allgather",
+                                                          "model.activation_checkpointing=true",
+                                                          "training.grad_accum_steps=2", "training.loss_chunks=3"]),
         "cp2_tp2": (4, [*CP2, "parallel.tp=2"]), "pp2_cp2": (4, [*CP2, "parallel.pp=2"]),
         "cp4": (4, ["parallel.cp=4"])}
 
@@ -95,11 +96,12 @@ def runs(tmp_path_factory):
 def test_cp2_trains_and_evaluates_like_cp1_and_dp2(runs):
     """The same losses, gradient norms and validation losses at every step, whatever the CP
     degree and rotation, also with HSDP over two data-parallel ranks x CP2, activation
-    checkpointing and gradient accumulation."""
+    checkpointing and gradient accumulation, and with the loss in chunks (training.loss_chunks,
+    training and evaluation; 3 does not divide a CP rank's 8 tokens)."""
     curves = {name: _curves(str(runs / name)) for name in RUNS}
     expected = curves["cp1"]
     assert len(expected["loss"]) == 4 and sorted(expected["val_loss"]) == [2, 4], expected
-    for name in ("dp2", "cp2", "hsdp2_cp2_allgather_ac_accum", "cp4"):
+    for name in ("dp2_loss_chunks4", "cp2", "hsdp2_cp2_allgather_ac_accum_loss_chunks3", "cp4"):
         for key in expected:
             _assert_close(expected[key], curves[name][key])
     assert '"mesh": {"shard": 1, "cp": 2}' in (runs / "cp2" / "metrics.jsonl").read_text()
