@@ -220,7 +220,7 @@ _TILE_SCORES = 2**19
 _MIN_TILE_ROWS = 16
 
 
-# The block kernel of the ring (None: block_kernel's choice); tests force PLAIN here.
+# The block kernel of the ring (None: block_kernel's choice); tests and benchmarks/cp_gpu_checks.py force one here.
 _KERNEL: Optional[BlockKernel] = None
 
 

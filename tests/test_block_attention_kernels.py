@@ -102,14 +102,16 @@ def test_blocks_a_fused_kernel_cannot_express_use_the_plain_ops(monkeypatch):
         block_attention(q, k.repeat(1, 2, 1, 1)[:, :3], v[:, :1].repeat(1, 3, 1, 1))
 
 
+@pytest.mark.parametrize("kernel", [BlockKernel.CUDA_FLASH, BlockKernel.CUDA_EFFICIENT])
 @pytest.mark.parametrize("causal", [False, True])
-def test_cuda_efficient_kernel_shapes_on_meta_tensors(causal):
-    """The CUDA path's plumbing (head repetition for GQA, the lse's padded rows, the groups' sum
-    of dk and dv) on meta tensors; its numbers need a GPU, which these tests do not have."""
+def test_cuda_kernel_shapes_on_meta_tensors(kernel, causal):
+    """The CUDA paths' plumbing through the real aten ops (GQA as is for flash attention, head
+    repetition and the lse's padded rows for memory-efficient attention, the groups' sum of dk
+    and dv) on meta tensors; their numbers need a GPU, which these tests do not have."""
     q, k, v = (torch.empty(2, heads, 40, 8, device="meta", dtype=torch.bfloat16) for heads in (6, 2, 2))
-    out, lse = _fused_forward(BlockKernel.CUDA_EFFICIENT, q, k, v, causal, 0.3)
+    out, lse = _fused_forward(kernel, q, k, v, causal, 0.3)
     assert (out.shape, out.dtype, lse.shape, lse.dtype) == ((2, 6, 40, 8), torch.float32, (2, 6, 40), torch.float32)
-    dq, dk, dv = _fused_backward(BlockKernel.CUDA_EFFICIENT, q, k, v, out, out, lse, causal, 0.3)
+    dq, dk, dv = _fused_backward(kernel, q, k, v, out, out, lse, causal, 0.3)
     assert [t.shape for t in (dq, dk, dv)] == [q.shape, k.shape, v.shape]
     assert {t.dtype for t in (dq, dk, dv)} == {torch.float32}
 
