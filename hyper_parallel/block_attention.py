@@ -157,9 +157,11 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scores(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, scale: float, first_row: int = 0) -> torch.Tensor:
+def _scores(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, scale: float, first_row: int = 0,
+            allowed: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Scaled scores (B, Hkv, G, Sq, Sk) in the accumulation dtype; masked entries -inf (causal:
-    q's rows are the rows ``first_row``.. of the block, query i sees keys 0..first_row + i).
+    q's rows are the rows ``first_row``.. of the block, query i sees keys 0..first_row + i;
+    ``allowed`` (B, Sq, Sk): also the pairs it marks False, e.g. of different documents).
 
     Grouped-query attention: q's H = Hkv * G heads are viewed as (Hkv, G) and k is broadcast
     over G, so K/V are never expanded into a copy."""
@@ -168,15 +170,19 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: BlockMask, scale: float, fir
     s = qg @ k.to(acc).unsqueeze(2).transpose(-1, -2)
     if mask is BlockMask.CAUSAL:  # in place: the scores are the largest tensor of a block
         s.masked_fill_(torch.ones(s.shape[-2:], dtype=torch.bool, device=s.device).triu(1 + first_row), float("-inf"))
+    if allowed is not None:
+        s.masked_fill_(~allowed[:, None, None], float("-inf"))
     return s
 
 
 def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: BlockMask = BlockMask.FULL,
-                    scale: Optional[float] = None, first_row: int = 0,
-                    kernel: Optional[BlockKernel] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+                    scale: Optional[float] = None, first_row: int = 0, kernel: Optional[BlockKernel] = None,
+                    allowed: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
     """Attention of q (B, H, Sq, D) over one block k, v (B, Hkv, Sk, D), H a multiple of Hkv.
 
     ``first_row`` (causal blocks): q holds the block's query rows ``first_row``.. (a tile of them).
+    ``allowed`` (B, Sq, Sk) bool: only the (query, key) pairs it marks may attend besides
+    ``mask`` (document masks); computed by the plain ops.
 
     Returns (out (B, H, Sq, Dv), lse (B, H, Sq)), both in at least float32: ``lse`` is the
     log-sum-exp of each query's scaled scores over the block (-inf where it sees no key; its
@@ -191,10 +197,10 @@ def block_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Blo
     if mask is BlockMask.MASKED:
         return (q.new_zeros((bsz, heads, sq, v.shape[-1]), dtype=acc),
                 q.new_full((bsz, heads, sq), float("-inf"), dtype=acc))
-    fused = _fused(kernel, q, k, v, mask, first_row)
+    fused = None if allowed is not None else _fused(kernel, q, k, v, mask, first_row)
     if fused is not None:
         return _fused_forward(fused, q, k, v, mask is BlockMask.CAUSAL, scale)
-    s = _scores(q, k, mask, scale, first_row)
+    s = _scores(q, k, mask, scale, first_row, allowed)
     lse = s.logsumexp(-1)
     shift = lse.masked_fill(lse == float("-inf"), 0).unsqueeze(-1)
     p = torch.exp(s - shift) if s.requires_grad else s.sub_(shift).exp_()  # in place unless differentiated
@@ -214,7 +220,8 @@ def merge_attention(out_a: torch.Tensor, lse_a: torch.Tensor, out_b: torch.Tenso
 
 def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, dout: torch.Tensor,
                              out: torch.Tensor, lse: torch.Tensor, mask: BlockMask, scale: float,
-                             first_row: int = 0, kernel: Optional[BlockKernel] = None
+                             first_row: int = 0, kernel: Optional[BlockKernel] = None,
+                             allowed: Optional[torch.Tensor] = None
                              ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq, dk, dv) of one block (flash attention's backward; not itself differentiable).
 
@@ -222,10 +229,11 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     (gradient of the final output, final output and log-sum-exp), ``dout`` and ``out`` in q's
     dtype or the accumulation dtype (any layout; :func:`kernel_layout` saves the CUDA kernels a
     copy), ``lse`` in the accumulation dtype. The results are in that dtype, dq (B, H, Sq, D), dk
-    and dv (B, Hkv, Sk, D) summed over the query groups. ``kernel`` as in :func:`block_attention`.
+    and dv (B, Hkv, Sk, D) summed over the query groups. ``kernel`` and ``allowed`` as in
+    :func:`block_attention`.
     """
     _check_heads(q, k)
-    fused = _fused(kernel, q, k, v, mask, first_row)
+    fused = None if allowed is not None else _fused(kernel, q, k, v, mask, first_row)
     if fused is not None:
         return _fused_backward(fused, q, k, v, dout, out, lse, mask is BlockMask.CAUSAL, scale)
     acc = accumulation_dtype(q.dtype)
@@ -233,7 +241,7 @@ def block_attention_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
     grouped = lambda t: t.unflatten(1, (k.shape[1], -1))  # noqa: E731 - (B, Hkv, G, ...)
     delta = grouped((dout * out).sum(-1))
     dout, lse = grouped(dout), grouped(lse)
-    p = _scores(q, k, mask, scale, first_row).sub_(lse.unsqueeze(-1)).exp_()  # in place: 2 score tensors at most
+    p = _scores(q, k, mask, scale, first_row, allowed).sub_(lse.unsqueeze(-1)).exp_()  # in place: 2 score tensors at most
     vg = v.to(acc).unsqueeze(2)
     dv = (p.transpose(-1, -2) @ dout).sum(2)
     ds = (dout @ vg.transpose(-1, -2)).sub_(delta.unsqueeze(-1)).mul_(p)

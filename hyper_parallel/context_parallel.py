@@ -4,7 +4,8 @@ Each rank of the group holds a part of every sequence (:class:`Layout`); attenti
 attention: every rank computes its queries against one block of keys/values at a time while the
 K/V blocks travel round the group (``rotate="ring"``: send/recv to the neighbours; or
 ``"allgather"``: all blocks gathered at once), and the partial results are merged exactly with
-their log-sum-exp. It runs (and is tested) on CPU with gloo.
+their log-sum-exp. It runs (and is tested) on CPU with gloo. ``documents=`` adds document masks
+for packed sequences (each token attends within its document only).
 
     with context_parallel(mesh["cp"]) as cp:          # tells the model's attention it runs under CP
         loss = mean_token_loss(model(cp.shard(inputs)), cp.shard(labels), group=dp_cp_group)
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -41,7 +42,7 @@ from hyper_parallel.chunked_loss import summed_token_loss
 
 __all__ = [
     "BlockKernel", "BlockMask", "ContextParallel", "Layout", "Rotate", "block_attention", "context_parallel",
-    "cp_attention", "current_context", "gather_sequence", "mean_token_loss", "merge_attention",
+    "cp_attention", "current_context", "document_ids", "gather_sequence", "mean_token_loss", "merge_attention",
     "rope_rows", "sequence_positions", "shard_sequence", "token_loss_scale",
 ]
 
@@ -106,6 +107,13 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, layout: Layout = 
     return torch.cat(chunks, dim=dim)
 
 
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Packed sequences' document ids (same shape as ``tokens``, int64): each ``eos_id`` token
+    ends its document (it belongs to it) and the next token starts a new one."""
+    ends = (tokens == eos_id).long()
+    return ends.cumsum(-1) - ends
+
+
 # --------------------------------------------------------------------------- the CP context
 
 
@@ -116,6 +124,7 @@ class ContextParallel:
     group: dist.ProcessGroup
     layout: Layout = Layout.HEAD_TAIL
     rotate: Rotate = Rotate.RING
+    documents: Optional[torch.Tensor] = field(default=None, compare=False)  # (B, S) ids: see context_parallel
 
     @property
     def rank(self) -> int:
@@ -133,9 +142,17 @@ class ContextParallel:
         """The whole sequence from every rank's part (a collective over the group)."""
         return gather_sequence(x, self.group, self.layout, dim)
 
-    def positions(self, local_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
-        """Global positions of this rank's ``local_len`` tokens."""
-        return sequence_positions(local_len, self.rank, self.size, self.layout, device)
+    def positions(self, local_len: int, device: Optional[torch.device] = None, rank: Optional[int] = None
+                  ) -> torch.Tensor:
+        """Global positions of the ``local_len`` tokens of this rank (or of ``rank``)."""
+        return sequence_positions(local_len, self.rank if rank is None else rank, self.size, self.layout, device)
+
+    def same_document(self, rows: torch.Tensor, keys: torch.Tensor) -> Optional[torch.Tensor]:
+        """(B, len(rows), len(keys)) bool: which of the queries at global positions ``rows`` and
+        keys at ``keys`` are in the same document; None without :attr:`documents`."""
+        if self.documents is None:
+            return None
+        return self.documents[:, rows].unsqueeze(-1) == self.documents[:, keys].unsqueeze(-2)
 
 
 _ACTIVE: List[ContextParallel] = []  # a stack; module-level (not a ContextVar), so autograd threads see it
@@ -148,18 +165,27 @@ def current_context() -> Optional[ContextParallel]:
 
 @contextlib.contextmanager
 def context_parallel(mesh: Union[DeviceMesh, dist.ProcessGroup], *, layout: Union[Layout, str] = Layout.HEAD_TAIL,
-                     rotate: Union[Rotate, str] = Rotate.RING) -> Iterator[ContextParallel]:
+                     rotate: Union[Rotate, str] = Rotate.RING,
+                     documents: Optional[torch.Tensor] = None) -> Iterator[ContextParallel]:
     """Run attention (:func:`cp_attention`, e.g. the Llama model's) under CP over ``mesh``.
 
     ``mesh``: a 1-D DeviceMesh (e.g. ``mesh["cp"]``) or a process group. Inside, the model's
     inputs must be this rank's part of each sequence (``cp.shard(x)``); RoPE uses the tokens'
     global positions (:func:`rope_rows`). Run the backward inside as well.
+
+    ``documents`` (B, S) integer ids of the whole sequences (the same on every rank of the
+    group, e.g. :func:`document_ids` of packed samples): document masks, each token attends
+    only to tokens of its own document (computed by the plain block ops: a fused kernel takes
+    no mask). A one-rank group gives them in one process.
     """
     try:
         layout, rotate = Layout(layout), Rotate(rotate)
     except ValueError as err:
         raise ValueError(f"context_parallel: {err}; layouts: {[m.value for m in Layout]}, "
                          f"rotate: {[m.value for m in Rotate]}") from None
+    if documents is not None and (documents.dim() != 2 or documents.is_floating_point()):
+        raise ValueError(f"context_parallel: documents must be (batch, sequence) integer ids, got "
+                         f"{documents.dtype} of shape {tuple(documents.shape)}")
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
             raise ValueError(f"context_parallel needs a 1-D mesh (e.g. mesh['cp']), got a {mesh.ndim}-D mesh")
@@ -168,7 +194,7 @@ def context_parallel(mesh: Union[DeviceMesh, dist.ProcessGroup], *, layout: Unio
         group = mesh
     else:
         raise ValueError(f"context_parallel needs a 1-D DeviceMesh or a ProcessGroup, got {type(mesh).__name__}")
-    cp = ContextParallel(group, layout, rotate)
+    cp = ContextParallel(group, layout, rotate, documents)
     _ACTIVE.append(cp)
     try:
         yield cp
@@ -298,14 +324,19 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, causal: bool, scale: float):  # type: ignore[override]
         n, acc = q.shape[2], accumulation_dtype(q.dtype)
+        mine = cp.positions(n, q.device)
         out = new_kernel_layout(q.shape[:-1] + v.shape[-1:], q, acc).zero_()  # so the kernels' backwards read it as is
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
         kernel = block_kernel(q, k, v) if _KERNEL is None else _KERNEL
+        kernel = BlockKernel.PLAIN if cp.documents is not None else kernel  # a fused kernel takes no mask
         budget = _TILE_SCORES // (q.shape[0] * q.shape[1]) if kernel is BlockKernel.PLAIN else None
         for src, block in _kv_blocks(_flat_kv(k, v), cp):
             kb, vb = _split_kv(block, k, v)
+            keys = cp.positions(n, q.device, src)
             for rows, seen, mask, first in _tiles(_plan(cp.rank, cp.size, src, cp.layout, causal, n), budget):
-                o, l = block_attention(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen], mask, scale, first, kernel)
+                allowed = cp.same_document(mine[rows], keys[:seen])
+                o, l = block_attention(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen], mask, scale, first, kernel,
+                                       allowed)
                 out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows], o, l)
         out = out.to(q.dtype)  # (keeps the layout)
         ctx.save_for_backward(q, k, v, out, lse)
@@ -318,14 +349,17 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
         n, acc, size = q.shape[2], lse.dtype, cp.size
+        mine = cp.positions(n, q.device)
         dq = torch.zeros_like(q, dtype=acc)
 
         def add_block(src: int, block: torch.Tensor, grads: torch.Tensor) -> None:
             (kb, vb), (dkb, dvb) = _split_kv(block, k, v), _split_kv(grads, k, v)
+            keys = cp.positions(n, q.device, src)
             for rows, seen, mask, first in _tiles(_plan(cp.rank, size, src, cp.layout, ctx.causal, n), ctx.budget):
                 dq_b, dk_b, dv_b = block_attention_backward(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen],
                                                             dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
-                                                            mask, ctx.scale, first, ctx.kernel)
+                                                            mask, ctx.scale, first, ctx.kernel,
+                                                            cp.same_document(mine[rows], keys[:seen]))
                 dq[:, :, rows] += dq_b
                 dkb[:, :, :seen] += dk_b
                 dvb[:, :, :seen] += dv_b
@@ -360,6 +394,9 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Conte
         raise ValueError(f"context-parallel attention needs queries, keys and values of the same local "
                          f"length, got {n}, {k.shape[2]}, {v.shape[2]}")
     _check_divisible(n * cp.size, cp.size, cp.layout, "sequence length")
+    if cp.documents is not None and tuple(cp.documents.shape) != (q.shape[0], n * cp.size):
+        raise ValueError(f"context_parallel: documents of shape {tuple(cp.documents.shape)} do not match the "
+                         f"(batch, global sequence) {(q.shape[0], n * cp.size)} of the attention's inputs")
     return _RingAttention.apply(q, k, v, cp, causal, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
