@@ -9,7 +9,7 @@ the README (``make test-torch TORCH=<version>`` runs the suite on another one).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -112,6 +112,16 @@ def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: Tuple[int, ...], names: Tu
     groups created on every rank; the result's slices come from ``mesh``'s root mesh, so they
     can be joined with its other slices (torch has no public unflatten)."""
     return mesh._unflatten(dim, sizes, names)
+
+
+def mesh_dim_rank_groups(mesh: DeviceMesh, dim: int) -> List[List[int]]:
+    """The ranks of every process group of ``mesh``'s dim ``dim`` over its root mesh: this rank's
+    and those of the sibling slices the other ranks hold, each in mesh order, in the order torch's
+    DeviceMesh creates them (its ``_init_one_process_group``; torch has no public way to list
+    them)."""
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    return _MeshLayout([mesh._layout[dim]]).remap_to_tensor(mesh._get_root_mesh()._rank_map).tolist()
 
 
 def current_graph_task_id() -> int:

@@ -251,6 +251,18 @@ def test_unflatten_mesh(rank_2_of_4):
     assert mesh["b"].mesh.tolist() == [2, 3] and mesh["a"].mesh.tolist() == [0, 2]
 
 
+def test_mesh_dim_rank_groups():
+    assert not dist.is_initialized(), "a test left a process group behind"
+    compat.init_fake_process_group(rank=5, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "x"))
+        assert compat.mesh_dim_rank_groups(mesh, 0) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+        assert compat.mesh_dim_rank_groups(mesh["x"], 0) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # every rank's slice
+        assert compat.mesh_dim_rank_groups(init_device_mesh("cpu", (8,)), 0) == [list(range(8))]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_package_imports_private_torch_names_only_through_compat():
     import pathlib
     import re
