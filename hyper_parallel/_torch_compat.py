@@ -201,14 +201,13 @@ def dcp_fsspec_storage() -> Tuple[type, type]:
     return FsspecWriter, FsspecReader
 
 
-# The modules through which torch exports FSDP2's public names (fully_shard, FSDPModule, the
-# policies, register_fsdp_forward_method): the public one and the private ones programs also
-# import from (patch_torch_fsdp replaces the names in each that torch of this version has).
+# The modules through which torch re-exports FSDP2's public names (fully_shard, FSDPModule, the
+# policies, register_fsdp_forward_method) for programs to import: the public one and the deprecated
+# path (patch_torch_fsdp replaces the names in each that torch of this version has). Never the
+# modules defining them (torch.distributed.fsdp._fully_shard._fully_shard, _fsdp_api) nor the
+# package torch's own code reads them from: torch's functions read those globals when they run.
 _FSDP2_EXPORT_MODULES = (
     "torch.distributed.fsdp",
-    "torch.distributed.fsdp._fully_shard",
-    "torch.distributed.fsdp._fully_shard._fully_shard",
-    "torch.distributed.fsdp._fully_shard._fsdp_api",
     "torch.distributed._composable.fsdp",
     "torch.distributed._composable.fsdp.fully_shard",
 )
