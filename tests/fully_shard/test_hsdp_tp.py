@@ -1,4 +1,5 @@
-"""HSDP (2x2), FSDP with empty shards, and FSDP+TP (dp=2 x tp=2) on 4 gloo ranks."""
+"""HSDP (2x2), FSDP with empty shards, FSDP+TP (dp=2 x tp=2) and the creation of fully_shard's own
+process groups, on 4 gloo ranks."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
+from hyper_parallel.core.fully_shard import mesh as fully_shard_mesh
 from tests.fully_shard._helpers import (DTYPE, TOL, full_params, global_batch, lm_loss, max_diff, parity,
                                         shard_layers_and_root, tiny_llama, train)
 from tests.multirank import run_on_ranks
@@ -125,7 +127,9 @@ def _groups_created_by_every_rank():
         created.append((sorted(ranks), use_local_synchronization))
         return new_group(ranks, *args, use_local_synchronization=use_local_synchronization, **kwargs)
 
-    with mock.patch.object(dist.distributed_c10d, "_new_group_with_tag", recording):
+    # (with the groups an earlier test of this rank pool created forgotten)
+    with mock.patch.object(dist.distributed_c10d, "_new_group_with_tag", recording), \
+            mock.patch.dict(fully_shard_mesh._SUBGROUPS, clear=True):
         hp.fully_shard(model[0], reshard_after_forward=2)
         hp.fully_shard(model[2], mesh=pairs)
         hp.fully_shard(model)
