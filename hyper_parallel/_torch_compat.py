@@ -9,7 +9,7 @@ the README (``make test-torch TORCH=<version>`` runs the suite on another one).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -117,6 +117,16 @@ def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: Tuple[int, ...], names: Tu
     return mesh._unflatten(dim, sizes, names)
 
 
+def mesh_dim_rank_groups(mesh: DeviceMesh, dim: int) -> List[List[int]]:
+    """The ranks of every process group of ``mesh``'s dim ``dim`` over its root mesh: this rank's
+    and those of the sibling slices the other ranks hold, each in mesh order, in the order torch's
+    DeviceMesh creates them (its ``_init_one_process_group``; torch has no public way to list
+    them)."""
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    return _MeshLayout([mesh._layout[dim]]).remap_to_tensor(mesh._get_root_mesh()._rank_map).tolist()
+
+
 def current_graph_task_id() -> int:
     """The running autograd graph task's id, -1 outside backward."""
     return torch._C._current_graph_task_id()
@@ -194,14 +204,13 @@ def dcp_fsspec_storage() -> Tuple[type, type]:
     return FsspecWriter, FsspecReader
 
 
-# The modules through which torch exports FSDP2's public names (fully_shard, FSDPModule, the
-# policies, register_fsdp_forward_method): the public one and the private ones programs also
-# import from (patch_torch_fsdp replaces the names in each that torch of this version has).
+# The modules through which torch re-exports FSDP2's public names (fully_shard, FSDPModule, the
+# policies, register_fsdp_forward_method) for programs to import: the public one and the deprecated
+# path (patch_torch_fsdp replaces the names in each that torch of this version has). Never the
+# modules defining them (torch.distributed.fsdp._fully_shard._fully_shard, _fsdp_api) nor the
+# package torch's own code reads them from: torch's functions read those globals when they run.
 _FSDP2_EXPORT_MODULES = (
     "torch.distributed.fsdp",
-    "torch.distributed.fsdp._fully_shard",
-    "torch.distributed.fsdp._fully_shard._fully_shard",
-    "torch.distributed.fsdp._fully_shard._fsdp_api",
     "torch.distributed._composable.fsdp",
     "torch.distributed._composable.fsdp.fully_shard",
 )

@@ -66,7 +66,9 @@ def test_fsdp2_export_modules():
     modules = compat.fsdp2_export_modules()
     assert modules[0] is fsdp
     assert all(vars(m).get("fully_shard", fsdp.fully_shard) is fsdp.fully_shard for m in modules)
-    assert {m.__name__ for m in modules} >= {"torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard._fully_shard"}
+    names = {m.__name__ for m in modules}
+    assert "torch.distributed._composable.fsdp" in names
+    assert not any(name.startswith("torch.distributed.fsdp._fully_shard") for name in names)  # torch reads those
 
 
 def test_tensor_rebuild_version():
@@ -249,6 +251,18 @@ def test_unflatten_mesh(rank_2_of_4):
     mesh = compat.unflatten_mesh(init_device_mesh("cpu", (4,), mesh_dim_names=("shard",)), 0, (2, 2), ("a", "b"))
     assert mesh.mesh.tolist() == [[0, 1], [2, 3]] and mesh.mesh_dim_names == ("a", "b")
     assert mesh["b"].mesh.tolist() == [2, 3] and mesh["a"].mesh.tolist() == [0, 2]
+
+
+def test_mesh_dim_rank_groups():
+    assert not dist.is_initialized(), "a test left a process group behind"
+    compat.init_fake_process_group(rank=5, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "x"))
+        assert compat.mesh_dim_rank_groups(mesh, 0) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+        assert compat.mesh_dim_rank_groups(mesh["x"], 0) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # every rank's slice
+        assert compat.mesh_dim_rank_groups(init_device_mesh("cpu", (8,)), 0) == [list(range(8))]
+    finally:
+        dist.destroy_process_group()
 
 
 def test_package_imports_private_torch_names_only_through_compat():
