@@ -24,11 +24,12 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (ChunkSto
                                                                          MetadataIndex, TensorStorageMetadata)
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata
 from hyper_parallel.core.distributed_checkpoint.hf import Converted, hf_metadata
-from hyper_parallel.models.hf_llama import (CONFIG_FILE, hf_dtype_name, hf_rope_scaling, interleaved_to_halves,
+from hyper_parallel.models.hf_llama import (CONFIG_FILE, hf_dtype_keys, hf_rope_scaling, interleaved_to_halves,
                                             read_config, rows_to_interleaved_)
 from hyper_parallel.models.moe import MoEConfig
 
-__all__ = ["check_config", "hf_config", "hf_names", "load_pretrained", "moe_config", "stacked_metadata", "to_hf"]
+__all__ = ["check_config", "hf_config", "hf_names", "load_pretrained", "moe_config", "stacked_metadata", "to_hf",
+           "unsupported"]
 
 MODEL_TYPE = "qwen3_moe"
 _LAYER_NAMES = {
@@ -54,7 +55,8 @@ _ROTARY = {"attention.wq.weight": "n_heads", "attention.wk.weight": "n_kv_heads"
            "attention.q_norm.weight": None, "attention.k_norm.weight": None}
 
 
-def _unsupported(cfg: MoEConfig) -> List[str]:
+def unsupported(cfg: MoEConfig) -> List[str]:
+    """What of ``cfg`` transformers' Qwen3-MoE cannot express, as one line (empty: nothing)."""
     found = [text for bad, text in ((cfg.shared_experts > 0, f"shared_experts={cfg.shared_experts}"),
                                     (cfg.router_bias, "router_bias=True"),
                                     (cfg.expert_bias_update_rate > 0,
@@ -111,7 +113,7 @@ def hf_config(cfg: MoEConfig, dtype: torch.dtype) -> Dict[str, Any]:
         ValueError: ``cfg`` uses what Qwen3-MoE cannot express (shared experts, router or expert
             biases, attention without q/k norm).
     """
-    problems = _unsupported(cfg)
+    problems = unsupported(cfg)
     if problems:
         raise ValueError(problems[0])
     return {
@@ -125,7 +127,7 @@ def hf_config(cfg: MoEConfig, dtype: torch.dtype) -> Dict[str, Any]:
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "use_sliding_window": False, "torch_dtype": hf_dtype_name(dtype),
+        "use_sliding_window": False, **hf_dtype_keys(dtype),
     }
 
 
@@ -187,7 +189,7 @@ def check_config(path: str, cfg: MoEConfig) -> None:
         ValueError: no or an unreadable ``config.json``, not a Qwen3-MoE one, ``cfg`` has what
             Qwen3-MoE lacks, or the shapes differ (one line naming each differing field).
     """
-    problems = _unsupported(cfg)
+    problems = unsupported(cfg)
     if problems:
         raise ValueError(problems[0])
     config = read_config(path)
