@@ -6,7 +6,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 
 import pytest
 import torch
@@ -255,38 +254,3 @@ def test_an_moe_export_refuses_what_qwen3_moe_cannot_hold_and_the_native_format(
     err = capsys.readouterr().err
     assert err.strip() == "error: transformers' Qwen3-MoE has no equivalent of shared_experts=1", err
     assert not (tmp_path / "hf").exists()
-
-
-# The Qwen3-MoE config of model=moe_debug's shape (transformers' names).
-QWEN3_MOE_DEBUG = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                       intermediate_size=128, norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6)
-
-
-def _qwen3_moe_dir(path):
-    """A random transformers Qwen3MoeForCausalLM of moe_debug's shape, saved with save_pretrained;
-    the norms far from 1 so that a permutation or name mix-up shows."""
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE_DEBUG))
-    with torch.no_grad():
-        for param in hf.parameters():
-            param.copy_(torch.randn(param.shape) * (0.2 if param.ndim > 1 else 1.0))
-    hf.save_pretrained(path)
-    return hf.eval()
-
-
-def _build_moe(overrides):
-    cfg = typed_config(compose_config([*MOE, *overrides]))
-    return build_model(cfg.model, mesh=None, device=torch.device("cpu"), seed=0)
-
-
-def test_init_from_a_transformers_qwen3_moe_directory_gives_its_logits(tmp_path):
-    hf = _qwen3_moe_dir(tmp_path / "hf")
-    ours = _build_moe([f"model.init_from={tmp_path / 'hf'}"])
-    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(1))
-    with torch.no_grad():
-        torch.testing.assert_close(ours(tokens), hf(tokens).logits, rtol=1e-5, atol=1e-5)
-    with pytest.raises(ConfigError, match=re.escape("config.json does not describe this model: num_experts 8 vs "
-                                                    "model.num_experts=4")):
-        _build_moe([f"model.init_from={tmp_path / 'hf'}", "model.moe.num_experts=4"])

@@ -80,10 +80,28 @@ def test_moe_config_refusals(override, message):
         validate_config(compose_config([*MOE, *override.split()]), 2)
 
 
+# The Qwen3-MoE config of model=moe_debug's shape (transformers' names).
+QWEN3_MOE_DEBUG = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+                       intermediate_size=128, norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def _qwen3_moe_dir(path):
+    """A random transformers Qwen3MoeForCausalLM of moe_debug's shape, saved with save_pretrained;
+    the norms far from 1 so that a permutation or name mix-up shows."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE_DEBUG))
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(torch.randn(param.shape) * (0.2 if param.ndim > 1 else 1.0))
+    hf.save_pretrained(path)
+    return hf.eval()
+
+
 def test_init_from_a_transformers_qwen3_moe_directory_under_ep2_starts_at_its_loss(tmp_path):
     from hyper_parallel.trainer.config import typed_config
     from hyper_parallel.trainer.loop import build_loader
-    from tests.recipes.test_hf_interop import _qwen3_moe_dir
 
     hf = _qwen3_moe_dir(tmp_path / "hf")
     overrides = [f"output_dir={tmp_path / 'run'}", "training.steps=1", f"model.init_from={tmp_path / 'hf'}"]
