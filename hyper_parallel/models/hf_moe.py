@@ -26,7 +26,7 @@ from hyper_parallel.core.distributed_checkpoint.format.validation import check_m
 from hyper_parallel.core.distributed_checkpoint.hf import Converted, hf_metadata
 from hyper_parallel.models.hf_llama import (CONFIG_FILE, hf_dtype_keys, hf_rope_scaling, interleaved_to_halves,
                                             read_config, rows_to_interleaved_)
-from hyper_parallel.models.moe import MoEConfig
+from hyper_parallel.models.moe import MoEConfig, MoETransformer
 
 __all__ = ["check_config", "hf_config", "hf_names", "load_pretrained", "moe_config", "stacked_metadata", "to_hf",
            "unsupported"]
@@ -247,7 +247,7 @@ def stacked_metadata(path: str, names: Dict[str, Union[str, List[str]]]) -> Meta
 
 def load_pretrained(model: nn.Module, path: str, cfg: MoEConfig) -> None:
     """Fill ``model`` (an :class:`~hyper_parallel.models.moe.MoETransformer` of ``cfg``, plain
-    or sharded) from the ``transformers`` Qwen3-MoE directory ``path`` (collective): each rank
+    or sharded, or a pipeline stage of one) from the ``transformers`` Qwen3-MoE directory ``path`` (collective): each rank
     reads only its slices (its experts' tensors); the q/k projections and norms are gathered once
     to be permuted. :func:`check_config` first.
 
@@ -260,7 +260,11 @@ def load_pretrained(model: nn.Module, path: str, cfg: MoEConfig) -> None:
     check_config(path, cfg)
     ours = get_model_state_dict(model)
     targets = {k: v for k, v in ours.items() if not (k == "output.weight" and cfg.tie_embeddings)}
-    load_hf(targets, path, metadata=stacked_metadata(path, {k: hf_names(k, cfg) for k in targets}))
+    # The whole model's names, whatever part ``model`` is (a pipeline stage): the ranks plan the
+    # load together from one description of the directory.
+    with torch.device("meta"):
+        names = [k for k in MoETransformer(cfg).state_dict() if not (k == "output.weight" and cfg.tie_embeddings)]
+    load_hf(targets, path, metadata=stacked_metadata(path, {k: hf_names(k, cfg) for k in names}))
     for name, tensor in targets.items():
         heads = _heads(name, cfg)
         if heads:

@@ -99,13 +99,15 @@ def _qwen3_moe_dir(path):
     return hf.eval()
 
 
-def test_init_from_a_transformers_qwen3_moe_directory_under_ep2_starts_at_its_loss(tmp_path):
+def test_init_from_a_transformers_qwen3_moe_directory_under_pp2_ep2_starts_at_its_loss(tmp_path):
+    # 4 ranks: 2 stages of one block, each stage's experts over ep=2; every rank reads its own
+    # stage's tensors (of its experts) and the ranks plan the load together.
     from hyper_parallel.trainer.config import typed_config
     from hyper_parallel.trainer.loop import build_loader
 
     hf = _qwen3_moe_dir(tmp_path / "hf")
     overrides = [f"output_dir={tmp_path / 'run'}", "training.steps=1", f"model.init_from={tmp_path / 'hf'}"]
-    run_on_ranks(2, _train, [*overrides, "parallel.ep=2"], timeout=180)
+    run_on_ranks(4, _train, [*overrides, "parallel.pp=2", "parallel.pp_microbatches=2", "parallel.ep=2"], timeout=180)
     batch = build_loader(typed_config(compose_config([*MOE, *overrides])), 256, dp_rank=0, dp_size=1).next_batch()
     with torch.no_grad():
         expected = hf(batch, labels=batch).loss.item()  # transformers' own loss (it shifts the labels)
