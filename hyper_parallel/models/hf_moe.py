@@ -247,9 +247,9 @@ def stacked_metadata(path: str, names: Dict[str, Union[str, List[str]]]) -> Meta
 
 def load_pretrained(model: nn.Module, path: str, cfg: MoEConfig) -> None:
     """Fill ``model`` (an :class:`~hyper_parallel.models.moe.MoETransformer` of ``cfg``, plain
-    or sharded, or a pipeline stage of one) from the ``transformers`` Qwen3-MoE directory ``path`` (collective): each rank
-    reads only its slices (its experts' tensors); the q/k projections and norms are gathered once
-    to be permuted. :func:`check_config` first.
+    or sharded, or a pipeline stage of one) from the ``transformers`` Qwen3-MoE directory
+    ``path`` (collective): each rank reads only its slices (its experts' tensors); the q/k
+    projections and norms are gathered once to be permuted. :func:`check_config` first.
 
     Raises:
         ValueError: as :func:`check_config`, or a stored shape differs from the model's.

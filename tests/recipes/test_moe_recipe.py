@@ -82,8 +82,9 @@ def test_moe_config_refusals(override, message):
 
 # The Qwen3-MoE config of model=moe_debug's shape (transformers' names).
 QWEN3_MOE_DEBUG = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                       num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
-                       intermediate_size=128, norm_topk_prob=True, max_position_embeddings=256, rms_norm_eps=1e-6)
+                       num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=64, intermediate_size=128, norm_topk_prob=True,
+                       max_position_embeddings=256, rms_norm_eps=1e-6)
 
 
 def _qwen3_moe_dir(path):

@@ -137,7 +137,8 @@ def test_an_moe_run_gets_an_expert_load_panel_and_the_aux_loss_on_its_own_axis(t
     assert [list(line.get_ydata()) for line in blocks] == [[1.0] * 3, [r["expert_load"] for r in records]]
     assert "balanced" in load and "moe: each MoE block" in load
     aux = lines("load-balancing loss (MoE)")
-    assert list(aux["moe: aux loss"].get_ydata()) == pytest.approx([0.1, 0.05, 0.1 / 3]) and "dense: aux loss" not in aux
+    assert list(aux["moe: aux loss"].get_ydata()) == pytest.approx([0.1, 0.05, 0.1 / 3])
+    assert "dense: aux loss" not in aux
     assert not any("aux" in label for label in lines("loss"))  # not on the loss's log axis
     fig = Figure()
     plot_metrics.draw({"dense": plot_metrics.read_run(tmp_path / "dense.jsonl")}, fig)
