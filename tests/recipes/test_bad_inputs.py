@@ -168,3 +168,18 @@ def test_float8_on_a_model_with_float8_layers_passes(check):
     pytest.importorskip("torchao.float8", reason="torchao is not installed")
     code, _, err = check("training.float8=true", "training.float8_recipe=rowwise")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    # every rank crashed after step 1 before
+    (["model.moe.first_k_dense=2", "model.ffn_hidden_dim=64"],
+     "model.moe.first_k_dense=2 leaves no MoE block of the model.n_layers=2: it must be less than n_layers"),
+    # trained on before: one update overrode every choice of the router
+    (["model.moe.expert_bias_update_rate=1e30"], "model.moe.expert_bias_update_rate=1e+30 must be a finite number "
+                                                 "in [0, 0.5)"),
+    (["model.moe.expert_bias_update_rate=0.5"], "model.moe.expert_bias_update_rate=0.5 must be a finite number"),
+    # diverged at step 1 with a message blaming optim.lr before
+    (["model.moe.aux_loss_weight=1e300"], "model.moe.aux_loss_weight=1e+300 must be a finite number in [0, 1]"),
+])
+def test_absurd_moe_settings_are_refused(check, overrides, expected):
+    one_line_error(*check("model=moe_debug", *overrides)[::2], expected)
