@@ -168,3 +168,23 @@ def test_damaged_snapshots_fall_back_to_durable_and_another_jobs_are_ignored(ref
     assert "rank-1/step-5: refused, " in console and "checksum" in console, console
     assert_losses_match(reference, last_loss_per_step(out))
     assert os.listdir(memory) == []  # both jobs finished
+
+
+def test_partners_and_the_agreed_step():
+    from hyper_parallel.trainer.memory_snapshots import partner_of, source_of
+    from hyper_parallel.trainer.recovery import Candidates, agreed_step, holders
+
+    # The same local rank of the next node; on one node the next rank; none for one rank.
+    assert [partner_of(r, 8, 4) for r in range(8)] == [4, 5, 6, 7, 0, 1, 2, 3]
+    assert [partner_of(r, 2, 2) for r in range(2)] == [1, 0] and partner_of(0, 1, 1) is None
+    assert all(source_of(partner_of(r, 6, 2), 6, 2) == r for r in range(6))
+
+    def node(held, name):
+        return Candidates(held, ("host", name), [], [])
+    # Rank 1's node was lost: its step 5 only as rank 0's replica; rank 0 has 6 too but not rank 1.
+    everyone = [node([(0, 5), (0, 6), (1, 5)], "a"), node([], "b")]
+    assert agreed_step(everyone) == 5 and holders(everyone, 5) == [0, 0]
+    assert agreed_step([node([(0, 6)], "a"), node([(1, 5)], "b")]) is None
+    # Two ranks of one node: each gives itself whatever its node holds.
+    everyone = [node([(0, 4), (1, 4)], "a"), node([], "a")]
+    assert holders(everyone, 4) == [0, 1]
