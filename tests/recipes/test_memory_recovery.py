@@ -188,3 +188,10 @@ def test_partners_and_the_agreed_step():
     # Two ranks of one node: each gives itself whatever its node holds.
     everyone = [node([(0, 4), (1, 4)], "a"), node([], "a")]
     assert holders(everyone, 4) == [0, 1]
+
+
+def test_an_unusable_memory_dir_is_one_line_before_start(check, tmp_path):
+    (tmp_path / "file").write_text("")
+    code, _, err = check("checkpoint.memory_interval=1", f"checkpoint.memory_dir={tmp_path}/file/snapshots")
+    assert code == 2 and f"checkpoint.memory_dir={tmp_path}/file/snapshots cannot be used: {tmp_path}/file is a file, not a folder" in err, err
+    assert check(f"checkpoint.memory_dir={tmp_path}/file/snapshots")[0] == 0  # snapshots off: not used
