@@ -8,11 +8,15 @@ Each case runs ``recipes/train.py`` under ``torchrun --standalone --max-restarts
 from the kill, the appearance of the first step logged after the restart (``metrics.jsonl`` is
 polled every 10 ms); "steps lost" is the newest step logged before the kill minus the step the
 job resumed at (the ``"recovered"`` row's step). The recovery itself (agreeing, fetching, loading) is the ``seconds`` of the
-``"recovered"`` row. The step time is the median ``step_time_s`` of uninterrupted runs with and
-without snapshots (the first two steps left out), the modes alternating ``--rounds`` times.
+``"recovered"`` row. The step time is the training loop's wall time over its steps (the summary
+line: saves and snapshots included) of uninterrupted runs with and without snapshots, the modes
+alternating ``--rounds`` times.
 
     python benchmarks/recovery.py [--model llama_50m] [--seq 128] [--batch 4] [--world 2]
-        [--steps 16] [--kill-after 8] [--durable-interval 5] [--rounds 2] [--dir /tmp/hp_recovery]
+        [--steps 16] [--kill-after 8] [--durable-interval 5] [--rounds 2] [--dir /tmp/hp_recovery] [--s3]
+
+``--s3`` adds a case with the durable checkpoints on a moto S3 server started on 127.0.0.1 (needs
+``moto[server]``, ``boto3`` and ``s3fs``; stopped by its pid at the end).
 """
 
 from __future__ import annotations
@@ -20,13 +24,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "recipes", "train.py")
@@ -64,14 +69,17 @@ def _overrides(args: argparse.Namespace, output_dir: str, extra: List[str]) -> L
 
 
 def _start(args: argparse.Namespace, overrides: List[str], restarts: int) -> subprocess.Popen:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYPER_PARALLEL_DEVICE": "cpu", "PYTHONPATH": REPO}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HYPER_PARALLEL_DEVICE": "cpu", "PYTHONPATH": REPO, **args.env}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={args.world}",
            f"--max-restarts={restarts}", "--monitor-interval=0.1", RECIPE, *overrides]
     return subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 
 
-def _finish(proc: subprocess.Popen) -> str:
+def _finish(proc: subprocess.Popen, log: str) -> str:
+    """Wait for the job; its output (the agents' lines carry times) is kept in ``log``."""
     out, _ = proc.communicate(timeout=3600)
+    with open(log, "w") as f:
+        f.write(out)
     if proc.returncode != 0:
         raise SystemExit(f"the job failed (exit {proc.returncode}):\n{out}")
     return out
@@ -100,18 +108,20 @@ def recovery(args: argparse.Namespace, name: str, extra: List[str]) -> Dict[str,
             raise SystemExit(f"{name}: the job ended without a recovery row:\n{proc.stdout.read()}")
         time.sleep(0.01)
     first_step_after = time.perf_counter() - killed_at
-    _finish(proc)
+    _finish(proc, out + ".log")
     event = rows[at]
     return {"kill_to_first_step_s": first_step_after, "steps_lost": newest_before - event["step"],
             "recovery_s": event["seconds"], "from": event["from"]}
 
 
 def step_time(args: argparse.Namespace, name: str, extra: List[str]) -> float:
+    """Seconds per step of an uninterrupted run: its training loop's wall time (the run's
+    summary line, saves and snapshots included) over its steps."""
     out = os.path.join(args.dir, "steps_" + name.replace(" ", "_"))
     shutil.rmtree(out, ignore_errors=True)
-    _finish(_start(args, _overrides(args, out, extra), restarts=0))
-    times = [r["step_time_s"] for r in _rows(out) if "event" not in r][2:]
-    return statistics.median(times)
+    output = _finish(_start(args, _overrides(args, out, extra), 0), out + ".log")
+    summary = re.search(r"done: steps 0 -> (\d+) in ([0-9.]+)s", output)
+    return float(summary.group(2)) / int(summary.group(1))
 
 
 def main() -> None:
@@ -125,6 +135,7 @@ def main() -> None:
     parser.add_argument("--durable-interval", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dir", default="/tmp/hp_recovery")
+    parser.add_argument("--s3", action="store_true", help="also durable checkpoints on a local moto S3 server")
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     memory = os.path.join(args.dir, "memory")
@@ -133,6 +144,43 @@ def main() -> None:
         "memory snapshots every step": [f"checkpoint.interval={args.durable_interval}", "checkpoint.memory_interval=1",
                                         f"checkpoint.memory_dir={memory}"],
     }
+    args.env, server = {}, None
+    if args.s3:
+        server, args.env = _s3_server()
+        cases["durable only, S3 (moto)"] = [f"checkpoint.interval={args.durable_interval}",
+                                            f"checkpoint.folder=s3://bench/run-{int(time.time())}"]
+    try:
+        _report(args, cases)
+    finally:
+        if server is not None:
+            server.terminate()  # the moto server this process started, by its pid
+            server.wait()
+
+
+def _s3_server():
+    """A moto S3 server on loopback (this process's child) with a bucket ``bench``, and the
+    environment that points botocore at it."""
+    import boto3
+    from hyper_parallel.platform import free_port
+
+    endpoint = f"http://127.0.0.1:{free_port()}"
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": endpoint}
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", endpoint.rsplit(":", 1)[1]],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    for _ in range(300):
+        try:
+            boto3.client("s3", endpoint_url=endpoint, **{k.lower(): v for k, v in env.items()
+                                                         if k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY")},
+                         region_name="us-east-1").create_bucket(Bucket="bench")
+            return server, env
+        except Exception:  # not listening yet
+            time.sleep(0.2)
+    server.terminate()
+    raise SystemExit(f"the moto server did not answer on {endpoint}")
+
+
+def _report(args: argparse.Namespace, cases: Dict[str, List[str]]) -> None:
     print(f"# {args.model}, seq {args.seq}, {args.batch} sequences per rank, {args.world} CPU ranks, "
           f"kill -9 of rank 1 after step {args.kill_after}, durable checkpoints every {args.durable_interval} steps")
     print("| case | kill -> first resumed step (s) | steps lost | recovery row (s) | from |")
@@ -141,12 +189,13 @@ def main() -> None:
         r = recovery(args, name, extra)
         print(f"| {name} | {r['kill_to_first_step_s']:.2f} | {r['steps_lost']} | {r['recovery_s']:.3f} | {r['from']} |",
               flush=True)
-    times: Dict[str, List[float]] = {name: [] for name in cases}
+    local = ["durable only", "memory snapshots every step"]  # the step-time cost, durable checkpoints on disk
+    times: Dict[str, List[float]] = {name: [] for name in local}
     for i in range(args.rounds):
-        for name in (cases if i % 2 == 0 else reversed(list(cases))):
+        for name in (local if i % 2 == 0 else reversed(local)):
             times[name].append(step_time(args, name, cases[name]))
     base = statistics.median(times["durable only"])
-    print("\n| case | median step time (s), per round | ratio to durable only |")
+    print("\n| case | seconds per step (training loop wall time / steps), per round | ratio to durable only |")
     print("|---|---|---|")
     for name, values in times.items():
         print(f"| {name} | {', '.join(f'{v:.3f}' for v in values)} | {statistics.median(values) / base:.3f} |")

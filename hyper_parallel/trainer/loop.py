@@ -14,7 +14,6 @@ from hyper_parallel._torch_compat import flatten_mesh
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.checkpoint import CheckpointManager
 from hyper_parallel.utils.fileio import RefusedFileError, write_file_atomically
-from hyper_parallel.utils.units import format_bytes
 from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.platform import Platform
@@ -26,14 +25,14 @@ from hyper_parallel.trainer.config.schema import TrainConfig, model_config
 from hyper_parallel.trainer.context import split_sequences
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
-from hyper_parallel.trainer.memory_snapshots import build_snapshots, ranks_per_node, snapshot_memory
+from hyper_parallel.trainer.memory_snapshots import build_snapshots
 from hyper_parallel.trainer.metrics import MetricsLogger, moe_record, moe_statistics
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from hyper_parallel.trainer.pipeline_parallel import build_pipeline, pipelined_step
 from hyper_parallel.trainer.recovery import start_from
-from hyper_parallel.trainer.reporting import describe, format_summary, resume_mismatch, starting_point
+from hyper_parallel.trainer.reporting import describe, format_summary, resume_mismatch, snapshot_line, starting_point
 from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 from hyper_parallel.trainer.sinks import SinkError, WandbSettings, wandb_settings
@@ -190,7 +189,7 @@ def run_training(config: ValidConfig, platform: Platform) -> RunSummary:
                               OmegaConf.to_yaml(config.composed).encode())
     job.log.print(describe(job))
     if job.snapshots is not None:
-        job.log.print(_snapshot_line(job))
+        job.log.print(snapshot_line(job))
     for line in recovery_lines:
         job.log.print(line)
     if recovered is not None:
@@ -220,16 +219,6 @@ def run_training(config: ValidConfig, platform: Platform) -> RunSummary:
             job.profiler.close()
         job.log.close()
     return summary
-
-
-def _snapshot_line(job: TrainingJob) -> str:
-    """The start-up line of the memory snapshots: where, how often, how much host memory."""
-    s = job.snapshots
-    memory = snapshot_memory(job.state, ranks_per_node())
-    partner = f"partner rank {s.partner}" if s.partner is not None else "no partner (one rank)"
-    return (f"memory snapshots every {s.interval} step(s) in {s.folder.root}: about "
-            f"{format_bytes(memory.node_bytes)} of host memory per node ({format_bytes(memory.rank_bytes)} per "
-            f"snapshot of rank 0, which keeps its own, a replica and one being written; replica to {partner})")
 
 
 def _peek_batch(job: TrainingJob, step: int) -> Tuple[Optional[torch.Tensor], Optional[ConfigError]]:

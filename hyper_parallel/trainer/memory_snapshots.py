@@ -38,8 +38,7 @@ import logging
 import os
 import re
 import shutil
-import struct
-from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,6 +47,7 @@ from torch.distributed.tensor import DTensor
 from hyper_parallel.checkpoint import CheckpointError, FileSystemWriter, OptimizerState
 from hyper_parallel.checkpoint import async_save
 from hyper_parallel.trainer.config.schema import TrainConfig
+from hyper_parallel.trainer.snapshot_transfer import all_ranks_agree, pack_folder, transfer, unpack_folder
 
 _log = logging.getLogger(__name__)
 
@@ -146,69 +146,6 @@ def switch_into_place(scratch: str, final: str) -> None:
     """Make the written ``scratch`` folder the snapshot ``final`` (one rename: whole or absent)."""
     shutil.rmtree(final, ignore_errors=True)
     os.rename(scratch, final)
-
-
-# ---------------------------------------------------------------------- a folder's bytes on the wire
-
-def pack_folder(path: str) -> torch.Tensor:
-    """The files of snapshot folder ``path`` as one uint8 tensor: an 8-byte header length, a JSON
-    list of ``[name, size]``, then the files' bytes in that order."""
-    names = sorted(os.listdir(path))
-    sizes = [os.path.getsize(os.path.join(path, name)) for name in names]
-    header = json.dumps([[n, s] for n, s in zip(names, sizes)]).encode()
-    out = torch.empty(8 + len(header) + sum(sizes), dtype=torch.uint8)
-    view = memoryview(out.numpy())
-    view[:8] = struct.pack("<Q", len(header))
-    view[8:8 + len(header)] = header
-    at = 8 + len(header)
-    for name, size in zip(names, sizes):
-        with open(os.path.join(path, name), "rb") as f:
-            if f.readinto(view[at:at + size]) != size:
-                raise OSError(f"{os.path.join(path, name)} changed while it was being sent")
-        at += size
-    return out
-
-
-def unpack_folder(payload: torch.Tensor, into: str) -> None:
-    """Write the files of a :func:`pack_folder` payload into the empty folder ``into``."""
-    view = memoryview(payload.numpy())
-    (length,) = struct.unpack("<Q", view[:8])
-    at = 8 + length
-    for name, size in json.loads(bytes(view[8:at])):
-        if os.path.basename(name) != name or name in (".", ".."):
-            raise CheckpointError(f"a received snapshot names the file {name!r}")
-        with open(os.path.join(into, name), "wb") as f:
-            f.write(view[at:at + size])
-        at += size
-
-
-def transfer(sends: Sequence[Tuple[int, Optional[torch.Tensor]]], receive_from: Optional[int],
-             group: dist.ProcessGroup) -> Optional[torch.Tensor]:
-    """Send each ``(rank, payload)`` of ``sends`` while receiving one payload from rank
-    ``receive_from`` (None: nothing to receive), over ``group``. A None payload is sent as
-    "nothing"; a received "nothing" is returned as None."""
-    sizes = [torch.tensor([-1 if payload is None else payload.numel()]) for _, payload in sends]
-    size_in = torch.zeros(1, dtype=torch.int64)
-    works = [dist.isend(size, dst=rank, group=group) for size, (rank, _) in zip(sizes, sends)]
-    if receive_from is not None:
-        works.append(dist.irecv(size_in, src=receive_from, group=group))
-    for work in works:
-        work.wait()
-    works = [dist.isend(payload, dst=rank, group=group) for rank, payload in sends if payload is not None]
-    received = None
-    if receive_from is not None and size_in.item() >= 0:
-        received = torch.empty(int(size_in.item()), dtype=torch.uint8)
-        works.append(dist.irecv(received, src=receive_from, group=group))
-    for work in works:
-        work.wait()
-    return received
-
-
-def all_ranks_agree(ok: bool, group: dist.ProcessGroup) -> bool:
-    """Whether ``ok`` holds on every rank of ``group`` (one all-reduce)."""
-    flag = torch.tensor([int(ok)])
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-    return bool(flag.item())
 
 
 def _localize(value: Any) -> Any:

@@ -23,8 +23,8 @@ from hyper_parallel.checkpoint import CheckpointError, committed_steps, load, ve
 from hyper_parallel.trainer.agreement import together
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.job import TrainingJob
-from hyper_parallel.trainer.memory_snapshots import (SNAPSHOT_INFO, MemorySnapshots, local_shards, pack_folder,
-                                                     switch_into_place, transfer, unpack_folder)
+from hyper_parallel.trainer.memory_snapshots import SNAPSHOT_INFO, MemorySnapshots, local_shards, switch_into_place
+from hyper_parallel.trainer.snapshot_transfer import pack_folder, transfer, unpack_folder
 from hyper_parallel.trainer.operations import LoadPlan
 from hyper_parallel.trainer.state import SAVED_ONLY
 
@@ -56,8 +56,9 @@ class Recovery(NamedTuple):
     path: Optional[str] = None
 
 
-def _refusal(path: str, identity: Dict[str, str], rank: int, step: int) -> Optional[str]:
-    """Why the snapshot at ``path`` cannot be loaded as ``rank``'s of ``step`` (None: it can)."""
+def _refusal(path: str, identity: Dict[str, str], world: int, rank: int, step: int) -> Optional[str]:
+    """Why the snapshot at ``path`` cannot be loaded as ``rank``'s of ``step`` by a job of
+    ``world`` ranks (None: it can)."""
     try:
         with open(os.path.join(path, SNAPSHOT_INFO)) as f:
             info = json.load(f)
@@ -66,6 +67,8 @@ def _refusal(path: str, identity: Dict[str, str], rank: int, step: int) -> Optio
     if not isinstance(info, dict) or info.get("job") != identity["job"]:
         owner = info.get("output_dir") if isinstance(info, dict) else None
         return f"{path}: written by another job (output_dir {owner}); not loaded"
+    if info.get("world_size") != world:
+        return f"{path}: written by a job of {info.get('world_size')} ranks, this one has {world}; not loaded"
     if info.get("rank") != rank or info.get("step") != step:
         return f"{path}: holds rank {info.get('rank')}'s step {info.get('step')}, not rank {rank}'s step {step}"
     try:
@@ -113,7 +116,7 @@ def local_candidates(snapshots: MemorySnapshots, found: Dict[Tuple[int, int], st
     refused: List[str] = []
     held = []
     for (rank, step), path in sorted(found.items()):
-        why = _refusal(path, snapshots.identity, rank, step)
+        why = _refusal(path, snapshots.identity, snapshots.world, rank, step)
         if why is None:
             held.append((rank, step))
         else:
@@ -197,7 +200,9 @@ def recover_from_memory(snapshots: MemorySnapshots, state: Dict[str, Any], keys:
             held_here = node_snapshots(snapshots, snapshots.folder.ranks_here())[(me, step)]
             os.makedirs(snapshots.folder.path, exist_ok=True)
             switch_into_place(held_here, own)
-        load(local_shards({key: state[key] for key in keys}), checkpoint_id=own, no_dist=True)
+        # A snapshot received now is checked by this load; one checked above is not read twice.
+        load(local_shards({key: state[key] for key in keys}), checkpoint_id=own, no_dist=True,
+             verify=given_by[me] != me)
     except (OSError, CheckpointError) as err:
         problem = f"rank {me}: the memory snapshot of step {step} ({own}) failed to load: {err}"
     failed: List[Optional[str]] = [None] * world
@@ -235,23 +240,24 @@ def start_from(job: TrainingJob, resume_durable: Callable[[], Optional[LoadPlan]
     """Where the job starts: with snapshots on (and ``checkpoint.resume`` without a
     ``load_step``), the snapshots every rank can get (:func:`recover_from_memory`), else
     ``resume_durable()``. Returns the plan (None: from scratch), the lines to print, and the
-    ``metrics.jsonl`` row of a recovery (a restart, or snapshots found): ``{"event":
-    "recovered", "from": "memory" | "durable", "step", "seconds"}``.
+    ``metrics.jsonl`` row of a recovery (from memory; from durable storage after a torchrun
+    restart or when snapshots were found): ``{"event": "recovered", "from": "memory" |
+    "durable", "step", "seconds"}``.
 
     Raises:
         JobFailed: on every rank, as ``resume_durable``, or when a snapshot agreed on fails to load.
     """
     started = time.perf_counter()
     snapshots, c = job.snapshots, job.cfg.checkpoint
-    if snapshots is None or not c.resume or c.load_step is not None:
-        return resume_durable(), [], None
-    keys = [key for key in job.state if key not in SAVED_ONLY]
-    recovery = together(job.device, lambda: recover_from_memory(snapshots, job.state, keys, c.folder))
+    recovery = Recovery(None, [], False, [])
+    if snapshots is not None and c.resume and c.load_step is None:
+        keys = [key for key in job.state if key not in SAVED_ONLY]
+        recovery = together(job.device, lambda: recover_from_memory(snapshots, job.state, keys, c.folder))
     if recovery.step is not None:
         seconds = time.perf_counter() - started
         ranks = recovery.from_replica
         whose = (f"; rank(s) {', '.join(map(str, ranks))} from their partner's replica" if ranks
-                 else "; every rank from its own snapshot")
+                 else "; every rank from its own node")
         line = f"recovered from memory at step {recovery.step} in {seconds:.2f} s{whose}"
         plan = LoadPlan(recovery.path, keys, recovery.step, line)
         return plan, recovery.lines, {"event": "recovered", "from": "memory", "step": recovery.step,
@@ -260,7 +266,7 @@ def start_from(job: TrainingJob, resume_durable: Callable[[], Optional[LoadPlan]
     if plan is None or not (recovery.found or was_restarted()):
         return plan, recovery.lines, None
     seconds = time.perf_counter() - started
-    line = (f"recovered from durable at step {plan.start_step} in {seconds:.2f} s "
-            "(no memory snapshot every rank can get)")
+    why = "no memory snapshot every rank can get" if snapshots is not None else "no memory snapshots"
+    line = f"recovered from durable at step {plan.start_step} in {seconds:.2f} s ({why})"
     return plan, recovery.lines + [line], {"event": "recovered", "from": "durable", "step": plan.start_step,
                                            "seconds": round(seconds, 4)}
