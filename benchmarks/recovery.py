@@ -13,7 +13,8 @@ line: saves and snapshots included) of uninterrupted runs with and without snaps
 alternating ``--rounds`` times.
 
     python benchmarks/recovery.py [--model llama_50m] [--seq 128] [--batch 4] [--world 2]
-        [--steps 16] [--kill-after 8] [--durable-interval 5] [--rounds 2] [--dir /tmp/hp_recovery] [--s3]
+        [--steps 16] [--kill-after 8] [--durable-interval 5] [--rounds 2] [--dir /tmp/hp_recovery]
+        [--memory-dir /dev/shm/hp_recovery] [--s3]
 
 ``--s3`` adds a case with the durable checkpoints on a moto S3 server started on 127.0.0.1 (needs
 ``moto[server]``, ``boto3`` and ``s3fs``; stopped by its pid at the end).
@@ -87,7 +88,7 @@ def _finish(proc: subprocess.Popen, log: str) -> str:
 
 def recovery(args: argparse.Namespace, name: str, extra: List[str]) -> Dict[str, float]:
     """One killed run: seconds from the kill to the first resumed step, steps lost, recovery seconds."""
-    out = os.path.join(args.dir, name.replace(" ", "_"))
+    out = os.path.join(args.dir, re.sub(r"\W+", "_", name))
     shutil.rmtree(out, ignore_errors=True)
     proc = _start(args, _overrides(args, out, extra), restarts=1)
     while not any(r.get("step", 0) >= args.kill_after for r in _rows(out) if "event" not in r):
@@ -117,7 +118,7 @@ def recovery(args: argparse.Namespace, name: str, extra: List[str]) -> Dict[str,
 def step_time(args: argparse.Namespace, name: str, extra: List[str]) -> float:
     """Seconds per step of an uninterrupted run: its training loop's wall time (the run's
     summary line, saves and snapshots included) over its steps."""
-    out = os.path.join(args.dir, "steps_" + name.replace(" ", "_"))
+    out = os.path.join(args.dir, "steps_" + re.sub(r"\W+", "_", name))
     shutil.rmtree(out, ignore_errors=True)
     output = _finish(_start(args, _overrides(args, out, extra), 0), out + ".log")
     summary = re.search(r"done: steps 0 -> (\d+) in ([0-9.]+)s", output)
@@ -135,10 +136,11 @@ def main() -> None:
     parser.add_argument("--durable-interval", type=int, default=5)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dir", default="/tmp/hp_recovery")
+    parser.add_argument("--memory-dir", default="/dev/shm/hp_recovery", help="checkpoint.memory_dir (a tmpfs)")
     parser.add_argument("--s3", action="store_true", help="also durable checkpoints on a local moto S3 server")
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
-    memory = os.path.join(args.dir, "memory")
+    memory = args.memory_dir
     cases = {
         "durable only": [f"checkpoint.interval={args.durable_interval}"],
         "memory snapshots every step": [f"checkpoint.interval={args.durable_interval}", "checkpoint.memory_interval=1",

@@ -2,10 +2,11 @@
 
 Every rank checks the snapshots in its folder with the durable checkpoint's checks (the job
 identity in ``snapshot.json``, then ``verify_checkpoint``: metadata, file sizes, checksums); the
-ranks exchange what passed (one ``all_gather_object`` over the snapshot group) and agree on the
-newest step that every rank can get: its own snapshot, else the replica its partner holds, which
-the partner then sends back over the group. Each rank loads that step from its own folder, no
-durable storage read. With no such step, or a newer durable checkpoint, the job resumes from
+ranks exchange what passed (``all_gather_object`` over the snapshot group) and agree on the
+newest step of which every rank's snapshot is held somewhere: on its own node (its folder, or
+another folder there: a requeued job's ranks may land on other nodes), else as a replica on
+another node, whose rank then sends it over the group. Each rank loads that step from its own
+folder, no durable storage read. With no such step, or a newer durable checkpoint, the job resumes from
 durable storage as without snapshots.
 """
 
