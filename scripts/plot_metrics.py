@@ -100,6 +100,8 @@ def read_run(path: str) -> Run:
                 record = json.loads(line)
             except (ValueError, RecursionError):
                 raise ValueError(f"{where}: not JSON (is {path} a metrics.jsonl?)") from None
+            if isinstance(record, dict) and "event" in record:
+                continue  # not a step: e.g. a recovery (docs/recipes.md, "Recovering from failures")
             step = _check_record(record, where)["step"]
             if last_step is not None and step <= last_step:
                 restarts.append(step)

@@ -51,6 +51,7 @@ def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: i
         checkpoint = checkpoint_folder_problems(cfg)
         folders = output_dir_problems(cfg) + checkpoint
         resume = [] if checkpoint else resume_problems(cfg)  # (an unusable folder is not listed)
+    folders += snapshot_folder_problems(cfg)
     problems = (folders + (output_file_problems(cfg) if not folders else []) + init_from_problems(cfg)
                 + resume + data_problems(cfg) + package_problems(cfg)
                 + memory_problems(cfg, dims, ranks_per_node))
@@ -67,6 +68,14 @@ def output_dir_problems(cfg: TrainConfig) -> List[str]:
         return [f"output_dir: {err}"]
     why = unusable_folder(cfg.output_dir)
     return [f"output_dir={cfg.output_dir} cannot be used: {why}; choose another output_dir"] if why else []
+
+
+def snapshot_folder_problems(cfg: TrainConfig) -> List[str]:
+    """With in-memory snapshots on, ``checkpoint.memory_dir`` can be created and written."""
+    c = cfg.checkpoint
+    why = unusable_folder(c.memory_dir) if c.memory_interval else None
+    return [f"checkpoint.memory_dir={c.memory_dir} cannot be used: {why}; choose another folder "
+            "(a tmpfs such as /dev/shm)"] if why else []
 
 
 def checkpoint_folder_problems(cfg: TrainConfig) -> List[str]:

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hyper_parallel.models.llama import LlamaConfig, RopeScaling
 from hyper_parallel.models.moe import MoEConfig
+from hyper_parallel.trainer.config.memory import MemorySnapshotKeys
 from hyper_parallel.trainer.config.moe import MoEOptions, moe_config, moe_problems
 from hyper_parallel.trainer.config.parallel import ParallelConfig, ParallelDims
 from hyper_parallel.trainer.config.rules import defaults, field_rules, key
@@ -267,8 +268,9 @@ class OptimConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """The ``checkpoint`` group (``default``): saving, retention and what to start from."""
+class CheckpointConfig(MemorySnapshotKeys):
+    """The ``checkpoint`` group (``default``): saving, retention and what to start from (and
+    the in-memory snapshots' keys, ``config/memory.py``)."""
 
     folder: str = key("${output_dir}/checkpoints", path=True)
     interval: int = key(50, min=1)                   # save every N steps (and always at the last step)
@@ -286,7 +288,7 @@ class CheckpointConfig:
     def problems(self, ok: Ok) -> List[str]:
         if self.load_only is True and not self.load_from:
             return ["checkpoint.load_only=true needs checkpoint.load_from (the checkpoint to take the model from)"]
-        return []
+        return self.memory_problems(ok)
 
 
 # The config groups: each one a folder under configs/ whose options extend the schema.
