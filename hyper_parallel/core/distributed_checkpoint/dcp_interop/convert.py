@@ -37,6 +37,7 @@ from hyper_parallel.core.distributed_checkpoint.dcp_interop.key_mapping import (
     plan_import,
 )
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpFiles, translate_metadata
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.rotary_layout import RotateHalf
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.planning.global_save_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.planning.load_planner import StandardLoadPlanner
@@ -154,10 +155,12 @@ class _DcpImportPlanner(SavePlanner):
 
 
 def import_dcp(src: str, dst: str, *, rename: Sequence[Rule] = (), exclude: Sequence[str] = (),
-               split: Sequence[FusedSplit] = (), force: bool = False) -> Metadata:
+               split: Sequence[FusedSplit] = (), rotate_half: Sequence[RotateHalf] = (),
+               force: bool = False) -> Metadata:
     """Convert the torch DCP checkpoint ``src`` into a checkpoint of ours at ``dst`` (committed
     atomically), chunk by chunk: host memory stays about one chunk, whatever the checkpoint's
-    size. Keys are kept, or mapped by ``exclude``, ``rename`` and ``split``, and optimizer
+    size. Keys are kept, or mapped by ``exclude``, ``rename`` and ``split``, the rows of the
+    tensors ``rotate_half`` names moved from rotated halves to interleaved rotary pairs, and optimizer
     param groups are regrouped into ours (:func:`~.key_mapping.plan_import`). ``src`` and
     ``dst`` may be fsspec URLs. An existing ``dst`` is replaced only if it is a checkpoint of
     ours and ``force`` is given (:func:`~.destination.check_destination`).
@@ -171,7 +174,8 @@ def import_dcp(src: str, dst: str, *, rename: Sequence[Rule] = (), exclude: Sequ
     src, dst = os.fspath(src), os.fspath(dst)
     check_destination(src, dst, OutputKind.OURS, force)
     metadata = translate_metadata(src)
-    planner = _DcpImportPlanner(src, metadata, {"rename": rename, "exclude": exclude, "split": split})
+    planner = _DcpImportPlanner(src, metadata, {"rename": rename, "exclude": exclude, "split": split,
+                                                      "rotate_half": rotate_half})
     writer = store_for(dst).writer()
     writer.initialize_writer(dst)
     plan = None
