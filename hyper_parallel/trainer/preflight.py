@@ -52,6 +52,7 @@ def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: i
         folders = output_dir_problems(cfg) + checkpoint
         resume = [] if checkpoint else resume_problems(cfg)  # (an unusable folder is not listed)
     problems = (folders + (output_file_problems(cfg) if not folders else []) + init_from_problems(cfg)
+                + load_from_problems(cfg)
                 + resume + data_problems(cfg) + package_problems(cfg)
                 + memory_problems(cfg, dims, ranks_per_node))
     if problems:
@@ -79,6 +80,19 @@ def checkpoint_folder_problems(cfg: TrainConfig) -> List[str]:
     except ValueError as err:  # credentials, a query, a chained URL, no fsspec implementation: one line
         why = f"{key}: {err}"
     return [why] if why else []
+
+
+def load_from_problems(cfg: TrainConfig) -> List[str]:
+    """``checkpoint.load_from``, when set, is a path or a URL of a form the stores accept (no
+    credentials, query, chained file systems or surrounding whitespace: :func:`url_scheme`)."""
+    source = cfg.checkpoint.load_from
+    if not source:
+        return []
+    try:
+        url_scheme(str(source))
+    except ValueError as err:
+        return [f"checkpoint.load_from: {err}"]
+    return []
 
 
 def init_from_problems(cfg: TrainConfig) -> List[str]:

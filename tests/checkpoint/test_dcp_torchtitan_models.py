@@ -187,3 +187,13 @@ def test_torchtitan_itself_end_to_end_where_installed(tmp_path):
     now = json.loads(out.read_text())
     for family, record in DATA["families"].items():
         assert now["families"][family]["keys"] == record["keys"], family
+
+
+def test_excluding_every_key_is_refused_and_writes_nothing(tmp_path, capsys):
+    src, dst = str(tmp_path / "llama3"), tmp_path / "ours"
+    write_titan_checkpoint("llama3", src)
+    assert main(["import-dcp", src, str(dst), "--exclude", "*"]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("error: nothing to import: --exclude leaves none of the 280 entries") and \
+        len(err.strip().splitlines()) == 1, err
+    assert not dst.exists() and [p.name for p in tmp_path.iterdir()] == ["llama3"]

@@ -119,6 +119,9 @@ class _DcpImportPlanner(SavePlanner):
 
     def build_local_plan(self) -> SavePlan:
         self.sources = plan_import(self.metadata, lambda key: self._read(MetadataIndex(key)), **self.mapping)
+        if not self.sources:
+            raise CheckpointError(f"nothing to import: --exclude leaves none of the {len(self.metadata.state_dict_metadata)} "
+                                  f"entries of {self.src}; an empty checkpoint is not written")
         items: List[WriteItem] = []
         # Ordered by the stored item read, so the parts of a split chunk are written one after another.
         for new in sorted(self.sources, key=lambda n: (_stored_key(self.sources[n]), n)):
@@ -167,7 +170,8 @@ def import_dcp(src: str, dst: str, *, rename: Sequence[Rule] = (), exclude: Sequ
 
     Raises:
         DestinationRefused: ``dst`` is ``src``, or exists and is not empty (see above).
-        CheckpointError: ``src`` is not a readable DCP checkpoint, refuses a class, holds a
+        CheckpointError: ``src`` is not a readable DCP checkpoint, ``exclude`` leaves nothing of
+            it (no empty checkpoint is written), refuses a class, holds a
             value that is not plain data or a dtype safetensors cannot store, or a key mapping
             that :func:`~.key_mapping.plan_import` refuses (names the key).
     """
