@@ -172,12 +172,21 @@ class MemoryEstimate(NamedTuple):
 def estimate_memory(cfg: TrainConfig, dims: ParallelDims) -> MemoryEstimate:
     """A lower bound of one rank's memory for this config, from shapes alone (nothing allocated)."""
     llama = model_config(cfg.model)  # a LlamaConfig or an MoEConfig: the fields read here are in both
-    one = dict(n_layers=1, first_k_dense=0) if isinstance(llama, MoEConfig) else dict(n_layers=1)
-    with torch.device("meta"):
-        one_block = build_transformer(dataclasses.replace(llama, **one))
-    block = sum(p.numel() for p in one_block.layers["0"].parameters())
-    root = sum(p.numel() for p in one_block.parameters()) - block
-    parameters = root + block * llama.n_layers
+    # (how many blocks, the one-block model's overrides): an MoE model's dense first blocks count as dense
+    kinds = [(llama.n_layers, {})]
+    if isinstance(llama, MoEConfig):
+        dense = min(llama.first_k_dense, llama.n_layers)
+        kinds = [(llama.n_layers - dense, {"first_k_dense": 0}), (dense, {"first_k_dense": 1})]
+    root, blocks = 0, []
+    for count, overrides in kinds:
+        if count:
+            with torch.device("meta"):
+                one_block = build_transformer(dataclasses.replace(llama, n_layers=1, **overrides))
+            size = sum(p.numel() for p in one_block.layers["0"].parameters())
+            root = sum(p.numel() for p in one_block.parameters()) - size
+            blocks.append((count, size))
+    block = max(size for _, size in blocks)
+    parameters = root + sum(count * size for count, size in blocks)
     param_bytes = 2 if cfg.parallel.mixed_precision == "bf16" else 4
     t = cfg.training
     micro_batch = t.global_batch_size // (dims.dp_size * t.grad_accum_steps)
