@@ -15,7 +15,7 @@ from hyper_parallel.checkpoint import save
 from hyper_parallel.trainer import compose_config, validate_config
 from hyper_parallel.trainer import preflight
 from hyper_parallel.trainer.config.schema import DATA_KEYS as DATA_SCHEMA
-from tests.recipes.train_in_process import one_line_error
+from tests.recipes.train_in_process import one_line_error, recipe
 
 GIB = 1024**3
 
@@ -183,3 +183,21 @@ def test_float8_on_a_model_with_float8_layers_passes(check):
 ])
 def test_absurd_moe_settings_are_refused(check, overrides, expected):
     one_line_error(*check("model=moe_debug", *overrides)[::2], expected)
+
+
+def test_check_takes_the_world_size_as_an_option(tmp_path, monkeypatch, capsys):
+    """A multi-rank layout is checked without setting WORLD_SIZE by hand."""
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    out = f"output_dir={tmp_path / 'out'}"
+    layout = ["parallel.dp_replicate=2", "parallel.dp_shard=2"]
+    assert recipe.main(["--check", out, *layout]) == 2  # 1 rank from the environment: the layout needs 4
+    assert "world" in capsys.readouterr().err
+    assert recipe.main(["--check", "--world-size", "4", "--ranks-per-node=2", out, *layout]) == 0
+    assert capsys.readouterr().out.strip() == "config OK for 4 rank(s)"
+    code = recipe.main(["--check", "--world-size=8", out, *layout])
+    one_line_error(code, capsys.readouterr().err, "8")
+    code = recipe.main(["--check", "--world-size", "0", out])
+    one_line_error(code, capsys.readouterr().err, "--world-size takes a positive number of ranks, not '0'")
+    code = recipe.main(["--world-size", "4", out])
+    one_line_error(code, capsys.readouterr().err, "only go with --check")
