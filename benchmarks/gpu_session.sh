@@ -13,7 +13,8 @@
 # the HSDP all-reduce on its own stream). `accel` runs only that file, plain and sanitized
 # (a minute), for a session short of device time. `tests` then runs the object-store loads
 # into device memory (tests/checkpoint/test_object_store_failures.py). `cp` (also the start of
-# `tests` and `all`) runs the context-parallel tests: the machine has one GPU, so its ranks are
+# `tests` and `all`) runs benchmarks/cp_gpu_checks.py (the CP block kernels and ring attention
+# on this GPU against the plain ops and SDPA), then the context-parallel tests: the machine has one GPU, so its ranks are
 # gloo ranks on the CPU cores (ring attention and the Llama model under CP, exact against one
 # process, and the recipe's CP runs), checked on that machine's CUDA build of torch.
 #
@@ -61,6 +62,13 @@ accel)
     run accel_paths_sanitizer env TORCH_CUDA_SANITIZER=1 "$PY" -m pytest -q -p no:cacheprovider \
         tests/accelerator/test_accel_paths.py
     ;;
+cp | tests | all)
+    # Context parallelism's kernels on this GPU (a minute): each fused block kernel (flash
+    # attention, memory-efficient attention) against the plain ops in bf16/fp16/fp32 (output,
+    # log-sum-exp, dq/dk/dv; `out` handed over in both layouts), ring attention on a one-rank
+    # NCCL group against SDPA with each kernel; rc=1 if an error exceeds its dtype's bound.
+    run cp_gpu_checks "$PY" benchmarks/cp_gpu_checks.py --device cuda
+    ;;&
 cp | tests | all)
     run context_parallel_tests "$PY" -m pytest -q -p no:cacheprovider tests/test_context_parallel.py \
         tests/recipes/test_cp_recipe.py

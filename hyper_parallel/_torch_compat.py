@@ -9,7 +9,7 @@ the README (``make test-torch TORCH=<version>`` runs the suite on another one).
 from __future__ import annotations
 
 import functools
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,6 +45,9 @@ __all__ = [
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
     "cuda_efficient_attention",
+    "cuda_flash_attention",
+    "cuda_flash_attention_applies",
+    "cuda_flash_attention_backward",
     "cuda_efficient_attention_backward",
     "current_graph_task_id",
     "dcp_fsspec_storage",
@@ -148,6 +151,16 @@ def unflatten_mesh(mesh: DeviceMesh, dim: int, sizes: Tuple[int, ...], names: Tu
     return mesh._unflatten(dim, sizes, names)
 
 
+def mesh_dim_rank_groups(mesh: DeviceMesh, dim: int) -> List[List[int]]:
+    """The ranks of every process group of ``mesh``'s dim ``dim`` over its root mesh: this rank's
+    and those of the sibling slices the other ranks hold, each in mesh order, in the order torch's
+    DeviceMesh creates them (its ``_init_one_process_group``; torch has no public way to list
+    them)."""
+    from torch.distributed._mesh_layout import _MeshLayout
+
+    return _MeshLayout([mesh._layout[dim]]).remap_to_tensor(mesh._get_root_mesh()._rank_map).tolist()
+
+
 def current_graph_task_id() -> int:
     """The running autograd graph task's id, -1 outside backward."""
     return torch._C._current_graph_task_id()
@@ -225,14 +238,13 @@ def dcp_fsspec_storage() -> Tuple[type, type]:
     return FsspecWriter, FsspecReader
 
 
-# The modules through which torch exports FSDP2's public names (fully_shard, FSDPModule, the
-# policies, register_fsdp_forward_method): the public one and the private ones programs also
-# import from (patch_torch_fsdp replaces the names in each that torch of this version has).
+# The modules through which torch re-exports FSDP2's public names (fully_shard, FSDPModule, the
+# policies, register_fsdp_forward_method) for programs to import: the public one and the deprecated
+# path (patch_torch_fsdp replaces the names in each that torch of this version has). Never the
+# modules defining them (torch.distributed.fsdp._fully_shard._fully_shard, _fsdp_api) nor the
+# package torch's own code reads them from: torch's functions read those globals when they run.
 _FSDP2_EXPORT_MODULES = (
     "torch.distributed.fsdp",
-    "torch.distributed.fsdp._fully_shard",
-    "torch.distributed.fsdp._fully_shard._fully_shard",
-    "torch.distributed.fsdp._fully_shard._fsdp_api",
     "torch.distributed._composable.fsdp",
     "torch.distributed._composable.fsdp.fully_shard",
 )
@@ -301,3 +313,31 @@ def cuda_efficient_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: to
     dq, dk, dv, _ = torch.ops.aten._scaled_dot_product_efficient_attention_backward(
         dout, q, k, v, None, out, lse, seed, seed, 0.0, [True, True, True, False], is_causal, scale=scale)
     return dq, dk, dv
+
+
+def cuda_flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal: bool,
+                         scale: float) -> Tuple[torch.Tensor, torch.Tensor]:
+    """aten's flash attention (CUDA, float16/bfloat16, sm80+): (out (B, H, Sq, D) laid out as
+    (B, Sq, H, D), lse (B, H, Sq) float32); k, v may have fewer heads (H a multiple of theirs)."""
+    out, lse, *_ = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, is_causal, False, scale=scale)
+    return out, lse
+
+
+def cuda_flash_attention_backward(dout: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                  out: torch.Tensor, lse: torch.Tensor, is_causal: bool,
+                                  scale: float) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dq, dk, dv) of :func:`cuda_flash_attention` given the final ``out`` (q's dtype) and its
+    contiguous float32 ``lse``; dk, dv have k's heads. Dense inputs (no cumulative sequence
+    lengths); no dropout, so the random-number state is not read."""
+    seed = torch.empty(2, dtype=torch.uint64, device=q.device)
+    offset = torch.empty((), dtype=torch.uint64, device=q.device)
+    dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        dout, q, k, v, out, lse, None, None, q.shape[2], k.shape[2], 0.0, is_causal, seed, offset, scale=scale)
+    return dq, dk, dv
+
+
+def cuda_flash_attention_applies(device: torch.device) -> bool:
+    """Whether torch's CUDA flash attention kernel runs on ``device``: built in, enabled
+    (``torch.backends.cuda.flash_sdp_enabled``) and an sm80 or newer GPU."""
+    return (device.type == "cuda" and torch.backends.cuda.is_flash_attention_available()
+            and torch.backends.cuda.flash_sdp_enabled() and torch.cuda.get_device_capability(device) >= (8, 0))

@@ -4,7 +4,8 @@ Each rank of the group holds a part of every sequence (:class:`Layout`); attenti
 attention: every rank computes its queries against one block of keys/values at a time while the
 K/V blocks travel round the group (``rotate="ring"``: send/recv to the neighbours; or
 ``"allgather"``: all blocks gathered at once), and the partial results are merged exactly with
-their log-sum-exp. It runs (and is tested) on CPU with gloo.
+their log-sum-exp. It runs (and is tested) on CPU with gloo. ``documents=`` adds document masks
+for packed sequences (each token attends within its document only).
 
     with context_parallel(mesh["cp"]) as cp:          # tells the model's attention it runs under CP
         loss = mean_token_loss(model(cp.shard(inputs)), cp.shard(labels), group=dp_cp_group)
@@ -25,7 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -33,15 +34,16 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
 
 from hyper_parallel.block_attention import (BlockKernel, BlockMask, accumulation_dtype, block_attention,
-                                            block_attention_backward, block_kernel, merge_attention)
+                                            block_attention_backward, block_kernel, merge_attention,
+                                            new_kernel_layout)
+from hyper_parallel.chunked_loss import summed_token_loss
 
 __all__ = [
     "BlockKernel", "BlockMask", "ContextParallel", "Layout", "Rotate", "block_attention", "context_parallel",
-    "cp_attention", "current_context", "gather_sequence", "mean_token_loss", "merge_attention",
-    "rope_rows", "sequence_positions", "shard_sequence",
+    "cp_attention", "current_context", "document_ids", "gather_sequence", "mean_token_loss", "merge_attention",
+    "rope_rows", "sequence_positions", "shard_sequence", "token_loss_scale",
 ]
 
 
@@ -105,6 +107,13 @@ def gather_sequence(x: torch.Tensor, group: dist.ProcessGroup, layout: Layout = 
     return torch.cat(chunks, dim=dim)
 
 
+def document_ids(tokens: torch.Tensor, eos_id: int) -> torch.Tensor:
+    """Packed sequences' document ids (same shape as ``tokens``, int64): each ``eos_id`` token
+    ends its document (it belongs to it) and the next token starts a new one."""
+    ends = (tokens == eos_id).long()
+    return ends.cumsum(-1) - ends
+
+
 # --------------------------------------------------------------------------- the CP context
 
 
@@ -115,6 +124,7 @@ class ContextParallel:
     group: dist.ProcessGroup
     layout: Layout = Layout.HEAD_TAIL
     rotate: Rotate = Rotate.RING
+    documents: Optional[torch.Tensor] = field(default=None, compare=False)  # (B, S) ids: see context_parallel
 
     @property
     def rank(self) -> int:
@@ -132,9 +142,17 @@ class ContextParallel:
         """The whole sequence from every rank's part (a collective over the group)."""
         return gather_sequence(x, self.group, self.layout, dim)
 
-    def positions(self, local_len: int, device: Optional[torch.device] = None) -> torch.Tensor:
-        """Global positions of this rank's ``local_len`` tokens."""
-        return sequence_positions(local_len, self.rank, self.size, self.layout, device)
+    def positions(self, local_len: int, device: Optional[torch.device] = None, rank: Optional[int] = None
+                  ) -> torch.Tensor:
+        """Global positions of the ``local_len`` tokens of this rank (or of ``rank``)."""
+        return sequence_positions(local_len, self.rank if rank is None else rank, self.size, self.layout, device)
+
+    def same_document(self, rows: torch.Tensor, keys: torch.Tensor) -> Optional[torch.Tensor]:
+        """(B, len(rows), len(keys)) bool: which of the queries at global positions ``rows`` and
+        keys at ``keys`` are in the same document; None without :attr:`documents`."""
+        if self.documents is None:
+            return None
+        return self.documents[:, rows].unsqueeze(-1) == self.documents[:, keys].unsqueeze(-2)
 
 
 _ACTIVE: List[ContextParallel] = []  # a stack; module-level (not a ContextVar), so autograd threads see it
@@ -147,18 +165,27 @@ def current_context() -> Optional[ContextParallel]:
 
 @contextlib.contextmanager
 def context_parallel(mesh: Union[DeviceMesh, dist.ProcessGroup], *, layout: Union[Layout, str] = Layout.HEAD_TAIL,
-                     rotate: Union[Rotate, str] = Rotate.RING) -> Iterator[ContextParallel]:
+                     rotate: Union[Rotate, str] = Rotate.RING,
+                     documents: Optional[torch.Tensor] = None) -> Iterator[ContextParallel]:
     """Run attention (:func:`cp_attention`, e.g. the Llama model's) under CP over ``mesh``.
 
     ``mesh``: a 1-D DeviceMesh (e.g. ``mesh["cp"]``) or a process group. Inside, the model's
     inputs must be this rank's part of each sequence (``cp.shard(x)``); RoPE uses the tokens'
     global positions (:func:`rope_rows`). Run the backward inside as well.
+
+    ``documents`` (B, S) integer ids of the whole sequences (the same on every rank of the
+    group, e.g. :func:`document_ids` of packed samples): document masks, each token attends
+    only to tokens of its own document (computed by the plain block ops: a fused kernel takes
+    no mask). A one-rank group gives them in one process.
     """
     try:
         layout, rotate = Layout(layout), Rotate(rotate)
     except ValueError as err:
         raise ValueError(f"context_parallel: {err}; layouts: {[m.value for m in Layout]}, "
                          f"rotate: {[m.value for m in Rotate]}") from None
+    if documents is not None and (documents.dim() != 2 or documents.is_floating_point()):
+        raise ValueError(f"context_parallel: documents must be (batch, sequence) integer ids, got "
+                         f"{documents.dtype} of shape {tuple(documents.shape)}")
     if isinstance(mesh, DeviceMesh):
         if mesh.ndim != 1:
             raise ValueError(f"context_parallel needs a 1-D mesh (e.g. mesh['cp']), got a {mesh.ndim}-D mesh")
@@ -167,7 +194,7 @@ def context_parallel(mesh: Union[DeviceMesh, dist.ProcessGroup], *, layout: Unio
         group = mesh
     else:
         raise ValueError(f"context_parallel needs a 1-D DeviceMesh or a ProcessGroup, got {type(mesh).__name__}")
-    cp = ContextParallel(group, layout, rotate)
+    cp = ContextParallel(group, layout, rotate, documents)
     _ACTIVE.append(cp)
     try:
         yield cp
@@ -219,7 +246,7 @@ _TILE_SCORES = 2**19
 _MIN_TILE_ROWS = 16
 
 
-# The block kernel of the ring (None: block_kernel's choice); tests force PLAIN here.
+# The block kernel of the ring (None: block_kernel's choice); tests and benchmarks/cp_gpu_checks.py force one here.
 _KERNEL: Optional[BlockKernel] = None
 
 
@@ -238,18 +265,31 @@ def _tiles(plan: List[Tuple[slice, int, BlockMask]], budget: Optional[int]
                 yield slice(start, stop), seen, mask, 0
 
 
-def _shift(flat: torch.Tensor, cp: ContextParallel, tag: int) -> Tuple[List[dist.Work], torch.Tensor]:
+@dataclass
+class _Shift:
+    """A started ring shift: its send/recv works, the buffer being sent (kept alive until the
+    wait) and the one being received."""
+
+    works: List[dist.Work]
+    sent: torch.Tensor
+    received: torch.Tensor
+    tag: int
+
+    def wait(self) -> torch.Tensor:
+        for work in self.works:
+            work.wait()
+        return self.received
+
+
+def _shift(flat: torch.Tensor, cp: ContextParallel, tag: int) -> _Shift:
     """Start sending ``flat`` to the next rank of the ring and receiving the previous one's."""
     received = torch.empty_like(flat)
     ops = [dist.P2POp(dist.isend, flat, group=cp.group, group_peer=(cp.rank + 1) % cp.size, tag=tag),
            dist.P2POp(dist.irecv, received, group=cp.group, group_peer=(cp.rank - 1) % cp.size, tag=tag)]
-    return dist.batch_isend_irecv(ops), received
+    return _Shift(dist.batch_isend_irecv(ops), flat, received, tag)
 
 
-def _wait(pending: Tuple[List[dist.Work], torch.Tensor]) -> torch.Tensor:
-    for work in pending[0]:
-        work.wait()
-    return pending[1]
+_KV_TAG, _GRAD_TAG = 0, 1  # the K/V blocks' shifts and their gradients'
 
 
 def _kv_blocks(flat: torch.Tensor, cp: ContextParallel) -> Iterator[Tuple[int, torch.Tensor]]:
@@ -263,10 +303,10 @@ def _kv_blocks(flat: torch.Tensor, cp: ContextParallel) -> Iterator[Tuple[int, t
             yield (rank - i) % size, gathered[(rank - i) % size]
         return
     for i in range(size):
-        pending = _shift(flat, cp, tag=0) if i < size - 1 else None
+        pending = _shift(flat, cp, _KV_TAG) if i < size - 1 else None
         yield (rank - i) % size, flat
         if pending is not None:
-            flat = _wait(pending)
+            flat = pending.wait()
 
 
 def _flat_kv(k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -284,16 +324,21 @@ class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cp: ContextParallel, causal: bool, scale: float):  # type: ignore[override]
         n, acc = q.shape[2], accumulation_dtype(q.dtype)
-        out = q.new_zeros(q.shape[:-1] + v.shape[-1:], dtype=acc)
+        mine = cp.positions(n, q.device)
+        out = new_kernel_layout(q.shape[:-1] + v.shape[-1:], q, acc).zero_()  # so the kernels' backwards read it as is
         lse = q.new_full(q.shape[:-1], float("-inf"), dtype=acc)
         kernel = block_kernel(q, k, v) if _KERNEL is None else _KERNEL
+        kernel = BlockKernel.PLAIN if cp.documents is not None else kernel  # a fused kernel takes no mask
         budget = _TILE_SCORES // (q.shape[0] * q.shape[1]) if kernel is BlockKernel.PLAIN else None
         for src, block in _kv_blocks(_flat_kv(k, v), cp):
             kb, vb = _split_kv(block, k, v)
+            keys = cp.positions(n, q.device, src)
             for rows, seen, mask, first in _tiles(_plan(cp.rank, cp.size, src, cp.layout, causal, n), budget):
-                o, l = block_attention(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen], mask, scale, first, kernel)
+                allowed = cp.same_document(mine[rows], keys[:seen])
+                o, l = block_attention(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen], mask, scale, first, kernel,
+                                       allowed)
                 out[:, :, rows], lse[:, :, rows] = merge_attention(out[:, :, rows], lse[:, :, rows], o, l)
-        out = out.to(q.dtype)
+        out = out.to(q.dtype)  # (keeps the layout)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.causal, ctx.scale, ctx.kernel, ctx.budget = cp, causal, scale, kernel, budget
         return out
@@ -304,15 +349,17 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         cp: ContextParallel = ctx.cp
         n, acc, size = q.shape[2], lse.dtype, cp.size
-        dout, out = dout.to(acc), out.to(acc)
+        mine = cp.positions(n, q.device)
         dq = torch.zeros_like(q, dtype=acc)
 
         def add_block(src: int, block: torch.Tensor, grads: torch.Tensor) -> None:
             (kb, vb), (dkb, dvb) = _split_kv(block, k, v), _split_kv(grads, k, v)
+            keys = cp.positions(n, q.device, src)
             for rows, seen, mask, first in _tiles(_plan(cp.rank, size, src, cp.layout, ctx.causal, n), ctx.budget):
                 dq_b, dk_b, dv_b = block_attention_backward(q[:, :, rows], kb[:, :, :seen], vb[:, :, :seen],
                                                             dout[:, :, rows], out[:, :, rows], lse[:, :, rows],
-                                                            mask, ctx.scale, first, ctx.kernel)
+                                                            mask, ctx.scale, first, ctx.kernel,
+                                                            cp.same_document(mine[rows], keys[:seen]))
                 dq[:, :, rows] += dq_b
                 dkb[:, :, :seen] += dk_b
                 dvb[:, :, :seen] += dv_b
@@ -325,11 +372,16 @@ class _RingAttention(torch.autograd.Function):
             own = grads.new_empty(flat.numel())
             dist.reduce_scatter_single(own, grads.view(-1), op=dist.ReduceOp.SUM, group=cp.group)
         else:  # each block's gradients travel with it and reach its owner after the last step
-            own = flat.new_zeros(flat.numel(), dtype=acc)
+            arriving: Optional[_Shift] = None  # the previous ranks' gradients of the block now here
             for src, block in _kv_blocks(flat, cp):
-                add_block(src, block, own)
+                own = flat.new_zeros(flat.numel(), dtype=acc)
+                add_block(src, block, own)  # overlaps the arriving gradients' transfer (as torch's ring)
+                if arriving is not None:
+                    own += arriving.wait()
                 if size > 1:
-                    own = _wait(_shift(own, cp, tag=1))
+                    arriving = _shift(own, cp, _GRAD_TAG)
+            if arriving is not None:
+                own = arriving.wait()
         dk, dv = _split_kv(own, k, v)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
 
@@ -342,6 +394,9 @@ def _ring_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Conte
         raise ValueError(f"context-parallel attention needs queries, keys and values of the same local "
                          f"length, got {n}, {k.shape[2]}, {v.shape[2]}")
     _check_divisible(n * cp.size, cp.size, cp.layout, "sequence length")
+    if cp.documents is not None and tuple(cp.documents.shape) != (q.shape[0], n * cp.size):
+        raise ValueError(f"context_parallel: documents of shape {tuple(cp.documents.shape)} do not match the "
+                         f"(batch, global sequence) {(q.shape[0], n * cp.size)} of the attention's inputs")
     return _RingAttention.apply(q, k, v, cp, causal, q.shape[-1] ** -0.5 if scale is None else scale)
 
 
@@ -361,25 +416,10 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal
     return _ring_attention(q, k, v, cp, is_causal, scale)
 
 
-def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
-                    ignore_index: int = -100) -> torch.Tensor:
-    """This rank's share of the cross entropy averaged over every token of the global batch.
-
-    ``group``: all the ranks whose gradients are averaged (data parallel x CP: FSDP's mesh), each
-    holding some of the batch's tokens; None: this process alone (plain mean). The result is
-    (this rank's summed token losses) x (group size) / (tokens in the group, ``ignore_index``
-    excluded), so its mean over the ranks is the global mean, and so is the mean of its gradients
-    (what FSDP's reduction computes). A collective over ``group``.
-
-    ``logits`` sharded on the vocabulary (a DTensor, tensor parallelism) are reduced by torch's
-    ``loss_parallel`` (call this and the backward inside it; no rank gathers the whole
-    vocabulary); the result is then the same plain tensor on every tensor-parallel rank.
-    """
-    flat_logits = logits.flatten(0, -2)
-    total = F.cross_entropy(flat_logits.to(accumulation_dtype(flat_logits.dtype)), labels.flatten(),
-                            ignore_index=ignore_index, reduction="sum")
-    if isinstance(total, DTensor):  # the vocab-parallel sum: replicated over the tensor-parallel ranks
-        total = total.full_tensor()
+def token_loss_scale(labels: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                     ignore_index: int = -100) -> float:
+    """What :func:`mean_token_loss` multiplies this rank's summed token losses by: (group size) /
+    (tokens of ``labels`` over ``group``, ``ignore_index`` excluded). A collective over ``group``."""
     count = (labels != ignore_index).sum().to(torch.float64)
     size = 1
     if group is not None:
@@ -387,4 +427,21 @@ def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[
         size = dist.get_world_size(group)
     if count.item() == 0:
         raise ValueError(f"mean_token_loss: no token to average over (every label is ignore_index={ignore_index})")
-    return total * (size / count.item())
+    return size / count.item()
+
+
+def mean_token_loss(logits: torch.Tensor, labels: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                    ignore_index: int = -100) -> torch.Tensor:
+    """This rank's share of the cross entropy averaged over every token of the global batch.
+
+    ``group``: all the ranks whose gradients are averaged (data parallel x CP: FSDP's mesh), each
+    holding some of the batch's tokens; None: this process alone (plain mean). The result is
+    (this rank's summed token losses) x :func:`token_loss_scale`, so its mean over the ranks is
+    the global mean, and so is the mean of its gradients (what FSDP's reduction computes). A
+    collective over ``group``.
+
+    ``logits`` sharded on the vocabulary (a DTensor, tensor parallelism) are reduced by torch's
+    ``loss_parallel`` (call this and the backward inside it; no rank gathers the whole
+    vocabulary); the result is then the same plain tensor on every tensor-parallel rank.
+    """
+    return summed_token_loss(logits, labels, ignore_index) * token_loss_scale(labels, group, ignore_index)

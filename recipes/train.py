@@ -5,8 +5,9 @@
 Resumes from the latest complete checkpoint in ``checkpoint.folder`` (on any mesh shape).
 ``--cfg`` prints the composed config and exits. ``--check`` validates the config and the
 machine (folders, earlier checkpoints, memory) for WORLD_SIZE ranks, LOCAL_WORLD_SIZE of
-them on this machine (defaults 1), without starting training; scripts/train.sh runs it
-before torchrun. ``--help`` shows this text. Exit codes: 0 done (also after a SIGTERM stop
+them on this machine (defaults 1), without starting training; ``--check --world-size N
+[--ranks-per-node M]`` checks the layout of N ranks, M of them on this machine (default N),
+whatever the environment says. scripts/train.sh runs it before torchrun. ``--help`` shows this text. Exit codes: 0 done (also after a SIGTERM stop
 with its final checkpoint), 2 a problem reported in one line (under torchrun by every rank that
 meets it, as ``error: (rank R of N) ...``).
 """
@@ -55,11 +56,35 @@ from hyper_parallel.trainer.preflight import check_environment  # noqa: E402
 
 CONFIG_DIR = os.path.join(REPO, "configs")
 FLAGS = ("--cfg", "--check")
+SIZE_OPTIONS = ("--world-size", "--ranks-per-node")
 EXIT_PROBLEM = 2
 
 
 def _env_int(name: str) -> int:
     return int(os.environ.get(name, 1))
+
+
+def _size_options(argv: list[str]) -> tuple[list[str], dict[str, int]]:
+    """(argv without ``--world-size N`` / ``--ranks-per-node M`` (or ``=N``), their values).
+
+    Raises:
+        ConfigError: a value that is not a positive integer, or the options without ``--check``.
+    """
+    rest, found, i = [], {}, 0
+    while i < len(argv):
+        name, sep, value = argv[i].partition("=")
+        if name in SIZE_OPTIONS:
+            if not sep:
+                value, i = (argv[i + 1] if i + 1 < len(argv) else ""), i + 1
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"{name} takes a positive number of ranks, not {value!r}")
+            found[name] = int(value)
+        else:
+            rest.append(argv[i])
+        i += 1
+    if found and "--check" not in rest:
+        raise ConfigError(f"{', '.join(found)} only go with --check (under torchrun the world is torchrun's)")
+    return rest, found
 
 
 def main(argv: list[str]) -> int:
@@ -68,10 +93,14 @@ def main(argv: list[str]) -> int:
         return 0
     world_size = _env_int("WORLD_SIZE")
     try:
+        argv, sizes = _size_options(argv)
+        world_size = sizes.get("--world-size", world_size)
+        ranks_per_node = sizes.get("--ranks-per-node", world_size if "--world-size" in sizes
+                                   else _env_int("LOCAL_WORLD_SIZE"))
         cfg = compose_config([a for a in argv if a not in FLAGS], config_dir=CONFIG_DIR)
         config = validate_config(cfg, world_size)
         if "--cfg" not in argv:
-            check_environment(config.cfg, config.dims, ranks_per_node=_env_int("LOCAL_WORLD_SIZE"))
+            check_environment(config.cfg, config.dims, ranks_per_node=ranks_per_node)
     except ConfigError as err:
         # Every rank that meets it says it (torchrun may stop the others before they do).
         print(f"error: {_rank_prefix(argv, world_size)}{err}", file=sys.stderr, flush=True)

@@ -8,11 +8,15 @@ CHECKPOINT is a ``step-N`` directory or a folder of them (the newest is used). T
 shape comes from the run's resolved config, ``${output_dir}/config.yaml`` next to the
 checkpoint folder (or ``--config``).
 
-``--format transformers`` (default): ``transformers`` Llama tensor names and rotary layout, and
-a ``config.json`` that ``transformers.LlamaForCausalLM.from_pretrained(OUT_DIR)`` loads.
-``--format native``: our names, and ``config.json`` holding the ``LlamaConfig`` fields, so
-``Transformer(LlamaConfig(**config))`` (without ``architectures``) rebuilds the model.
-Either directory works as ``model.init_from``. Runs in a plain process, no GPU or process group.
+``--format transformers`` (default): ``transformers`` tensor names and rotary layout, and a
+``config.json`` that ``transformers.AutoModelForCausalLM.from_pretrained(OUT_DIR)`` loads: a
+``LlamaForCausalLM``, or for a mixture of experts (``model.moe``) a ``Qwen3MoeForCausalLM``
+(:mod:`hyper_parallel.models.hf_moe`; what Qwen3-MoE cannot express, such as shared experts or
+an expert bias, is refused). ``config.json``'s ``dtype`` is the dtype of the tensors written
+(the checkpoint's). ``--format native`` (Llama only): our names, and ``config.json`` holding
+the ``LlamaConfig`` fields, so ``Transformer(LlamaConfig(**config))`` (without
+``architectures``) rebuilds the model. Either directory works as ``model.init_from``. Runs in a
+plain process, no GPU or process group.
 
 When the run used a ``tokenizer.json`` (``data.tokenizer``, or the sidecar of its token file),
 it is copied next to the model with a ``tokenizer_config.json`` (bos = eos = the token that
@@ -32,10 +36,12 @@ from typing import Optional
 from _checkpoints import resolve_checkpoint
 from omegaconf import OmegaConf
 
-from hyper_parallel.checkpoint import DEFAULT_MAX_SHARD_BYTES, CheckpointError, export_hf, read_checkpoint_metadata
+from hyper_parallel.checkpoint import DEFAULT_MAX_SHARD_BYTES, CheckpointError, export_hf
+from hyper_parallel.models import hf_llama, hf_moe
+from hyper_parallel.models.moe import MoEConfig
+from hyper_parallel.trainer.config import typed_config
+from hyper_parallel.trainer.config.schema import model_config
 from hyper_parallel.utils.fileio import write_file_atomically
-from hyper_parallel.models.hf_llama import NATIVE_ARCHITECTURE, hf_config, to_hf
-from hyper_parallel.trainer.config import llama_config
 from hyper_parallel.trainer.hf_tokenizer import run_tokenizer, special_token_ids, write_tokenizer_files
 
 
@@ -61,14 +67,20 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"no config.yaml next to {checkpoint}: pass the run's config with --config "
                              "(the transformers layout needs the model's shape), or use --format native")
         run_cfg = OmegaConf.load(config_path) if config_path else None
-        cfg = llama_config(run_cfg.model) if run_cfg is not None else None
+        cfg = model_config(typed_config(run_cfg).model) if run_cfg is not None else None
+        layout = hf_moe if isinstance(cfg, MoEConfig) else hf_llama
+        if isinstance(cfg, MoEConfig) and args.format == "native":
+            raise ValueError("--format native covers the Llama model only: export a mixture of experts with "
+                             "--format transformers (transformers' Qwen3-MoE)")
+        if args.format == "transformers":
+            config = layout.hf_config(cfg, hf_llama.exported_dtype(checkpoint))  # refuses what it cannot express
         tokenizer = None
         if run_cfg is not None and not args.no_tokenizer:
             try:
                 tokenizer = run_tokenizer(run_cfg)
             except (ValueError, OSError) as err:
                 raise ValueError(f"the run's tokenizer: {err} (pass --no-tokenizer to export without it)") from None
-        convert = (lambda name, tensor: to_hf(name, tensor, cfg)) if args.format == "transformers" else None
+        convert = (lambda name, tensor: layout.to_hf(name, tensor, cfg)) if args.format == "transformers" else None
         index = export_hf(checkpoint, args.out_dir, max_shard_bytes=args.max_shard_bytes, convert=convert)
         if tokenizer is not None:
             write_tokenizer_files(tokenizer, args.out_dir, max_length=cfg.max_seq_len)
@@ -77,11 +89,9 @@ def main(argv: list[str]) -> int:
         return 1
     if cfg is not None:
         if args.format == "transformers":
-            stored = read_checkpoint_metadata(checkpoint).state_dict_metadata
-            config = hf_config(cfg, stored["model.tok_embeddings.weight"].dtype)
             config.update(special_token_ids(tokenizer) if tokenizer is not None else {})
         else:
-            config = {"architectures": [NATIVE_ARCHITECTURE], **dataclasses.asdict(cfg)}
+            config = {"architectures": [hf_llama.NATIVE_ARCHITECTURE], **dataclasses.asdict(cfg)}
         write_file_atomically(os.path.join(args.out_dir, "config.json"), json.dumps(config, indent=2).encode())
     print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']:,} bytes) "
           f"from {checkpoint} to {args.out_dir}" + (" with config.json" if config_path else "")

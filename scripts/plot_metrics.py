@@ -1,7 +1,10 @@
 #!/usr/bin/env python
 """Plot one or more runs' metrics.jsonl into one image: loss (train, and validation where
 logged), learning rate, throughput (tokens/s of all ranks together, TFLOP/s per device) and
-peak memory per rank, against the step.
+peak memory per rank, against the step; for a mixture of experts (records with ``expert_load``
+or ``aux_loss``) also the expert load (the busiest expert's tokens over the mean tokens per
+expert: the worst MoE block's, ``expert_load``, and each block's, ``expert_load_per_block``; 1
+is balanced) and the load-balancing (aux) loss, each on its own axis.
 
     scripts/plot_metrics.py RUN [RUN ...] --out metrics.png [--labels a b ...] [--width 12 --height 8 --dpi 100]
 
@@ -30,15 +33,20 @@ from hyper_parallel._optional import MissingDependency, require  # noqa: E402
 
 # (panel title, y label, [(record key, legend name, line style)]); every value is >= 0.
 _PANELS = (
-    ("loss", "nats/token", [("loss", "train", "-"), ("val_loss", "validation", "o--"),
-                            ("aux_loss", "MoE aux loss", ":")]),
+    ("loss", "nats/token", [("loss", "train", "-"), ("val_loss", "validation", "o--")]),
     ("learning rate", "lr", [("lr", "lr", "-")]),
     ("throughput", "tokens/s, all ranks together", [("tokens_per_s", "tokens/s (total)", "-")]),
     ("peak memory per rank (rank 0)", "GiB per rank", [("memory_bytes", "allocated", "-"),
                                                        ("memory_reserved_bytes", "reserved", "--")]),
 )
+# Drawn when a run has them (a mixture of experts); each block's load as thin lines under the worst.
+_MOE_PANELS = (
+    ("expert load (MoE)", "busiest expert / mean tokens per expert", [("expert_load", "worst block", "-")]),
+    ("load-balancing loss (MoE)", "aux loss (weighted)", [("aux_loss", "aux loss", "-")]),
+)
+_PER_BLOCK = "expert_load_per_block"
 _TWIN = ("tflops", "TFLOP/s per device", ":")  # on the throughput panel's right axis
-_NUMBERS = tuple(key for _, _, lines in _PANELS for key, _, _ in lines) + (_TWIN[0], "world_size")
+_NUMBERS = tuple(key for _, _, lines in _PANELS + _MOE_PANELS for key, _, _ in lines) + (_TWIN[0], "world_size")
 MAX_PIXELS = 20_000  # per side
 
 
@@ -60,6 +68,10 @@ def _check_record(record: object, where: str) -> dict:
             continue
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
             raise ValueError(f"{where}: {key}={value!r} is not a finite number >= 0")
+    loads = record.get(_PER_BLOCK)
+    if loads is not None and not (isinstance(loads, list) and all(
+            not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v) and v >= 0 for v in loads)):
+        raise ValueError(f"{where}: {_PER_BLOCK}={loads!r} is not a list of finite numbers >= 0")
     return record
 
 
@@ -88,6 +100,8 @@ def read_run(path: str) -> Run:
                 record = json.loads(line)
             except (ValueError, RecursionError):
                 raise ValueError(f"{where}: not JSON (is {path} a metrics.jsonl?)") from None
+            if isinstance(record, dict) and "event" in record:
+                continue  # not a step: e.g. a recovery (docs/recipes.md, "Recovering from failures")
             step = _check_record(record, where)["step"]
             if last_step is not None and step <= last_step:
                 restarts.append(step)
@@ -101,10 +115,23 @@ def read_run(path: str) -> Run:
     return Run([by_step[s] for s in sorted(by_step)], restarts, changes)
 
 
+def _draw_blocks(ax, run: Run, label: str, colour: str) -> None:
+    """Each MoE block's expert load of ``run``, thin lines in its colour (one legend entry)."""
+    points = [(r["step"], r[_PER_BLOCK]) for r in run.records if r.get(_PER_BLOCK)]
+    for block in range(max((len(loads) for _, loads in points), default=0)):
+        steps = [(step, loads[block]) for step, loads in points if block < len(loads)]
+        ax.plot(*zip(*steps), "-", color=colour, linewidth=0.6, alpha=0.4,
+                label=f"{label}: each MoE block" if block == 0 else None)
+
+
 def draw(runs: Dict[str, Run], fig) -> None:
-    """The four panels of every run into ``fig`` (a matplotlib Figure): one colour per run."""
-    axes = fig.subplots(2, 2)
-    for ax, (title, ylabel, lines) in zip(axes.flat, _PANELS):
+    """The panels of every run into ``fig`` (a matplotlib Figure): one colour per run; four,
+    and two more (expert load, aux loss) when a run has MoE metrics."""
+    moe = any(r.get(key) is not None for run in runs.values() for r in run.records
+              for key in ("expert_load", "aux_loss"))
+    panels = _PANELS + (_MOE_PANELS if moe else ())
+    axes = fig.subplots(len(panels) // 2, 2)
+    for ax, (title, ylabel, lines) in zip(axes.flat, panels):
         twin = ax.twinx() if title == "throughput" else None
         for i, (label, run) in enumerate(runs.items()):
             colour = f"C{i % 10}"
@@ -117,6 +144,8 @@ def draw(runs: Dict[str, Run], fig) -> None:
                     values = [v / 2**30 for v in values]
                 target = twin if key == _TWIN[0] else ax
                 target.plot(steps, values, style, color=colour, label=f"{label}: {name}", markersize=3)
+            if title == _MOE_PANELS[0][0]:
+                _draw_blocks(ax, run, label, colour)
             for n, step in enumerate(run.restarts):
                 ax.axvline(step, color=colour, linestyle=":", linewidth=1,
                            label=f"{label}: restart" if n == 0 else None)
@@ -129,6 +158,8 @@ def draw(runs: Dict[str, Run], fig) -> None:
         ax.set_ylabel(ylabel)
         if title == "loss":
             ax.set_yscale("log")
+        if title == _MOE_PANELS[0][0]:
+            ax.axhline(1.0, color="grey", linestyle=":", linewidth=1, label="balanced")
         handles, names = ax.get_legend_handles_labels()
         if twin is not None:
             twin.set_ylabel(_TWIN[1])

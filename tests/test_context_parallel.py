@@ -16,9 +16,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import hyper_parallel as hp
+from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.context_parallel import (
     BlockKernel, BlockMask, Layout, Rotate, block_attention, context_parallel, cp_attention, current_context,
     gather_sequence, mean_token_loss, merge_attention, rope_rows, sequence_positions, shard_sequence,
+    token_loss_scale,
 )
 from hyper_parallel.context_parallel import _MIN_TILE_ROWS, _plan, _tiles
 from hyper_parallel.models import build_llama
@@ -231,6 +233,89 @@ def test_ring_attention_equals_whole_sequence_attention(world):
         assert set(result["calls"]) == {("default", "forward"), ("default", "backward")}, result["calls"]
 
 
+def _cuda_kernels_in_the_ring_on_rank(seq: int) -> dict:
+    """The ring with each CUDA block kernel forced, run by fakes under the kernels' contracts
+    (tests/test_block_attention_kernels.FakeCudaKernels): max difference to whole-sequence
+    attention, the facts the fakes recorded, and whether the backward had to copy ``out`` into
+    the kernels' layout (it must not: the ring's output is kept in it)."""
+    from hyper_parallel import block_attention as blocks
+    from hyper_parallel import context_parallel as module
+    from tests.test_block_attention_kernels import CUDA_KERNELS, FakeCudaKernels
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    real_layout, copies, result = blocks.kernel_layout, [], {}
+
+    def recording_layout(t, dtype=None):
+        laid = real_layout(t, dtype)
+        copies.append(laid is not t)
+        return laid
+    blocks.kernel_layout = recording_layout
+    try:
+        for kernel, layout, causal in itertools.product(CUDA_KERNELS, Layout, (True, False)):
+            module._KERNEL = kernel
+            with FakeCudaKernels() as fake:
+                diff = _attention_diff(rank, size, dist.group.WORLD, seq, causal, layout, Rotate.RING, 2)
+            result[f"{kernel.value} {layout.value} {causal}"] = (diff, fake.calls)
+    finally:
+        module._KERNEL, blocks.kernel_layout = None, real_layout
+    return {"settings": result, "copies": copies}
+
+
+def test_ring_hands_the_cuda_kernels_what_they_read():
+    """Ring attention with the CUDA kernels (fakes that read ``out`` as the kernels do): exact
+    to the kernels' float32 log-sum-exp, ``out`` handed over in their layout without a copy,
+    flash attention given the K/V heads as they are."""
+    from tests.test_block_attention_kernels import FAKE_KERNEL_TOL
+
+    for result in run_on_ranks(2, _cuda_kernels_in_the_ring_on_rank, 4 * _MIN_TILE_ROWS, timeout=120):
+        assert len(result["settings"]) == 8 and result["copies"] and not any(result["copies"])
+        for name, (diff, calls) in result["settings"].items():
+            assert diff < FAKE_KERNEL_TOL, (name, diff)
+            backwards = [facts for kind, facts in calls if kind.endswith("backward")]
+            assert backwards and all(f["out_strides_ok"] and f["lse"] == (torch.float32, True) for f in backwards)
+            assert {f["kv_heads"] for _, f in calls} == {2 if name.startswith("cuda_flash") else 4}, name
+
+
+def _ring_backward_order_on_rank(rotate: str) -> list:
+    """The ring backward's events in order: block gradient computations, and the starts and
+    waits of the K/V and gradient shifts."""
+    from hyper_parallel import context_parallel as module
+
+    events, real_shift, real_wait, real_block = [], module._shift, module._Shift.wait, module.block_attention_backward
+    kinds = {module._KV_TAG: "kv", module._GRAD_TAG: "grad"}
+
+    def shift(flat, cp, tag):
+        events.append(f"start {kinds[tag]}")
+        return real_shift(flat, cp, tag)
+
+    def wait(pending):
+        events.append(f"wait {kinds[pending.tag]}")
+        return real_wait(pending)
+
+    def block(*args, **kwargs):
+        events.append("compute")
+        return real_block(*args, **kwargs)
+    q, k, v, dout = _qkv(5, seq=4 * dist.get_world_size())
+    with context_parallel(dist.group.WORLD, rotate=rotate) as cp:
+        leaves = [cp.shard(t, dim=2).requires_grad_() for t in (q, k, v)]
+        out = cp_attention(*leaves, is_causal=False)
+        module._shift, module._Shift.wait, module.block_attention_backward = shift, wait, block
+        try:
+            out.backward(cp.shard(dout, dim=2))
+        finally:
+            module._shift, module._Shift.wait, module.block_attention_backward = real_shift, real_wait, real_block
+    return events
+
+
+def test_ring_backward_overlaps_each_gradient_shift_with_the_next_block():
+    """Each block's dK/dV shift is started and waited for only after the next block's gradients
+    are computed (as torch's ring does); only the last shift, to the owner, has nothing left to
+    overlap."""
+    for events in run_on_ranks(2, _ring_backward_order_on_rank, "ring", timeout=60):
+        grads = [e for e in events if e != "start kv" and e != "wait kv"]
+        assert grads == ["compute", "start grad", "compute", "wait grad", "start grad", "wait grad"], events
+
+
 # --------------------------------------------------------------------------- the Llama model on ranks
 
 SEQ = 32  # divisible by 2 * cp for cp in (1, 2, 4)
@@ -287,9 +372,14 @@ def _llama_on_rank(setting: str, dp: int) -> dict:
         model.compile(backend=backend)
     inputs, targets = (t.chunk(dp)[mesh.get_local_rank("shard")] for t in (tokens[:, :-1], labels))
     with context_parallel(mesh["cp"]) as cp, loss_parallel():
-        logits = model(cp.shard(inputs))
-        assert isinstance(logits, hp.DTensor) == (tp > 1)
-        loss = mean_token_loss(logits, cp.shard(targets), group=everyone.get_group())
+        if "chunks" in setting:  # the loss in 3 chunks of the rank's part: the logits never whole
+            part = cp.shard(targets)
+            summed = model(cp.shard(inputs), loss=ChunkedLoss(part, 3))
+            loss = summed * token_loss_scale(part, everyone.get_group())
+        else:
+            logits = model(cp.shard(inputs))
+            assert isinstance(logits, hp.DTensor) == (tp > 1)
+            loss = mean_token_loss(logits, cp.shard(targets), group=everyone.get_group())
         loss.backward()
     global_loss = loss.detach().clone()
     dist.all_reduce(global_loss, op=dist.ReduceOp.AVG)
@@ -306,7 +396,7 @@ def _llama_on_rank(setting: str, dp: int) -> dict:
 
 
 @pytest.mark.parametrize("world,dp,setting", [
-    (2, 1, "plain"), (2, 1, "fsdp"), (2, 1, "fsdp ac"),
+    (2, 1, "plain"), (2, 1, "fsdp"), (2, 1, "fsdp ac"), (2, 1, "fsdp ac chunks"),
     pytest.param(2, 1, "fsdp compile", marks=pytest.mark.slow),  # CP compiled: test_compile_recipe.py
     (4, 1, "plain"), (4, 2, "fsdp"), (4, 2, "fsdp ac"), (4, 1, "fsdp tp"),
 ])
@@ -344,3 +434,93 @@ def _activation_ratio_on_rank() -> float:
 def test_activations_saved_per_rank_fall_as_one_over_cp(world):
     for ratio in run_on_ranks(world, _activation_ratio_on_rank, timeout=60):
         assert ratio < 1.05 / world, ratio
+
+
+# --------------------------------------------------------------------------- document masks
+
+
+def _per_document_attention(q, k, v, documents, causal):
+    """Attention of each document of each sequence on its own (SDPA per document)."""
+    out = torch.zeros_like(q)
+    for b in range(q.shape[0]):
+        for doc in documents[b].unique():
+            idx = (documents[b] == doc).nonzero().flatten()
+            out[b, :, idx] = _sdpa(q[b:b + 1, :, idx], k[b:b + 1, :, idx], v[b:b + 1, :, idx], causal)[0]
+    return out
+
+
+def _document_masks_on_rank(seq: int) -> dict:
+    """Max differences of ring attention with document masks (outputs, q/k/v gradients) to
+    per-document attention in one process, per layout and causality; and how far the
+    per-document attention is from attention over the whole sequences (the masks matter)."""
+    from hyper_parallel.context_parallel import document_ids
+
+    rank, size = dist.get_rank(), dist.get_world_size()
+    q, k, v, dout = _qkv(21, seq=seq)
+    tokens = torch.randint(1, 9, (2, seq), generator=torch.Generator().manual_seed(4))
+    tokens[0, [4, 5, 17, seq - 9]] = 0  # EOS: documents across the ranks' chunks, one of a single token
+    tokens[1, [seq // 2 - 1]] = 0
+    documents = document_ids(tokens, 0)
+    diffs, effect = {}, 0.0
+    for layout, causal in itertools.product(Layout, (True, False)):
+        ref_out, ref_grads = _grads(lambda q, k, v: _per_document_attention(q, k, v, documents, causal), (q, k, v), dout)
+        effect = max(effect, (ref_out - _sdpa(q, k, v, causal)).abs().max().item())
+        with context_parallel(dist.group.WORLD, layout=layout.value, documents=documents) as cp:
+            part = [cp.shard(t, dim=2) for t in (q, k, v)]
+            out, grads = _grads(lambda q, k, v: cp_attention(q, k, v, is_causal=causal), part, cp.shard(dout, dim=2))
+        errors = [(out - shard_sequence(ref_out, rank, size, layout, 2)).abs().max()]
+        errors += [(g - shard_sequence(r, rank, size, layout, 2)).abs().max() for g, r in zip(grads, ref_grads)]
+        diffs[f"{layout.value} causal={causal}"] = max(e.item() for e in errors)
+    with pytest.raises(ValueError) as err:
+        with context_parallel(dist.group.WORLD, documents=documents[:, :-2]) as cp:
+            cp_attention(*[cp.shard(t, dim=2) for t in (q, k, v)])
+    return {"diffs": diffs, "effect": effect, "error": str(err.value)}
+
+
+def test_document_masks_in_ring_attention_equal_per_document_attention():
+    """Packed sequences, documents ending at EOS: under CP2 (load-balanced and contiguous
+    splits, causal and not) each token attends only within its document, exactly as attention
+    run on each document alone (float64)."""
+    for result in run_on_ranks(2, _document_masks_on_rank, 32, timeout=60):
+        assert len(result["diffs"]) == 4 and max(result["diffs"].values()) < TOL, result
+        assert result["effect"] > 1e-2  # the masks change the result: the comparison is not vacuous
+        assert result["error"] == ("context_parallel: documents of shape (2, 30) do not match the (batch, global "
+                                   "sequence) (2, 32) of the attention's inputs")
+
+
+def test_document_ids_start_a_document_after_each_eos():
+    from hyper_parallel.context_parallel import document_ids
+
+    assert document_ids(torch.tensor([[5, 1, 0, 3, 0, 0, 4]]), 0).tolist() == [[0, 0, 0, 1, 1, 2, 3]]
+    with pytest.raises(ValueError, match="documents must be .batch, sequence. integer ids, got torch.float32"):
+        with context_parallel(dist.group.WORLD, documents=torch.zeros(2, 4)):
+            pass
+
+
+# --------------------------------------------------------------------------- the docs' example
+
+
+def _docs_snippet_on_rank(code: str) -> dict:
+    """Run docs/fully_shard.md's long-context snippet as written; its loss and that of the same
+    model on the whole batch in this process (the snippet's dp is 1 on 2 ranks)."""
+    scope: dict = {}
+    exec(compile(code, "docs/fully_shard.md", "exec"), scope)  # noqa: S102 - the docs' own example
+    model, inputs, labels = scope["model"], scope["inputs"], scope["labels"]
+    reference = build_llama("llama_debug", max_seq_len=64)
+    reference.load_state_dict({k: v.full_tensor() for k, v in model.state_dict().items()})
+    expected = F.cross_entropy(reference(inputs).flatten(0, 1), labels.flatten())
+    share = scope["loss"].detach().clone()
+    dist.all_reduce(share, op=dist.ReduceOp.AVG)
+    grads = all(p.grad is not None for p in model.parameters())
+    return {"loss": share.item(), "expected": expected.item(), "grads": grads}
+
+
+def test_the_long_context_snippet_of_the_docs_runs_as_written():
+    import os
+    import re
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "fully_shard.md")) as f:
+        section = f.read().split("## Long context (context parallelism)", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    for result in run_on_ranks(2, _docs_snippet_on_rank, code, timeout=60):
+        assert result["grads"] and abs(result["loss"] - result["expected"]) < 1e-5, result

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
+import typing
 
 import pytest
 
@@ -22,16 +23,27 @@ def _doc() -> str:
         return f.read()
 
 
+def _dataclass_of(node: type, name: str, field: dataclasses.Field):
+    """The dataclass a field holds (its default's, or the one its annotation names, also in
+    ``Optional[...]``: ``model.moe`` is null by default), or None for a leaf."""
+    default = field.default_factory() if field.default_factory is not dataclasses.MISSING else None
+    if dataclasses.is_dataclass(default):
+        return type(default)
+    hint = typing.get_type_hints(node).get(name)
+    found = [a for a in (typing.get_args(hint) or (hint,)) if isinstance(a, type) and dataclasses.is_dataclass(a)]
+    return found[0] if found else None
+
+
 def _schema_has(dotted: str) -> bool:
     node = TrainConfig
-    for part in dotted.split("."):
+    parts = dotted.split(".")
+    for at, part in enumerate(parts):
+        if node is None:
+            return False
         names = {f.name: f for f in dataclasses.fields(node)}
         if part not in names:
             return False
-        default = names[part].default_factory() if names[part].default_factory is not dataclasses.MISSING else None
-        node = type(default) if dataclasses.is_dataclass(default) else None
-        if node is None:
-            return part == dotted.split(".")[-1]
+        node = _dataclass_of(node, part, names[part]) if at + 1 < len(parts) else None
     return True
 
 
@@ -43,6 +55,18 @@ def test_config_keys_exist_in_schema():
     assert len(keys) > 15, keys
     missing = sorted(k for k in keys if not _schema_has(k))
     assert not missing, f"docs/contract.md names config keys the schema lacks: {missing}"
+
+
+def test_every_parallel_and_moe_key_is_listed():
+    """The layout keys (CP and EP included) and every ``model.moe`` key are in the contract."""
+    from hyper_parallel.trainer.config.moe import MoEOptions
+    from hyper_parallel.trainer.config.parallel import ParallelConfig
+
+    table = _doc().split("## Recipe", 1)[1]
+    for prefix, options in (("parallel", ParallelConfig), ("model.moe", MoEOptions)):
+        missing = [f.name for f in dataclasses.fields(options) if f"`{prefix}.{f.name}`" not in table]
+        assert not missing, f"docs/contract.md does not list {prefix}.{missing}"
+    assert _schema_has("model.moe.num_experts") and not _schema_has("model.moe.no_such_key")
 
 
 def test_api_names_are_exported():

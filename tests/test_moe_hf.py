@@ -126,6 +126,6 @@ def test_hf_config_names_float64_and_refuses_what_configs_cannot_name():
     from hyper_parallel.models.moe import MOE_CONFIGS
 
     cfg = MoEConfig(**MOE_CONFIGS["moe_debug"])
-    assert hf_moe.hf_config(cfg, torch.float64)["torch_dtype"] == "float64"
+    assert hf_moe.hf_config(cfg, torch.float64)["dtype"] == "float64"  # transformers 5 reads dtype
     with pytest.raises(ValueError, match="cannot export weights of dtype torch.int32"):
         hf_moe.hf_config(cfg, torch.int32)

@@ -66,7 +66,9 @@ def test_fsdp2_export_modules():
     modules = compat.fsdp2_export_modules()
     assert modules[0] is fsdp
     assert all(vars(m).get("fully_shard", fsdp.fully_shard) is fsdp.fully_shard for m in modules)
-    assert {m.__name__ for m in modules} >= {"torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard._fully_shard"}
+    names = {m.__name__ for m in modules}
+    assert "torch.distributed._composable.fsdp" in names
+    assert not any(name.startswith("torch.distributed.fsdp._fully_shard") for name in names)  # torch reads those
 
 
 def test_tensor_rebuild_version():
@@ -251,6 +253,18 @@ def test_unflatten_mesh(rank_2_of_4):
     assert mesh["b"].mesh.tolist() == [2, 3] and mesh["a"].mesh.tolist() == [0, 2]
 
 
+def test_mesh_dim_rank_groups():
+    assert not dist.is_initialized(), "a test left a process group behind"
+    compat.init_fake_process_group(rank=5, world_size=8)
+    try:
+        mesh = init_device_mesh("cpu", (4, 2), mesh_dim_names=("dp", "x"))
+        assert compat.mesh_dim_rank_groups(mesh, 0) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+        assert compat.mesh_dim_rank_groups(mesh["x"], 0) == [[0, 1], [2, 3], [4, 5], [6, 7]]  # every rank's slice
+        assert compat.mesh_dim_rank_groups(init_device_mesh("cpu", (8,)), 0) == [list(range(8))]
+    finally:
+        dist.destroy_process_group()
+
+
 def test_package_imports_private_torch_names_only_through_compat():
     import pathlib
     import re
@@ -307,3 +321,19 @@ def test_grouped_mm_and_grouped_mm_dtypes():
     a, b = torch.randn(5, 8), torch.randn(2, 8, 4)
     out = compat.grouped_mm(a, b, offs=torch.tensor([2, 5], dtype=torch.int32))  # groups of 2 and 3 rows
     torch.testing.assert_close(out, torch.cat([a[:2] @ b[0], a[2:] @ b[1]]))
+
+
+def test_cuda_flash_attention_backward_on_meta_tensors():
+    """cuda_flash_attention (grouped-query K/V as they are) and its backward resolve and take
+    these arguments (meta tensors: shapes only; their numbers need a GPU)."""
+    q = torch.empty(2, 4, 40, 8, device="meta", dtype=torch.bfloat16)
+    k = torch.empty(2, 2, 40, 8, device="meta", dtype=torch.bfloat16)
+    out, lse = compat.cuda_flash_attention(q, k, k, True, 0.3)
+    assert out.shape == q.shape and (lse.shape, lse.dtype) == ((2, 4, 40), torch.float32)
+    grads = compat.cuda_flash_attention_backward(out, q, k, k, out, lse, True, 0.3)
+    assert [g.shape for g in grads] == [q.shape, k.shape, k.shape]
+
+
+def test_cuda_flash_attention_applies_only_on_a_gpu_it_runs_on():
+    assert not compat.cuda_flash_attention_applies(torch.device("cpu"))
+    assert not compat.cuda_flash_attention_applies(torch.device("meta"))

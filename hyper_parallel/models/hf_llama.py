@@ -25,7 +25,7 @@ from hyper_parallel.models.llama import LlamaConfig, RopeScaling
 CONFIG_FILE = "config.json"
 HF_DTYPE_NAMES = {torch.float64: "float64", torch.float32: "float32", torch.bfloat16: "bfloat16",
                   torch.float16: "float16"}
-"""config.json's ``torch_dtype`` of each dtype a checkpoint may be exported in."""
+"""config.json's ``dtype`` of each dtype a checkpoint may be exported in."""
 # Our name -> transformers name; {i} is the layer index.
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -83,16 +83,40 @@ def to_hf(name: str, tensor: torch.Tensor, cfg: LlamaConfig) -> Optional[Tuple[s
     return hf_name(name), (interleaved_to_halves(tensor, heads) if heads else tensor).contiguous()
 
 
-def hf_dtype_name(dtype: torch.dtype) -> str:
-    """``dtype`` as config.json's ``torch_dtype``.
+def hf_dtype_keys(dtype: torch.dtype) -> Dict[str, str]:
+    """config.json's entries naming the weights' ``dtype``: ``dtype`` (transformers 5's key,
+    which ``from_pretrained`` loads the weights in) and ``torch_dtype`` (the same value, for
+    transformers 4; transformers 5 prefers ``dtype`` when both are there).
 
     Raises:
         ValueError: a dtype transformers' configs do not name (e.g. an integer type).
     """
     if dtype not in HF_DTYPE_NAMES:
-        raise ValueError(f"cannot export weights of dtype {dtype}: config.json's torch_dtype takes "
+        raise ValueError(f"cannot export weights of dtype {dtype}: config.json's dtype takes "
                          f"{', '.join(HF_DTYPE_NAMES.values())}")
-    return HF_DTYPE_NAMES[dtype]
+    return {"dtype": HF_DTYPE_NAMES[dtype], "torch_dtype": HF_DTYPE_NAMES[dtype]}
+
+
+def exported_dtype(checkpoint: str) -> torch.dtype:
+    """The dtype of the weights :func:`~hyper_parallel.checkpoint.export_hf` writes from the
+    checkpoint ``checkpoint`` (it converts no dtype: the checkpoint's own, e.g. ``bfloat16``
+    after ``checkpoint.export_dtype=bfloat16``): what config.json must name (:func:`hf_dtype_keys`).
+
+    Raises:
+        ValueError: the checkpoint's model has floating-point tensors of several dtypes, or none.
+        CheckpointError: ``checkpoint`` is not a committed checkpoint.
+    """
+    from hyper_parallel.checkpoint import read_checkpoint_metadata
+    from hyper_parallel.core.distributed_checkpoint.format.metadata import TensorStorageMetadata
+
+    stored = read_checkpoint_metadata(checkpoint).state_dict_metadata
+    dtypes = {md.dtype for name, md in stored.items() if name.startswith("model.")
+              and isinstance(md, TensorStorageMetadata) and md.dtype.is_floating_point}
+    if len(dtypes) != 1:
+        found = ", ".join(sorted(str(d) for d in dtypes)) or "none"
+        raise ValueError(f"{checkpoint}: the model's floating-point tensors must have one dtype for config.json "
+                         f"to name, found {found}")
+    return dtypes.pop()
 
 
 def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> Dict[str, Any]:
@@ -108,7 +132,7 @@ def hf_config(cfg: LlamaConfig, dtype: torch.dtype) -> Dict[str, Any]:
         "rope_theta": cfg.rope_theta, "rope_scaling": scaling,
         "rope_parameters": {**(scaling or {"rope_type": "default"}), "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "mlp_bias": False, "torch_dtype": hf_dtype_name(dtype),
+        "mlp_bias": False, **hf_dtype_keys(dtype),
     }
 
 

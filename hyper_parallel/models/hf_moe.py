@@ -24,11 +24,12 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import (ChunkSto
                                                                          MetadataIndex, TensorStorageMetadata)
 from hyper_parallel.core.distributed_checkpoint.format.validation import check_metadata
 from hyper_parallel.core.distributed_checkpoint.hf import Converted, hf_metadata
-from hyper_parallel.models.hf_llama import (CONFIG_FILE, hf_dtype_name, hf_rope_scaling, interleaved_to_halves,
+from hyper_parallel.models.hf_llama import (CONFIG_FILE, hf_dtype_keys, hf_rope_scaling, interleaved_to_halves,
                                             read_config, rows_to_interleaved_)
-from hyper_parallel.models.moe import MoEConfig
+from hyper_parallel.models.moe import MoEConfig, MoETransformer
 
-__all__ = ["check_config", "hf_config", "hf_names", "load_pretrained", "moe_config", "stacked_metadata", "to_hf"]
+__all__ = ["check_config", "hf_config", "hf_names", "load_pretrained", "moe_config", "stacked_metadata", "to_hf",
+           "unsupported"]
 
 MODEL_TYPE = "qwen3_moe"
 _LAYER_NAMES = {
@@ -54,7 +55,8 @@ _ROTARY = {"attention.wq.weight": "n_heads", "attention.wk.weight": "n_kv_heads"
            "attention.q_norm.weight": None, "attention.k_norm.weight": None}
 
 
-def _unsupported(cfg: MoEConfig) -> List[str]:
+def unsupported(cfg: MoEConfig) -> List[str]:
+    """What of ``cfg`` transformers' Qwen3-MoE cannot express, as one line (empty: nothing)."""
     found = [text for bad, text in ((cfg.shared_experts > 0, f"shared_experts={cfg.shared_experts}"),
                                     (cfg.router_bias, "router_bias=True"),
                                     (cfg.expert_bias_update_rate > 0,
@@ -111,7 +113,7 @@ def hf_config(cfg: MoEConfig, dtype: torch.dtype) -> Dict[str, Any]:
         ValueError: ``cfg`` uses what Qwen3-MoE cannot express (shared experts, router or expert
             biases, attention without q/k norm).
     """
-    problems = _unsupported(cfg)
+    problems = unsupported(cfg)
     if problems:
         raise ValueError(problems[0])
     return {
@@ -125,7 +127,7 @@ def hf_config(cfg: MoEConfig, dtype: torch.dtype) -> Dict[str, Any]:
         "max_position_embeddings": cfg.max_seq_len, "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
         "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_theta},
         "tie_word_embeddings": cfg.tie_embeddings, "hidden_act": "silu", "attention_bias": False,
-        "use_sliding_window": False, "torch_dtype": hf_dtype_name(dtype),
+        "use_sliding_window": False, **hf_dtype_keys(dtype),
     }
 
 
@@ -187,7 +189,7 @@ def check_config(path: str, cfg: MoEConfig) -> None:
         ValueError: no or an unreadable ``config.json``, not a Qwen3-MoE one, ``cfg`` has what
             Qwen3-MoE lacks, or the shapes differ (one line naming each differing field).
     """
-    problems = _unsupported(cfg)
+    problems = unsupported(cfg)
     if problems:
         raise ValueError(problems[0])
     config = read_config(path)
@@ -245,9 +247,9 @@ def stacked_metadata(path: str, names: Dict[str, Union[str, List[str]]]) -> Meta
 
 def load_pretrained(model: nn.Module, path: str, cfg: MoEConfig) -> None:
     """Fill ``model`` (an :class:`~hyper_parallel.models.moe.MoETransformer` of ``cfg``, plain
-    or sharded) from the ``transformers`` Qwen3-MoE directory ``path`` (collective): each rank
-    reads only its slices (its experts' tensors); the q/k projections and norms are gathered once
-    to be permuted. :func:`check_config` first.
+    or sharded, or a pipeline stage of one) from the ``transformers`` Qwen3-MoE directory
+    ``path`` (collective): each rank reads only its slices (its experts' tensors); the q/k
+    projections and norms are gathered once to be permuted. :func:`check_config` first.
 
     Raises:
         ValueError: as :func:`check_config`, or a stored shape differs from the model's.
@@ -258,7 +260,11 @@ def load_pretrained(model: nn.Module, path: str, cfg: MoEConfig) -> None:
     check_config(path, cfg)
     ours = get_model_state_dict(model)
     targets = {k: v for k, v in ours.items() if not (k == "output.weight" and cfg.tie_embeddings)}
-    load_hf(targets, path, metadata=stacked_metadata(path, {k: hf_names(k, cfg) for k in targets}))
+    # The whole model's names, whatever part ``model`` is (a pipeline stage): the ranks plan the
+    # load together from one description of the directory.
+    with torch.device("meta"):
+        names = [k for k in MoETransformer(cfg).state_dict() if not (k == "output.weight" and cfg.tie_embeddings)]
+    load_hf(targets, path, metadata=stacked_metadata(path, {k: hf_names(k, cfg) for k in names}))
     for name, tensor in targets.items():
         heads = _heads(name, cfg)
         if heads:

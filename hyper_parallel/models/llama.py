@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.context_parallel import cp_attention, rope_rows
 from hyper_parallel.core.layout import local_part
 
@@ -328,11 +329,16 @@ class Transformer(nn.Module):
             init("output.weight", self.output.weight, self.cfg.dim ** -0.5)
         self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, loss: Optional[ChunkedLoss] = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) of ``tokens`` (or, for a pipeline stage without the output
+        layer, the hidden states); with ``loss``, the loss it computes from the last hidden
+        states instead, in chunks (the logits never whole)."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
-        return h if self.output is None else self.output(self.norm(h))
+        if self.output is None:
+            return h
+        return self.output(self.norm(h)) if loss is None else loss(h, lambda x: self.output(self.norm(x)))
 
     def num_params(self) -> int:
         return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())

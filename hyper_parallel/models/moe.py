@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.models.llama import Attention, FeedForward, RMSNorm, init_normal_, rope_tables
 from hyper_parallel.models.moe_layer import MoE, checked_aux_loss_scale
 
@@ -177,11 +178,16 @@ class MoETransformer(nn.Module):
             init_normal_(self.output.weight, seed, "output.weight", cfg.dim ** -0.5)
         self.rope_cos, self.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, loss: Optional[ChunkedLoss] = None) -> torch.Tensor:
+        """Logits (batch, seq, vocab) of ``tokens`` (or, for a pipeline stage without the output
+        layer, the hidden states); with ``loss``, the loss it computes from the last hidden
+        states instead, in chunks (the logits never whole)."""
         h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
         for layer in self.layers.values():
             h = layer(h, self.rope_cos, self.rope_sin)
-        return h if self.output is None else self.output(self.norm(h))
+        if self.output is None:
+            return h
+        return self.output(self.norm(h)) if loss is None else loss(h, lambda x: self.output(self.norm(x)))
 
     def aux_loss(self) -> torch.Tensor:
         """``aux_loss_weight`` times the sum over the MoE layers of their load-balancing loss in

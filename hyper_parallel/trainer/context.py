@@ -30,7 +30,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel._torch_compat import flatten_mesh, unflatten_mesh
-from hyper_parallel.context_parallel import ContextParallel, Rotate, context_parallel, mean_token_loss
+from hyper_parallel.chunked_loss import ChunkedLoss
+from hyper_parallel.context_parallel import (ContextParallel, Rotate, context_parallel, mean_token_loss,
+                                             token_loss_scale)
 from hyper_parallel.models.llama import Attention
 from hyper_parallel.parallel import loss_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
@@ -79,10 +81,15 @@ class SequenceSplit:
         A collective over :attr:`loss_group`; inside :meth:`context`."""
         return mean_token_loss(logits, labels, group=self.loss_group)
 
-    def loss(self, model: nn.Module, batch: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    def loss(self, model: nn.Module, batch: torch.Tensor, cp: ContextParallel, loss_chunks: int = 1) -> torch.Tensor:
         """This rank's share of the mean next-token loss of ``batch`` ``(samples, seq_len + 1)``
-        (the whole sequences; the model sees this rank's part of each). Inside :meth:`context`."""
-        return self.token_loss(model(cp.shard(batch[:, :-1])), cp.shard(batch[:, 1:]))
+        (the whole sequences; the model sees this rank's part of each), the logits computed
+        ``loss_chunks`` pieces of that part at a time (:class:`ChunkedLoss`). Inside :meth:`context`."""
+        targets = cp.shard(batch[:, 1:])
+        if loss_chunks == 1:
+            return self.token_loss(model(cp.shard(batch[:, :-1])), targets)
+        summed = model(cp.shard(batch[:, :-1]), loss=ChunkedLoss(targets, loss_chunks))
+        return summed * token_loss_scale(targets, self.loss_group)
 
 
 def data_parallel_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:

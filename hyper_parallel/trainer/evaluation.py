@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindows, build_source, split_windows
-from hyper_parallel.parallel import cross_entropy, loss_parallel
+from hyper_parallel.parallel import loss_parallel
 from hyper_parallel.trainer.agreement import all_reduce_sum
 from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.context import SequenceSplit
 from hyper_parallel.trainer.pipeline_parallel import Pipeline
+from hyper_parallel.trainer.step import next_token_loss
 
 # Synthetic validation samples are drawn with this offset added to training.seed.
 SYNTHETIC_VAL_SEED_OFFSET = 1_000_003
@@ -111,7 +112,8 @@ class Evaluator:
         return step % self.every == 0 or step == last_step
 
     @torch.no_grad()
-    def evaluate(self, model: Union[nn.Module, Pipeline], cp: Optional[SequenceSplit] = None) -> Dict[str, float]:
+    def evaluate(self, model: Union[nn.Module, Pipeline], cp: Optional[SequenceSplit] = None,
+                 loss_chunks: int = 1) -> Dict[str, float]:
         """``val_loss`` (nats/token, averaged over every token of the data-parallel group) and
         ``val_ppl``. Collective: every rank calls.
 
@@ -120,6 +122,7 @@ class Evaluator:
         ``tp_size`` ranks of a data-parallel rank hold the same mean). Through a pipeline, the
         last stage's ranks hold it and the others add 0. ``cp``: context parallelism (each CP
         rank scores its part of the same samples' sequences, the same number of tokens).
+        ``loss_chunks``: the logits computed that many pieces of each sequence at a time.
         """
         loader = DistributedBatchLoader(self.source, self.global_batch_size, dp_rank=self.dp_rank,
                                         dp_size=self.dp_size, shuffle=False)
@@ -131,10 +134,10 @@ class Evaluator:
                 continue
             if cp is not None:
                 with cp.context() as context:
-                    local += cp.loss(model, batch, context).item()
+                    local += cp.loss(model, batch, context, loss_chunks).item()
                 continue
             with loss_parallel():
-                local += cross_entropy(model(batch[:, :-1]), batch[:, 1:]).item()
+                local += next_token_loss(model, batch, loss_chunks).item()
         mean = torch.tensor([local / self.steps], device=self.device)
         cp_size = cp.size if cp is not None else 1
         val_loss = all_reduce_sum(mean).item() / (self.dp_size * cp_size * self.tp_size)

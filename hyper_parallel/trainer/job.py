@@ -16,6 +16,7 @@ from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.context import SequenceSplit
 from hyper_parallel.trainer.evaluation import Evaluator
+from hyper_parallel.trainer.memory_snapshots import MemorySnapshots
 from hyper_parallel.trainer.metrics import MetricsLogger
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput
 from hyper_parallel.trainer.pipeline_parallel import Pipeline
@@ -45,6 +46,7 @@ class TrainingJob:
     profiler: Optional[ProfilerWindow] = None
     pipeline: Optional[Pipeline] = None  # parallel.pp > 1
     cp: Optional[SequenceSplit] = None  # parallel.cp > 1
+    snapshots: Optional[MemorySnapshots] = None  # checkpoint.memory_interval > 0
 
     @property
     def model(self) -> Union[nn.Module, Pipeline]:

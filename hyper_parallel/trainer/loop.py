@@ -25,12 +25,14 @@ from hyper_parallel.trainer.config.schema import TrainConfig, model_config
 from hyper_parallel.trainer.context import split_sequences
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
+from hyper_parallel.trainer.memory_snapshots import build_snapshots
 from hyper_parallel.trainer.metrics import MetricsLogger, moe_record, moe_statistics
 from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.optimizer import build_optimizer
 from hyper_parallel.trainer.parallelize import build_mesh, build_model
 from hyper_parallel.trainer.pipeline_parallel import build_pipeline, pipelined_step
-from hyper_parallel.trainer.reporting import describe, format_summary, resume_mismatch, starting_point
+from hyper_parallel.trainer.recovery import start_from
+from hyper_parallel.trainer.reporting import describe, format_summary, resume_mismatch, snapshot_line, starting_point
 from hyper_parallel.trainer.saving import CheckpointSaver
 from hyper_parallel.trainer.schedule import WarmupCosineSchedule
 from hyper_parallel.trainer.sinks import SinkError, WandbSettings, wandb_settings
@@ -122,6 +124,9 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
     manager = together(device, lambda: _as_config_error(lambda: CheckpointManager(
         cfg.checkpoint.folder, interval=cfg.checkpoint.interval, keep_last_n=cfg.checkpoint.keep_last_n,
         async_save=cfg.checkpoint.async_save, stage_in_background=cfg.checkpoint.async_save)))
+    snapshots = None
+    if cfg.checkpoint.memory_interval:
+        snapshots = together(device, lambda: _as_config_error(lambda: build_snapshots(cfg, rank, dims.world_size)))
     log = together(device, lambda: _as_config_error(lambda: MetricsLogger(
         cfg.output_dir, total_steps=t.steps, is_main=rank == 0, log_every=cfg.logging.log_every,
         tensorboard=cfg.logging.tensorboard, wandb=wandb)))
@@ -135,7 +140,7 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
                               tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.world_size,
                               peak=peak_tflops(platform, t.peak_tflops)),
         started_at=started_at, evaluator=evaluator, profiler=profiler, pipeline=pipeline,
-        cp=split_sequences(mesh, cfg.parallel.cp_rotate),
+        cp=split_sequences(mesh, cfg.parallel.cp_rotate), snapshots=snapshots,
     )
 
 
@@ -181,12 +186,18 @@ def run_training(config: ValidConfig, platform: Platform) -> RunSummary:
     """
     cfg = config.cfg
     job = build_job(cfg, config.dims, platform, wandb=wandb_settings(config.composed))
-    plan = resume(job)
+    plan, recovery_lines, recovered = start_from(job, lambda: resume(job))
     step = plan.start_step if plan is not None else 0
     if platform.rank == 0:
         write_file_atomically(os.path.join(cfg.output_dir, "config.yaml"),
                               OmegaConf.to_yaml(config.composed).encode())
     job.log.print(describe(job))
+    if job.snapshots is not None:
+        job.log.print(snapshot_line(job))
+    for line in recovery_lines:
+        job.log.print(line)
+    if recovered is not None:
+        job.log.log_event(recovered)
     job.log.print(starting_point(cfg, plan))
     if plan is not None and "optim" in plan.keys:
         for line in operations.apply_optim_config(job.optimizer, cfg.optim):
@@ -194,6 +205,8 @@ def run_training(config: ValidConfig, platform: Platform) -> RunSummary:
     if step >= cfg.training.steps:
         job.log.print(f"the latest checkpoint is at step {step} >= training.steps={cfg.training.steps}: "
                       "nothing to train")
+        if job.snapshots is not None:
+            job.snapshots.remove()
         job.log.close()
         return RunSummary(start_step=step, end_step=step, loss_floor=job.loss_floor)
     stop = StopRequest()
@@ -201,6 +214,8 @@ def run_training(config: ValidConfig, platform: Platform) -> RunSummary:
         stop.install()
     try:
         summary = train_loop(job, step, stop)
+        if job.snapshots is not None:  # a finished (or stopped and saved) job needs none
+            job.snapshots.remove()
         job.log.print(format_summary(summary, cfg))
     finally:
         stop.uninstall()
@@ -271,7 +286,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         else:
             result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
                                 max_grad_norm=t.max_grad_norm,
-                                float8_scales=t.float8_mode == "tensorwise", cp=job.cp)
+                                float8_scales=t.float8_mode == "tensorwise", cp=job.cp, loss_chunks=t.loss_chunks)
         if update_expert_bias is not None:
             update_expert_bias()
         job.loader.advance()
@@ -307,7 +322,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
                   else "stop_after_steps" if limits.steps_done(step) else None)
         # An agreed SIGTERM or time limit skips the evaluation: the save starts at this boundary.
         if reason in (None, "stop_after_steps") and job.evaluator is not None and job.evaluator.due(step, t.steps):
-            record.update(job.evaluator.evaluate(job.model, cp=job.cp))
+            record.update(job.evaluator.evaluate(job.model, cp=job.cp, loss_chunks=t.loss_chunks))
             if count_ranks(stop.requested, job.device):  # a SIGTERM during the evaluation: save now, not a step later
                 reason = "SIGTERM"
         if job.profiler is not None and (trace := job.profiler.after_step(step)):
@@ -317,6 +332,8 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         last = step == t.steps
         saver.save(step, operations.final_state(job.cfg.checkpoint, job.state) if last else job.state,
                    force=last or reason is not None)
+        if job.snapshots is not None and not last and reason is None and job.snapshots.due(step):
+            job.snapshots.take(step, job.state)
         if reason is not None:
             summary.stopped_by_signal, summary.stop_reason = reason == "SIGTERM", reason
             job.log.print(f"{reason}: saved a final checkpoint at step {step}, stopping")

@@ -102,6 +102,12 @@ class MetricsLogger:
         if "val_loss" in record:
             self.print(f"eval step {step}: val_loss {record['val_loss']:.4f}  val_ppl {record['val_ppl']:.2f}")
 
+    def log_event(self, record: Dict[str, Any]) -> None:
+        """Record something that is not a step (``record`` holds ``"event"``, e.g. a recovery)."""
+        if self.is_main:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+
     def close(self) -> None:
         if self._jsonl is not None:
             self._jsonl.close()

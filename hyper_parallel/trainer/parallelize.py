@@ -15,14 +15,14 @@ from torch.utils.checkpoint import checkpoint
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
 from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
-from hyper_parallel.models.hf_llama import load_pretrained
+from hyper_parallel.models import hf_llama, hf_moe
 from hyper_parallel.models.llama import LlamaConfig, Transformer
 from hyper_parallel.models.moe import MoEConfig, MoETransformer
 from hyper_parallel.models.moe_layer import RoutingReplay, replaying_routing
 from hyper_parallel.parallel import apply_tensor_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import ModelConfig, llama_config, model_config
+from hyper_parallel.trainer.config.schema import ModelConfig, model_config
 from hyper_parallel.trainer.context import check_attention, data_parallel_group, dp_cp_mesh
 from hyper_parallel.trainer.float8 import convert_to_float8
 
@@ -168,8 +168,10 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
     With ``mesh=None`` the model is not sharded (a plain single-process model, used as the
     reference in tests). ``model.init_from`` loads an HF-style safetensors directory after
     initialisation, each rank reading only its own slices: a ``transformers`` Llama export
-    (``config.json`` with ``model_type: llama``) or our own names; a ``config.json`` there must
-    describe this model (heads, sizes, rope_theta, tied embeddings).
+    (``config.json`` with ``model_type: llama``) or our own names; for a mixture of experts a
+    ``transformers`` Qwen3-MoE directory (:func:`hyper_parallel.models.hf_moe.load_pretrained`).
+    A ``config.json`` there must describe this model (heads, sizes, rope_theta, tied
+    embeddings; for Qwen3-MoE also the experts).
 
     Raises:
         ConfigError: ``model.init_from`` cannot be read, or it or its ``config.json`` does not
@@ -216,8 +218,10 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
     model.to_empty(device=device)
     model.init_weights(seed)  # the same values on every mesh and world size
     if model_cfg.init_from:
+        shape = model_config(model_cfg)
+        load = hf_moe.load_pretrained if isinstance(shape, MoEConfig) else hf_llama.load_pretrained
         try:
-            load_pretrained(model, os.path.expanduser(model_cfg.init_from), llama_config(model_cfg))
+            load(model, os.path.expanduser(model_cfg.init_from), shape)
         except (CheckpointError, KeyError, ValueError, OSError) as err:
             raise ConfigError(f"model.init_from={model_cfg.init_from}: {err}") from None
     return model

@@ -51,7 +51,9 @@ def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: i
         checkpoint = checkpoint_folder_problems(cfg)
         folders = output_dir_problems(cfg) + checkpoint
         resume = [] if checkpoint else resume_problems(cfg)  # (an unusable folder is not listed)
+    folders += snapshot_folder_problems(cfg)
     problems = (folders + (output_file_problems(cfg) if not folders else []) + init_from_problems(cfg)
+                + load_from_problems(cfg)
                 + resume + data_problems(cfg) + package_problems(cfg)
                 + memory_problems(cfg, dims, ranks_per_node))
     if problems:
@@ -69,6 +71,14 @@ def output_dir_problems(cfg: TrainConfig) -> List[str]:
     return [f"output_dir={cfg.output_dir} cannot be used: {why}; choose another output_dir"] if why else []
 
 
+def snapshot_folder_problems(cfg: TrainConfig) -> List[str]:
+    """With in-memory snapshots on, ``checkpoint.memory_dir`` can be created and written."""
+    c = cfg.checkpoint
+    why = unusable_folder(c.memory_dir) if c.memory_interval else None
+    return [f"checkpoint.memory_dir={c.memory_dir} cannot be used: {why}; choose another folder "
+            "(a tmpfs such as /dev/shm)"] if why else []
+
+
 def checkpoint_folder_problems(cfg: TrainConfig) -> List[str]:
     """``checkpoint.folder`` can be created and written, as its store says (an object store:
     an object written there, then deleted, within :func:`startup_bounds`: an endpoint that
@@ -79,6 +89,19 @@ def checkpoint_folder_problems(cfg: TrainConfig) -> List[str]:
     except ValueError as err:  # credentials, a query, a chained URL, no fsspec implementation: one line
         why = f"{key}: {err}"
     return [why] if why else []
+
+
+def load_from_problems(cfg: TrainConfig) -> List[str]:
+    """``checkpoint.load_from``, when set, is a path or a URL of a form the stores accept (no
+    credentials, query, chained file systems or surrounding whitespace: :func:`url_scheme`)."""
+    source = cfg.checkpoint.load_from
+    if not source:
+        return []
+    try:
+        url_scheme(str(source))
+    except ValueError as err:
+        return [f"checkpoint.load_from: {err}"]
+    return []
 
 
 def init_from_problems(cfg: TrainConfig) -> List[str]:
@@ -158,12 +181,21 @@ class MemoryEstimate(NamedTuple):
 def estimate_memory(cfg: TrainConfig, dims: ParallelDims) -> MemoryEstimate:
     """A lower bound of one rank's memory for this config, from shapes alone (nothing allocated)."""
     llama = model_config(cfg.model)  # a LlamaConfig or an MoEConfig: the fields read here are in both
-    one = dict(n_layers=1, first_k_dense=0) if isinstance(llama, MoEConfig) else dict(n_layers=1)
-    with torch.device("meta"):
-        one_block = build_transformer(dataclasses.replace(llama, **one))
-    block = sum(p.numel() for p in one_block.layers["0"].parameters())
-    root = sum(p.numel() for p in one_block.parameters()) - block
-    parameters = root + block * llama.n_layers
+    # (how many blocks, the one-block model's overrides): an MoE model's dense first blocks count as dense
+    kinds = [(llama.n_layers, {})]
+    if isinstance(llama, MoEConfig):
+        dense = min(llama.first_k_dense, llama.n_layers)
+        kinds = [(llama.n_layers - dense, {"first_k_dense": 0}), (dense, {"first_k_dense": 1})]
+    root, blocks = 0, []
+    for count, overrides in kinds:
+        if count:
+            with torch.device("meta"):
+                one_block = build_transformer(dataclasses.replace(llama, n_layers=1, **overrides))
+            size = sum(p.numel() for p in one_block.layers["0"].parameters())
+            root = sum(p.numel() for p in one_block.parameters()) - size
+            blocks.append((count, size))
+    block = max(size for _, size in blocks)
+    parameters = root + sum(count * size for count, size in blocks)
     param_bytes = 2 if cfg.parallel.mixed_precision == "bf16" else 4
     t = cfg.training
     micro_batch = t.global_batch_size // (dims.dp_size * t.grad_accum_steps)

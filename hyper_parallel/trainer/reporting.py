@@ -14,9 +14,11 @@ from hyper_parallel.trainer.config.compose import model_overrides
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import TrainConfig, model_config, shape
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
+from hyper_parallel.trainer.memory_snapshots import ranks_per_node, snapshot_memory
 from hyper_parallel.trainer.metrics import METRICS_FILE
 from hyper_parallel.trainer.parallelize import build_transformer
 from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER
+from hyper_parallel.utils.units import format_bytes
 
 
 def resume_mismatch(cfg: TrainConfig, path: str, err: Exception) -> str:
@@ -71,6 +73,16 @@ def describe(job: TrainingJob) -> str:
     else:
         count_desc = f"{count:,} parameters"
     return f"model {name}: {count_desc}, {layout(cfg, job.dims)}, data {cfg.data.kind}{floor}"
+
+
+def snapshot_line(job: TrainingJob) -> str:
+    """The start-up line of the in-memory snapshots: where, how often, how much host memory."""
+    s = job.snapshots
+    memory = snapshot_memory(job.state, ranks_per_node())
+    partner = f"partner rank {s.partner}" if s.partner is not None else "no partner (one rank)"
+    return (f"memory snapshots every {s.interval} step(s) in {s.folder.root}: about "
+            f"{format_bytes(memory.node_bytes)} of host memory per node ({format_bytes(memory.rank_bytes)} per "
+            f"snapshot of rank 0, which keeps its own, a replica and one being written; replica to {partner})")
 
 
 def starting_point(cfg: TrainConfig, plan: Optional[operations.LoadPlan]) -> str:

@@ -7,6 +7,7 @@ from typing import Dict, Optional
 import torch
 from torch import nn
 
+from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.core.grad_norm import clip_grad_norm_
 from hyper_parallel.models.moe import MoETransformer
@@ -21,9 +22,20 @@ def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:
         model.set_requires_gradient_sync(enabled)
 
 
+def next_token_loss(model: nn.Module, batch: torch.Tensor, loss_chunks: int = 1) -> torch.Tensor:
+    """The mean next-token cross entropy of ``batch`` ``(samples, seq_len + 1)`` in at least
+    float32, the logits computed ``loss_chunks`` pieces of the sequence at a time
+    (:class:`~hyper_parallel.chunked_loss.ChunkedLoss`; 1: whole). Vocabulary-parallel logits:
+    inside ``loss_parallel``."""
+    inputs, targets = batch[:, :-1], batch[:, 1:]
+    if loss_chunks == 1:
+        return cross_entropy(model(inputs), targets)
+    return model(inputs, loss=ChunkedLoss(targets, loss_chunks)) / targets.numel()
+
+
 def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
                *, grad_accum_steps: int, max_grad_norm: float, float8_scales: bool = False,
-               cp: Optional[SequenceSplit] = None) -> Dict[str, torch.Tensor]:
+               cp: Optional[SequenceSplit] = None, loss_chunks: int = 1) -> Dict[str, torch.Tensor]:
     """One optimizer step on this data-parallel rank's slice of the global batch (the same on
     every tensor-parallel rank of it).
 
@@ -43,6 +55,8 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     experts balances each micro-step over all data-parallel (x CP) ranks: its ``aux_loss`` is
     then ``ranks x`` this rank's share of the global micro-batch's balancing loss (see
     :meth:`~hyper_parallel.models.moe.MoETransformer.set_balance_group`).
+    ``loss_chunks``: the loss computed that many pieces of each sequence at a time, the logits
+    never whole (:class:`~hyper_parallel.chunked_loss.ChunkedLoss`; the same loss).
     """
     micro_batches = batch.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=batch.device)
@@ -55,8 +69,10 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
         # The loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered
         # (cp.context() enters loss_parallel too).
         with (cp.context() if cp is not None else loss_parallel()) as context:
-            loss = (cp.loss(model, micro, context) if cp is not None
-                    else cross_entropy(model(micro[:, :-1]), micro[:, 1:]))
+            if cp is not None:
+                loss = cp.loss(model, micro, context, loss_chunks)
+            else:
+                loss = next_token_loss(model, micro, loss_chunks)
             if stats is not None:  # before backward: activation checkpointing reruns forwards
                 stats.add(model)
             (loss / grad_accum_steps).backward()

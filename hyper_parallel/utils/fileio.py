@@ -149,12 +149,20 @@ _SCHEME_PREFIX = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*:")
 _DRIVE = re.compile(r"[A-Za-z]:[\\/]")  # a Windows drive (C:\\ or C:/): a path
 
 
+_AT_SIGN = re.compile(r"@|%40", re.IGNORECASE)  # also percent-encoded: fsspec and botocore decode it
+_COLON = re.compile(r":|%3a", re.IGNORECASE)
+
+
 def _credentials_end(rest: str) -> int:
-    """Where ``user:secret@`` ends in a URL after its ``scheme://`` (0: none). Up to the last
-    ``@``, since a secret may hold ``/`` (AWS secret keys do); a ``@`` without a ``:`` before
-    it is no credential (``abfs://container@account...``, ``sftp://user@host``)."""
-    at = rest.rfind("@")
-    return at if at > 0 and ":" in rest[:at] else 0
+    """Where ``user:secret@`` ends in a URL after its ``scheme://`` (0: none), the ``:`` and
+    ``@`` also percent-encoded (``%3A``, ``%40``). Up to the last ``@``, since a secret may hold
+    ``/`` (AWS secret keys do); a ``@`` without a ``:`` before it is no credential
+    (``abfs://container@account...``, ``sftp://user@host``)."""
+    last = None
+    for last in _AT_SIGN.finditer(rest):
+        pass
+    at = last.start() if last is not None else 0
+    return at if at > 0 and _COLON.search(rest, 0, at) else 0
 
 
 def redact_url(url: str) -> str:
@@ -192,11 +200,15 @@ def url_scheme(path) -> Optional[str]:
         ValueError: a URL with credentials (``user:secret@``), a query (``?``) or a fragment (``#``): the
             store does not read credentials from the URL, and fsspec would take a query as
             part of the key (every object of a save under one key); a chained URL
-            (``simplecache::s3://...``) or a ``<scheme>:`` without ``//`` (``data:...``):
-            these would otherwise become local folders of that name.
+            (``simplecache::s3://...``), a ``<scheme>:`` without ``//`` (``data:...``) or a URL
+            with leading or trailing whitespace (`` s3://...``): these would otherwise become
+            local folders of that name.
     """
     if not isinstance(path, str):
         return None
+    if path != path.strip() and _SCHEME_PREFIX.match(path.strip()):
+        raise ValueError(f"location {redact_url(path.strip())!r} has leading or trailing whitespace; refused (it "
+                         "would become a local folder of that name): remove the whitespace")
     match = _URL.match(path)
     if match is None:
         if _SCHEME_PREFIX.match(path) and not _DRIVE.match(path):

@@ -10,6 +10,7 @@ import os
 import time
 
 import pytest
+import torch
 
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.cli import main
@@ -26,6 +27,11 @@ TOKEN = "Sig-5e3cfa"
 REFUSED = [
     (f"s3://AKIAEXAMPLE:{SECRET}@bucket/run/step-1", "holds credentials"),
     (f"memory://AKIAEXAMPLE:{SECRET}@bucket/run/step-1", "holds credentials"),
+    (f"s3://AKIAEXAMPLE%3A{SECRET}%40bucket/run/step-1", "holds credentials"),  # percent-encoded
+    (f"s3://AKIAEXAMPLE%3a{SECRET}@bucket/run/step-1", "holds credentials"),
+    (f"s3://AKIAEXAMPLE:{SECRET}%40bucket/run/step-1", "holds credentials"),
+    (" s3://bucket/run/step-1", "has leading or trailing whitespace"),
+    ("s3://bucket/run/step-1\n", "has leading or trailing whitespace"),
     ("s3://bucket/q/step-1?versionId=x", "has a query or fragment"),
     (f"s3://bucket/q/step-1?X-Amz-Signature={TOKEN}", "has a query or fragment"),
     ("memory://bucket/q/step-1#frag", "has a query or fragment"),
@@ -90,6 +96,7 @@ def test_redact_url_hides_credentials_and_queries_only():
     assert redact_url("/local/a@b?c") == "/local/a@b?c"
     assert redact_url("abfs://container@account/run") == "abfs://container@account/run"
     assert redact_url(f"s3://KEY:SE/{SECRET}@bucket/run") == "s3://***@bucket/run"
+    assert redact_url(f"s3://KEY%3A{SECRET}%40bucket/run") == "s3://***%40bucket/run"
 
 
 @pytest.mark.timeout(120)
@@ -143,3 +150,20 @@ def test_cli_without_credentials_fails_in_one_line_with_exit_code_2(s3_endpoint,
     assert done.returncode == 2 and len(err.splitlines()) == 1, err
     assert err.startswith("error: s3://bucket/run: the object store's client failed before any answer: "
                           "NoCredentialsError: Unable to locate credentials; check the credentials"), err
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("call", ["load", "save", "read_checkpoint_metadata"])
+def test_the_library_on_a_store_that_never_answers_fails_naming_it(silent_s3, monkeypatch, call):
+    """save/load open their stores with LIBRARY_BOUNDS (made short here): an endpoint that
+    accepts connections and never answers ends in one CheckpointError naming it, not minutes."""
+    monkeypatch.setattr(store, "LIBRARY_BOUNDS", RequestBounds(timeout_s=1.0, attempts=2))
+    calls = {"load": lambda: hdcp.load({"w": torch.zeros(2)}, checkpoint_id="s3://bucket/run", no_dist=True),
+             "save": lambda: hdcp.save({"w": torch.zeros(2)}, checkpoint_id="s3://bucket/run", no_dist=True),
+             "read_checkpoint_metadata": lambda: hdcp.read_checkpoint_metadata("s3://bucket/run")}
+    started = time.monotonic()
+    with pytest.raises(hdcp.CheckpointError) as raised:
+        calls[call]()
+    assert time.monotonic() - started < 20
+    assert str(raised.value).startswith(f"s3://bucket/run: no answer from the object store at {silent_s3} "
+                                        "(2 tries of 1s): "), str(raised.value)

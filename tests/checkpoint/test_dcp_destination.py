@@ -116,3 +116,22 @@ def test_conversions_take_memory_urls(dcp_src, tmp_path, memory_url, capsys):
     assert index["weight_map"] == {"w": "model-00001-of-00001.safetensors"}
     tensors = load_safetensors(fs.cat_file(f"{hf}/model-00001-of-00001.safetensors"))
     assert torch.equal(tensors["w"], torch.arange(6.0))
+
+
+@pytest.mark.parametrize("command, commit_file, content", [
+    ("import-dcp", "metadata.json", b'{"experiment": "mine", "lr": 0.1}'),
+    ("export-dcp", ".metadata", b"my own notes, not a pickle"),
+])
+def test_force_never_replaces_a_folder_that_only_looks_like_a_checkpoint(dcp_src, tmp_path, capsys, command,
+                                                                          commit_file, content):
+    """A user's own metadata.json (or .metadata) has a checkpoint's file name, not its content:
+    the folder is not ours to delete, even with --force."""
+    user = tmp_path / "user"
+    user.mkdir()
+    (user / commit_file).write_bytes(content)
+    src = dcp_src
+    if command == "export-dcp":
+        src = str(tmp_path / "ours")
+        assert main(["import-dcp", dcp_src, src]) == 0
+    _refused([command, src, str(user), "--force"], capsys, "is not empty and is not a ")
+    assert _tree(user) == [(commit_file, content)]

@@ -201,3 +201,98 @@ def test_metadata_pickled_at_any_protocol_passes_the_opcode_scan(protocol):
     stores = {op.name for op, _, _ in pickletools.genops(data)} & {"BINPUT", "LONG_BINPUT", "MEMOIZE"}
     assert stores == ({"BINPUT", "LONG_BINPUT"} if protocol < 4 else {"MEMOIZE"})  # (indices past 255: 4 bytes)
     assert unpickle_dcp_metadata(data, "m").state_dict_metadata == original.state_dict_metadata
+
+
+# ----------------------------------------------------------------- bombs: budgets by input size
+
+
+def _value_dcp_dir(tmp_path, name, record: bytes) -> str:
+    """A DCP directory whose one entry, the value "v", is ``record``."""
+    metadata = pickle.dumps(dcp_md.Metadata(state_dict_metadata={"v": dcp_md.BytesStorageMetadata()}, storage_data={
+        dcp_md.MetadataIndex("v"): dcp_storage_info(_DATA, 0, len(record))}))
+    return _dcp_dir(tmp_path, name, metadata, record)
+
+
+def _refused_fast_in_one_line(path, match, capsys, tmp_path, state):
+    """load of ``state`` and import-dcp refuse ``path`` within seconds, with a short message."""
+    started = time.monotonic()
+    with pytest.raises(hdcp.CheckpointError, match=match) as raised:
+        hdcp.load(state, checkpoint_id=path, no_dist=True, verify=False)
+    assert len(str(raised.value)) < 1000
+    capsys.readouterr()
+    assert main(["import-dcp", path, str(tmp_path / "out")]) == 1
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and err.startswith("error: ") and len(err) < 1000, err[:2000]
+    assert not (tmp_path / "out").exists()
+    assert time.monotonic() - started < 10
+
+
+@pytest.mark.timeout(60)
+def test_nested_path_arguments_in_the_metadata_are_refused(tmp_path, capsys):
+    """Each level a path of two copies of the last: 11 bytes double the name (2**40 characters)."""
+    levels = 40
+    bomb = b"\x80\x02cpathlib\nPurePosixPath\nq\x00h\x00X\x0a\x00\x00\x00aaaaaaaaaa\x85Rq\x01"
+    for level in range(1, levels):
+        bomb += b"h\x00h" + bytes([level]) + b"h" + bytes([level]) + b"\x86Rq" + bytes([level + 1])
+    bomb += b"."
+    assert len(bomb) < 500
+    path = _dcp_dir(tmp_path, "paths", bomb)
+    _refused_fast_in_one_line(path, r"a PurePosixPath built from \(PurePosixPath\('aaaaaaaaaa'\), .*plain strings",
+                              capsys, tmp_path, {"w": torch.zeros(4)})
+
+
+@pytest.mark.timeout(60)
+def test_an_error_about_shared_references_prints_a_bounded_line(tmp_path, capsys):
+    """A dtype field holding a list shared 2**24 times over (repr: ~400 MB) from a few hundred bytes."""
+    shared = ["x" * 16]
+    for _ in range(24):
+        shared = [shared, shared]
+    md = dcp_md.TensorStorageMetadata(dcp_md.TensorProperties(dtype=shared), (4,), [dcp_md.ChunkStorageMetadata((0,), (4,))])
+    metadata = _metadata((4,), md=md)
+    assert len(metadata) < 2000
+    path = _dcp_dir(tmp_path, "reprs", metadata)
+    _refused_fast_in_one_line(path, r"'w' has no dense tensor dtype \(TensorProperties\(dtype=\[\[<a list>, <a list>\], .*\(5 in all\)\)\)$",
+                              capsys, tmp_path, {"w": torch.zeros(4)})
+
+
+def _zip_record(pickled: bytes) -> bytes:
+    buffer = io.BytesIO()
+    with zipfile.ZipFile(buffer, "w") as archive:
+        archive.writestr("archive/data.pkl", pickled)
+    return buffer.getvalue()
+
+
+@pytest.mark.timeout(60)
+def test_a_data_pkl_declaring_gigabytes_is_refused_before_allocating_them(tmp_path, capsys):
+    pickled = b"\x80\x05\x96" + struct.pack("<Q", 1 << 31) + b"."  # BYTEARRAY8 of 2 GiB, 12 bytes
+    path = _value_dcp_dir(tmp_path, "bytearray", _zip_record(pickled))
+    tracemalloc.start()
+    try:
+        with pytest.raises(hdcp.CheckpointError, match=r"data.pkl: the opcode at byte 2 declares 2147483648 bytes"):
+            hdcp.load({"v": 0}, checkpoint_id=path, no_dist=True, verify=False)
+        assert tracemalloc.get_traced_memory()[1] < 16 << 20
+    finally:
+        tracemalloc.stop()
+    _refused_fast_in_one_line(path, "2147483648 bytes", capsys, tmp_path, {"v": 0})
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("depth", [20, 60])
+def test_a_billion_laughs_value_is_refused_not_expanded(tmp_path, capsys, depth):
+    laughs = "ha"
+    for _ in range(depth):
+        laughs = [laughs, laughs]
+    record = _record(laughs)
+    assert len(record) < 2000
+    path = _value_dcp_dir(tmp_path, f"laughs{depth}", record)
+    _refused_fast_in_one_line(path, r"value 'v' in .* would be more than 16x its \d+-byte pickle written out",
+                              capsys, tmp_path, {"v": 0})
+
+
+def test_a_plain_value_with_a_shared_string_still_imports(tmp_path):
+    name = "layers.0.attention.wq.weight"
+    path = _value_dcp_dir(tmp_path, "shared", _record({"params": [name] * 3, "betas": [0.9, 0.95]}))
+    assert main(["import-dcp", path, str(tmp_path / "out")]) == 0
+    state = {"v": None}
+    hdcp.load(state, checkpoint_id=str(tmp_path / "out"), no_dist=True)
+    assert state["v"] == {"params": [name] * 3, "betas": [0.9, 0.95]}

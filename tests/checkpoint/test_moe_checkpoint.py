@@ -206,3 +206,14 @@ def test_an_ep2_checkpoint_exports_to_transformers_with_the_same_logits(source, 
         ours, theirs = model(tokens), hf(tokens).logits
     # transformers takes the router's softmax and the rotary tables in float32: float32 agreement
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
+
+
+def test_a_moe_layout_mismatch_names_the_first_keys_not_every_one():
+    """A model of 40 MoE blocks without the checkpoint's shared experts differs in 120 keys:
+    the error names the first few and the count, in a bounded line."""
+    saved = hdcp.get_model_state_dict(build_moe("moe_debug", n_layers=40, shared_experts=1))
+    with pytest.raises(KeyError) as raised:
+        hdcp.set_model_state_dict(build_moe("moe_debug", n_layers=40), saved)
+    message = str(raised.value)
+    assert "unexpected keys ['layers.0.moe.shared_expert.w1.weight', " in message, message
+    assert "(120 in all)" in message and len(message) < 1000, message

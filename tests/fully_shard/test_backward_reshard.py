@@ -1,7 +1,8 @@
 """Backward frees a module's unsharded parameters before the next module's backward
 prefetch: its reshard runs in an autograd node on its inputs, which the engine runs before
 the gradient reaches the hooks of the previous module's outputs (the same tensors). At most
-two blocks are unsharded when a backward all-gather is issued, as with FSDP2."""
+two blocks are unsharded when a backward all-gather is issued, as with FSDP2. Backward
+prefetches follow the reverse post-forward order, also with groups nested in groups."""
 
 from __future__ import annotations
 
@@ -48,8 +49,9 @@ def _unsharded_at_backward_prefetch():
         lm_loss(model, tokens).backward()
     finally:
         HSDPParamGroup.unshard = unshard
-    # Block k is prefetched in block k+1's pre-backward: block k+2 is resharded by then.
-    expected = [(k, [k + 1]) for k in reversed(range(N_LAYERS - 1))]
+    # Block k is prefetched in block k+1's pre-backward (the last block in the root's): block
+    # k+2 is resharded by then.
+    expected = [(k, [k + 1] if k + 1 < N_LAYERS else []) for k in reversed(range(N_LAYERS))]
     assert seen == expected, seen
     grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
     lm_loss(reference, global_batch(0)).backward()
@@ -60,6 +62,75 @@ def _unsharded_at_backward_prefetch():
 
 def test_block_resharded_before_the_previous_blocks_prefetch():
     assert all(run_on_ranks(2, _unsharded_at_backward_prefetch, timeout=120))
+
+
+class _NestedBlock(torch.nn.Module):
+    """A block with an inner module sharded on its own (as the experts inside an MoE block)."""
+
+    def __init__(self, dim: int):
+        super().__init__()
+        self.attention, self.experts, self.out = (torch.nn.Linear(dim, dim) for _ in range(3))
+
+    def forward(self, x):
+        h = torch.tanh(self.attention(x))
+        return x + self.out(torch.tanh(self.experts(h)))
+
+
+class _NestedModel(torch.nn.Module):
+    def __init__(self, dim: int = 8, n_blocks: int = 3):
+        super().__init__()
+        self.inp, self.head = torch.nn.Linear(dim, dim), torch.nn.Linear(dim, 1)
+        self.blocks = torch.nn.ModuleList(_NestedBlock(dim) for _ in range(n_blocks))
+
+    def forward(self, x):
+        x = self.inp(x)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).square().mean()
+
+
+def _backward_gathers_of_nested_groups():
+    torch.manual_seed(0)
+    reference = _NestedModel().to(torch.float64)
+    model = _NestedModel().to(torch.float64)
+    model.load_state_dict(reference.state_dict())
+    for block in model.blocks:
+        hp.fully_shard(block.experts)
+        hp.fully_shard(block)
+    hp.fully_shard(model)
+    rank, world = dist.get_rank(), dist.get_world_size()
+    inputs = torch.randn(world * 2, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    model(inputs.chunk(world)[rank]).backward()  # a first step: no order carries over from it
+    model.zero_grad()
+
+    gathers: List[tuple] = []  # (kind, group) of each all-gather issued in backward
+    unshard = HSDPParamGroup.unshard
+
+    def record(group, async_op=False, ordered=False):
+        if current_graph_task_id() != -1 and group.state in (ShardState.SHARDED, ShardState.SHARDED_POST_FORWARD):
+            gathers.append(("prefetch" if async_op else "synchronous", group.module_fqn))
+        return unshard(group, async_op=async_op, ordered=ordered)
+
+    HSDPParamGroup.unshard = record
+    try:
+        model(inputs.chunk(world)[rank]).backward()
+    finally:
+        HSDPParamGroup.unshard = unshard
+    ours = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    (sum(reference(chunk) for chunk in inputs.chunk(world)) / world).backward()
+    diff = max((ours[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
+    return gathers, diff
+
+
+def test_backward_prefetch_follows_the_post_forward_order_of_nested_groups():
+    """Experts sharded inside each block: post-forward order b0.experts, b0, b1.experts, b1, ...
+    Every backward all-gather is a prefetch (the last block's by the root), each issued one
+    group ahead in reverse post-forward order: none waits synchronously, and no experts group
+    is gathered a block early."""
+    expected = [("prefetch", name) for k in reversed(range(3)) for name in (f"blocks.{k}", f"blocks.{k}.experts")]
+    for gathers, diff in run_on_ranks(2, _backward_gathers_of_nested_groups, timeout=120):
+        assert gathers == expected, gathers
+        assert diff < 1e-12, diff
 
 
 class _ScalesItsInput(torch.nn.Module):

@@ -1,4 +1,5 @@
-"""HSDP (2x2), FSDP with empty shards, and FSDP+TP (dp=2 x tp=2) on 4 gloo ranks."""
+"""HSDP (2x2), FSDP with empty shards, FSDP+TP (dp=2 x tp=2) and the creation of fully_shard's own
+process groups, on 4 gloo ranks."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import collectives
+from hyper_parallel.core.fully_shard import mesh as fully_shard_mesh
 from tests.fully_shard._helpers import (DTYPE, TOL, full_params, global_batch, lm_loss, max_diff, parity,
                                         shard_layers_and_root, tiny_llama, train)
 from tests.multirank import run_on_ranks
@@ -107,6 +109,49 @@ def _reshard_to_smaller_group():
 def test_reshard_after_forward_to_smaller_group():
     for diff in run_on_ranks(4, _reshard_to_smaller_group, timeout=180):
         assert diff <= TOL, diff
+
+
+def _groups_created_by_every_rank():
+    """A layer on the world mesh with reshard_after_forward=2 and one on a mesh over 2 of the 4
+    ranks, with separate reduce-scatter groups: the new groups' ranks and whether they were
+    created by their members only; the gradients' difference from one process."""
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 6), nn.Tanh(), nn.Linear(6, 1)).to(DTYPE)
+    model = copy.deepcopy(reference)
+    pairs = hp.init_device_mesh("cpu", (2, 2), mesh_dim_names=("other", "pair"))["pair"]  # {0, 1} or {2, 3}
+    created = []
+    new_group = dist.distributed_c10d._new_group_with_tag
+
+    def recording(ranks=None, *args, use_local_synchronization=False, **kwargs):
+        created.append((sorted(ranks), use_local_synchronization))
+        return new_group(ranks, *args, use_local_synchronization=use_local_synchronization, **kwargs)
+
+    # (with the groups an earlier test of this rank pool created forgotten)
+    with mock.patch.object(dist.distributed_c10d, "_new_group_with_tag", recording), \
+            mock.patch.dict(fully_shard_mesh._SUBGROUPS, clear=True):
+        hp.fully_shard(model[0], reshard_after_forward=2)
+        hp.fully_shard(model[2], mesh=pairs)
+        hp.fully_shard(model)
+        model.set_separate_reduce_scatter_group()
+    # the pairs hold the two halves of the batch: every group averages the same gradients
+    batch = torch.randn(4, 6, dtype=DTYPE, generator=torch.Generator().manual_seed(1))
+    model(batch.chunk(2)[rank % 2]).square().mean().backward()
+    reference(batch).square().mean().backward()
+    grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+    return created, max((grads[n] - p.grad).abs().max().item() for n, p in reference.named_parameters())
+
+
+def test_groups_are_created_by_every_rank_of_the_world():
+    """Post-forward groups (reshard_after_forward=<int>) and separate reduce-scatter groups, also
+    of a mesh covering part of the world: every rank creates every group (torch's new_group
+    contract), none by its members only (a hang with an eagerly initialised NCCL world)."""
+    expected = sorted([([0, 1], False), ([2, 3], False),  # reshard_after_forward=2 on 4 ranks
+                       ([0, 1], False), ([2, 3], False),  # separate reduce-scatter of the pairs' meshes
+                       ([0, 1, 2, 3], False)])  # ... and of the world mesh
+    for created, diff in run_on_ranks(4, _groups_created_by_every_rank, timeout=120):
+        assert sorted(created) == expected, created
+        assert diff < TOL, diff
 
 
 @pytest.mark.parametrize("variant", HSDP_VARIANTS)

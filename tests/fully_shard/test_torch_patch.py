@@ -100,16 +100,81 @@ def test_torchtitan_style_loop_with_dcp_matches_torch(tmp_path):
 
 def test_patch_replaces_every_export_and_undoes():
     originals = {(m.__name__, n): vars(m)[n] for m in fsdp2_export_modules() for n in REPLACEMENTS if n in vars(m)}
+    from torch.distributed.fsdp._fully_shard import _fully_shard as torch_internals
+
+    internals = dict(vars(torch_internals))
     with hp.patch_torch_fsdp() as patch:
         for module_name, name in originals:
             assert getattr(importlib.import_module(module_name), name) is REPLACEMENTS[name], (module_name, name)
         from torch.distributed.fsdp import fully_shard
         assert fully_shard is hp.fully_shard
+        # torch's functions read these globals when they run: never patched
+        assert all(vars(torch_internals)[name] is value for name, value in internals.items() if name in REPLACEMENTS)
     assert not patch.active
     for (module_name, name), value in originals.items():
         assert getattr(importlib.import_module(module_name), name) is value, (module_name, name)
-    assert {"torch.distributed.fsdp", "torch.distributed.fsdp._fully_shard",
-            "torch.distributed.fsdp._fully_shard._fully_shard"} <= {m for m, _ in originals}
+    assert {"torch.distributed.fsdp", "torch.distributed._composable.fsdp"} <= {m for m, _ in originals}
+
+
+def test_nested_patches_undone_in_any_order_restore_torch():
+    from torch.distributed import fsdp
+
+    torch_values = {name: getattr(fsdp, name) for name in REPLACEMENTS}
+    first, second = hp.patch_torch_fsdp(), hp.patch_torch_fsdp()
+    first.undo()  # in creation order: the second patch still holds
+    assert second.active and not first.active
+    assert all(getattr(fsdp, name) is ours for name, ours in REPLACEMENTS.items())
+    second.undo()
+    assert all(getattr(fsdp, name) is value for name, value in torch_values.items())
+    with hp.patch_torch_fsdp(), hp.patch_torch_fsdp():  # and in reverse order
+        assert fsdp.fully_shard is hp.fully_shard
+    assert all(getattr(fsdp, name) is value for name, value in torch_values.items())
+
+
+def test_patch_after_a_client_bound_torchs_fully_shard_is_refused(monkeypatch):
+    import sys
+    import types
+
+    from torch.distributed import fsdp
+
+    client = types.ModuleType("my_trainer")
+    client.fully_shard = fsdp.fully_shard  # `from torch.distributed.fsdp import fully_shard` at its import
+    monkeypatch.setitem(sys.modules, "my_trainer", client)
+    with pytest.raises(RuntimeError, match=r"after my_trainer imported torch's fully_shard.*before importing it"):
+        hp.patch_torch_fsdp()
+    assert fsdp.fully_shard is client.fully_shard  # nothing patched
+
+
+def _torch_fully_shard_bound_before_the_patch():
+    """A program bound torch's fully_shard, then patched: torch's still wraps and its recursive
+    setters reach every module it wrapped; ours refuses a module torch's wrapped."""
+    from torch.distributed.fsdp import fully_shard as bound_before
+
+    torch.manual_seed(0)
+    model = tiny_llama()
+    with hp.patch_torch_fsdp():
+        for block in model.layers.values():
+            bound_before(block)
+        bound_before(model)
+        model.set_requires_gradient_sync(False)
+        synced = [block._get_fsdp_state()._fsdp_param_group.reduce_grads for block in model.layers.values()]
+        refusals = []
+        for target in (tiny_llama(), model.layers["0"]):
+            if target is not model.layers["0"]:
+                bound_before(target.layers["0"])
+            try:
+                hp.fully_shard(target)
+            except ValueError as err:
+                refusals.append(str(err))
+    return synced, refusals
+
+
+def test_torchs_fully_shard_bound_before_the_patch_still_works():
+    for synced, refusals in run_on_ranks(2, _torch_fully_shard_bound_before_the_patch, timeout=120):
+        assert synced == [False, False], synced  # the setter reached torch's wrapped blocks
+        assert len(refusals) == 2, refusals
+        assert "cannot wrap submodule 'layers.0' (FSDPTransformerBlock): torch's fully_shard" in refusals[0]
+        assert "cannot wrap this module (FSDPTransformerBlock): torch's fully_shard" in refusals[1]
 
 
 # -- accelerate's FSDP2 plugin ------------------------------------------------------------------

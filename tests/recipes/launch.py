@@ -145,12 +145,23 @@ def _ppid(pid: int) -> int:
         return int(f.read().rsplit(")", 1)[1].split()[1])
 
 
-def read_metrics(output_dir: str) -> List[dict]:
+def read_records(output_dir: str) -> List[dict]:
+    """Every row of ``metrics.jsonl``: the steps and the events (``"event"``: e.g. a recovery)."""
     path = os.path.join(output_dir, "metrics.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def read_metrics(output_dir: str) -> List[dict]:
+    """The steps' rows of ``metrics.jsonl``."""
+    return [r for r in read_records(output_dir) if "event" not in r]
+
+
+def read_events(output_dir: str) -> List[dict]:
+    """The events' rows of ``metrics.jsonl``."""
+    return [r for r in read_records(output_dir) if "event" in r]
 
 
 def last_loss_per_step(output_dir: str) -> Dict[int, float]:

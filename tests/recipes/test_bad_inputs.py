@@ -15,7 +15,7 @@ from hyper_parallel.checkpoint import save
 from hyper_parallel.trainer import compose_config, validate_config
 from hyper_parallel.trainer import preflight
 from hyper_parallel.trainer.config.schema import DATA_KEYS as DATA_SCHEMA
-from tests.recipes.train_in_process import one_line_error
+from tests.recipes.train_in_process import one_line_error, recipe
 
 GIB = 1024**3
 
@@ -168,3 +168,36 @@ def test_float8_on_a_model_with_float8_layers_passes(check):
     pytest.importorskip("torchao.float8", reason="torchao is not installed")
     code, _, err = check("training.float8=true", "training.float8_recipe=rowwise")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    # every rank crashed after step 1 before
+    (["model.moe.first_k_dense=2", "model.ffn_hidden_dim=64"],
+     "model.moe.first_k_dense=2 leaves no MoE block of the model.n_layers=2: it must be less than n_layers"),
+    # trained on before: one update overrode every choice of the router
+    (["model.moe.expert_bias_update_rate=1e30"], "model.moe.expert_bias_update_rate=1e+30 must be a finite number "
+                                                 "in [0, 0.5)"),
+    (["model.moe.expert_bias_update_rate=0.5"], "model.moe.expert_bias_update_rate=0.5 must be a finite number"),
+    # diverged at step 1 with a message blaming optim.lr before
+    (["model.moe.aux_loss_weight=1e300"], "model.moe.aux_loss_weight=1e+300 must be a finite number in [0, 1]"),
+])
+def test_absurd_moe_settings_are_refused(check, overrides, expected):
+    one_line_error(*check("model=moe_debug", *overrides)[::2], expected)
+
+
+def test_check_takes_the_world_size_as_an_option(tmp_path, monkeypatch, capsys):
+    """A multi-rank layout is checked without setting WORLD_SIZE by hand."""
+    for name in ("WORLD_SIZE", "LOCAL_WORLD_SIZE", "RANK"):
+        monkeypatch.delenv(name, raising=False)
+    out = f"output_dir={tmp_path / 'out'}"
+    layout = ["parallel.dp_replicate=2", "parallel.dp_shard=2"]
+    assert recipe.main(["--check", out, *layout]) == 2  # 1 rank from the environment: the layout needs 4
+    assert "world" in capsys.readouterr().err
+    assert recipe.main(["--check", "--world-size", "4", "--ranks-per-node=2", out, *layout]) == 0
+    assert capsys.readouterr().out.strip() == "config OK for 4 rank(s)"
+    code = recipe.main(["--check", "--world-size=8", out, *layout])
+    one_line_error(code, capsys.readouterr().err, "8")
+    code = recipe.main(["--check", "--world-size", "0", out])
+    one_line_error(code, capsys.readouterr().err, "--world-size takes a positive number of ranks, not '0'")
+    code = recipe.main(["--world-size", "4", out])
+    one_line_error(code, capsys.readouterr().err, "only go with --check")

@@ -149,7 +149,7 @@ def test_hf_names_and_config_follow_transformers_llama():
     assert hf_llama.to_hf("output.weight", torch.zeros(1), cfg) is None  # tied: transformers ties it
     config = hf_llama.hf_config(cfg, torch.bfloat16)
     assert config["model_type"] == "llama" and config["num_key_value_heads"] == 2
-    assert config["intermediate_size"] == cfg.ffn_hidden_dim and config["torch_dtype"] == "bfloat16"
+    assert config["intermediate_size"] == cfg.ffn_hidden_dim and config["dtype"] == config["torch_dtype"] == "bfloat16"
 
 
 def test_new_keys_are_validated():

@@ -76,9 +76,10 @@ def _assert_close(expected: Dict[int, float], actual: Dict[int, float]) -> None:
 
 
 # name: (world size, overrides)
-RUNS = {"cp1": (1, []), "dp2": (2, []), "cp2": (2, CP2),
-        "hsdp2_cp2_allgather_ac_accum": (4, [*CP2, "parallel.dp_replicate=2", "parallel.cp_rotate=allgather",
-                                             "model.activation_checkpointing=true", "training.grad_accum_steps=2"]),
+RUNS = {"cp1": (1, []), "dp2_loss_chunks4": (2, ["training.loss_chunks=4"]), "cp2": (2, CP2),
+        "hsdp2_cp2_allgather_ac_accum_loss_chunks3": (4, [*CP2, "parallel.dp_replicate=2", "parallel.cp_rotate=allgather",
+                                                          "model.activation_checkpointing=true",
+                                                          "training.grad_accum_steps=2", "training.loss_chunks=3"]),
         "cp2_tp2": (4, [*CP2, "parallel.tp=2"]), "pp2_cp2": (4, [*CP2, "parallel.pp=2"]),
         "cp4": (4, ["parallel.cp=4"])}
 
@@ -95,11 +96,12 @@ def runs(tmp_path_factory):
 def test_cp2_trains_and_evaluates_like_cp1_and_dp2(runs):
     """The same losses, gradient norms and validation losses at every step, whatever the CP
     degree and rotation, also with HSDP over two data-parallel ranks x CP2, activation
-    checkpointing and gradient accumulation."""
+    checkpointing and gradient accumulation, and with the loss in chunks (training.loss_chunks,
+    training and evaluation; 3 does not divide a CP rank's 8 tokens)."""
     curves = {name: _curves(str(runs / name)) for name in RUNS}
     expected = curves["cp1"]
     assert len(expected["loss"]) == 4 and sorted(expected["val_loss"]) == [2, 4], expected
-    for name in ("dp2", "cp2", "hsdp2_cp2_allgather_ac_accum", "cp4"):
+    for name in ("dp2_loss_chunks4", "cp2", "hsdp2_cp2_allgather_ac_accum_loss_chunks3", "cp4"):
         for key in expected:
             _assert_close(expected[key], curves[name][key])
     assert '"mesh": {"shard": 1, "cp": 2}' in (runs / "cp2" / "metrics.jsonl").read_text()
@@ -143,6 +145,9 @@ def test_startup_line_names_the_mesh_with_cp_also_with_tp_or_pp():
      "training.seq_len=12 / parallel.cp=2 = 6 tokens per CP rank is not divisible by parallel.tp=4"),
     (2, ["parallel.cp=3", "training.seq_len=60"], "parallel.cp=3 does not divide the world size 2"),
     (2, ["parallel.cp_rotate=zigzag"], "parallel.cp_rotate"),
+    (2, ["parallel.cp=1", "parallel.cp_rotate=allgather"], "parallel.cp_rotate=allgather needs parallel.cp > 1"),
+    (4, ["parallel.tp=2", "training.loss_chunks=2"], "training.loss_chunks=2 with parallel.tp>1 is not supported yet"),
+    (2, ["training.seq_len=16", "training.loss_chunks=9"], "training.loss_chunks=9 exceeds the 8 tokens of each"),
 ])
 def test_impossible_cp_settings_are_refused_in_one_line(check, monkeypatch, world, overrides, expected):
     monkeypatch.setenv("WORLD_SIZE", str(world))
@@ -190,3 +195,23 @@ def test_a_cp4_checkpoint_resumes_on_cp_x_tp_and_pp_x_cp_on_the_uninterrupted_cu
     uninterrupted losses."""
     metrics = _assert_resumes_on_the_cp1_curve(runs, tmp_path, 4, f"{runs}/cp4/checkpoints/step-2", overrides)
     assert f'"mesh": {mesh}' in metrics
+
+
+def test_every_command_of_the_long_context_docs_validates_on_its_ranks():
+    """docs/recipes.md's long-context commands (the 128k one included) pass the pre-start check
+    on the number of ranks they name."""
+    import re
+    import shlex
+
+    from tests.recipes.launch import REPO
+
+    with open(os.path.join(REPO, "docs", "recipes.md")) as f:
+        section = f.read().split("## Long context (context parallelism)", 1)[1].split("\n## ", 1)[0]
+    commands = [line for block in re.findall(r"```bash\n(.*?)```", section, re.S)
+                for line in block.replace("\\\n", " ").strip().splitlines()]
+    assert len(commands) >= 5, commands
+    for command in commands:
+        words = shlex.split(command, comments=True)
+        ranks = int(next(w for w in words if w.startswith("--nproc_per_node=")).split("=")[1])
+        config = validate_config(compose_config(words[words.index("recipes/train.py") + 1:]), ranks)
+        assert config.dims.cp > 1, command

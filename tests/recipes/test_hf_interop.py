@@ -17,6 +17,7 @@ from hyper_parallel.data import prepare_tokens
 from hyper_parallel.models import hf_llama
 from hyper_parallel.models.llama import LlamaConfig, RopeScaling, Transformer
 from hyper_parallel.trainer import compose_config
+from hyper_parallel.trainer.config import typed_config
 from hyper_parallel.trainer.config import ConfigError, llama_config
 from hyper_parallel.trainer.parallelize import build_model
 from tests.recipes.corpus import MODEL_VOCAB, make_corpus
@@ -198,3 +199,58 @@ def test_the_export_replaces_planted_symlinks_instead_of_writing_through_them(tm
     for name, victim in victims.items():
         assert victim.read_text() == "precious", name
         assert not os.path.islink(out / name) and (out / name).stat().st_size > 0, name
+
+
+# A mixture of experts (model=moe_debug) in transformers' Qwen3-MoE layout: export and init_from.
+MOE = ["model=moe_debug", "training.seq_len=32", "training.global_batch_size=8", "optim.lr=1e-2",
+       "optim.warmup_steps=1", "logging.log_every=1", "checkpoint.interval=100"]
+
+
+def _moe_run_folder(root, dtype):
+    """A run's output folder of ``model=moe_debug``: config.yaml and a ``dtype`` checkpoint at step 1."""
+    from hyper_parallel.models.moe import MoETransformer
+    from hyper_parallel.trainer.config.schema import model_config
+
+    cfg = compose_config([*MOE, f"output_dir={root}/run"])
+    os.makedirs(f"{root}/run")
+    OmegaConf.save(cfg, f"{root}/run/config.yaml")
+    model = MoETransformer(model_config(typed_config(cfg).model))
+    model.init_weights(seed=4)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:  # far from 1, so that a permuted q/k norm shows in the logits
+                param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(len(name))))
+    save({"model": {k: v.to(dtype) for k, v in model.state_dict().items()}},
+         checkpoint_id=f"{root}/run/checkpoints/step-1", no_dist=True)
+    return model.to(dtype).eval(), f"{root}/run/checkpoints"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_moe_run_exports_to_transformers_qwen3_moe_with_the_same_logits(tmp_path, dtype):
+    transformers = pytest.importorskip("transformers")
+    ours, checkpoints = _moe_run_folder(tmp_path, dtype)
+    out = tmp_path / "hf"
+    assert script_main("export_hf")([checkpoints, str(out)]) == 0
+    config = json.loads((out / "config.json").read_text())
+    name = {torch.float32: "float32", torch.bfloat16: "bfloat16"}[dtype]
+    assert config["model_type"] == "qwen3_moe" and config["dtype"] == config["torch_dtype"] == name
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True).eval()
+    assert type(hf).__name__ == "Qwen3MoeForCausalLM" and {p.dtype for p in hf.parameters()} == {dtype}
+    tokens = torch.randint(0, 256, (2, 32), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected, actual = ours(tokens).float(), hf(tokens).logits.float()
+    tolerance = 1e-5 if dtype == torch.float32 else 5e-2  # bf16: both round each matmul's output
+    torch.testing.assert_close(actual, expected, rtol=tolerance, atol=tolerance)
+
+
+def test_an_moe_export_refuses_what_qwen3_moe_cannot_hold_and_the_native_format(tmp_path, capsys):
+    _, checkpoints = _moe_run_folder(tmp_path, torch.float32)
+    assert script_main("export_hf")([checkpoints, str(tmp_path / "native"), "--format", "native"]) == 1
+    assert "--format native covers the Llama model only" in capsys.readouterr().err
+    config = OmegaConf.load(tmp_path / "run" / "config.yaml")
+    config.model.moe.shared_experts = 1
+    OmegaConf.save(config, tmp_path / "shared.yaml")
+    assert script_main("export_hf")([checkpoints, str(tmp_path / "hf"), "--config", str(tmp_path / "shared.yaml")]) == 1
+    err = capsys.readouterr().err
+    assert err.strip() == "error: transformers' Qwen3-MoE has no equivalent of shared_experts=1", err
+    assert not (tmp_path / "hf").exists()

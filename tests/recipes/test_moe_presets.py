@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import pytest
 
-from hyper_parallel.models.moe import MOE_CONFIGS, MoEConfig
+from hyper_parallel.models.moe import MOE_CONFIGS, MoEConfig, param_counts
 from hyper_parallel.trainer import compose_config, validate_config
 from hyper_parallel.trainer.config.schema import model_config
+from hyper_parallel.trainer.preflight import estimate_memory
 
 
 @pytest.mark.parametrize("name", sorted(MOE_CONFIGS))
@@ -24,3 +25,5 @@ def test_each_moe_preset_is_the_named_model_size(name):
 def test_recommended_layouts_validate(name, world, overrides):
     valid = validate_config(compose_config([f"model={name}", "training.seq_len=4096", *overrides]), world)
     assert valid.cfg.parallel.ep == 8 and valid.dims.world_size == world
+    # the pre-start check's count is the model's (dense first blocks counted as dense): 15.67B, 30.53B
+    assert estimate_memory(valid.cfg, valid.dims).parameters == param_counts(MoEConfig(**MOE_CONFIGS[name])).total

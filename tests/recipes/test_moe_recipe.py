@@ -8,6 +8,7 @@ import sys
 from typing import List
 
 import pytest
+import torch
 import torch.distributed as dist
 
 from hyper_parallel.platform import get_platform
@@ -70,11 +71,47 @@ def test_expert_parallel_ep2_matches_ep1(tmp_path):
     ("model.moe.top_k=9", "model.moe: top_k=9 is more than num_experts=8"),
     ("model.moe.first_k_dense=1", "model.moe: first_k_dense=1 dense blocks need ffn_hidden_dim > 0"),
     ("parallel.tp=2", "parallel.tp=2 with model.moe is not supported yet"),
-    ("model.init_from=/x", "model.init_from=/x is not supported with model.moe"),
+    ("model.init_from=/x model.moe.router_bias=true",
+     "model.init_from=/x: transformers' Qwen3-MoE has no equivalent of router_bias=True"),
 ])
 def test_moe_config_refusals(override, message):
     with pytest.raises(ConfigError, match=re.escape(message)):
         validate_config(compose_config([*MOE, *override.split()]), 2)
+
+
+# The Qwen3-MoE config of model=moe_debug's shape (transformers' names).
+QWEN3_MOE_DEBUG = dict(vocab_size=256, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                       num_key_value_heads=2, head_dim=8, num_experts=8, num_experts_per_tok=2,
+                       moe_intermediate_size=64, intermediate_size=128, norm_topk_prob=True,
+                       max_position_embeddings=256, rms_norm_eps=1e-6)
+
+
+def _qwen3_moe_dir(path):
+    """A random transformers Qwen3MoeForCausalLM of moe_debug's shape, saved with save_pretrained;
+    the norms far from 1 so that a permutation or name mix-up shows."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    hf = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**QWEN3_MOE_DEBUG))
+    with torch.no_grad():
+        for param in hf.parameters():
+            param.copy_(torch.randn(param.shape) * (0.2 if param.ndim > 1 else 1.0))
+    hf.save_pretrained(path)
+    return hf.eval()
+
+
+def test_init_from_a_transformers_qwen3_moe_directory_under_pp2_ep2_starts_at_its_loss(tmp_path):
+    # 4 ranks: 2 stages of one block, each stage's experts over ep=2; every rank reads its own
+    # stage's tensors (of its experts) and the ranks plan the load together.
+    from hyper_parallel.trainer.config import typed_config
+    from hyper_parallel.trainer.loop import build_loader
+
+    hf = _qwen3_moe_dir(tmp_path / "hf")
+    overrides = [f"output_dir={tmp_path / 'run'}", "training.steps=1", f"model.init_from={tmp_path / 'hf'}"]
+    run_on_ranks(4, _train, [*overrides, "parallel.pp=2", "parallel.pp_microbatches=2", "parallel.ep=2"], timeout=180)
+    batch = build_loader(typed_config(compose_config([*MOE, *overrides])), 256, dp_rank=0, dp_size=1).next_batch()
+    with torch.no_grad():
+        expected = hf(batch, labels=batch).loss.item()  # transformers' own loss (it shifts the labels)
+    assert read_metrics(str(tmp_path / "run"))[0]["loss"] == pytest.approx(expected, rel=1e-5)
 
 
 def test_llama_only_tools_refuse_an_moe_model():

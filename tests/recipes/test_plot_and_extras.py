@@ -111,6 +111,43 @@ def test_runs_keep_one_colour_restarts_and_world_size_changes_are_marked(tmp_pat
     assert "GiB per rank" in ylabels
 
 
+def test_an_moe_run_gets_an_expert_load_panel_and_the_aux_loss_on_its_own_axis(tmp_path, capsys):
+    from matplotlib.figure import Figure
+
+    from hyper_parallel.trainer.metrics import moe_record
+
+    plot_metrics = script_module("plot_metrics")
+    # What the MoE recipe writes: 2 blocks of 4 experts over 1 rank, block 1 the busier one.
+    records = [_plot_record(s, **moe_record([0.1 / s, 3, 3, 3, 3, 3 + s, 3 - s, 3, 3], loss_ranks=1, num_experts=4))
+               for s in range(1, 4)]
+    run = _write(tmp_path / "moe.jsonl", records)
+    fig = Figure()
+    plot_metrics.draw({"moe": plot_metrics.read_run(run), "dense": plot_metrics.read_run(
+        _write(tmp_path / "dense.jsonl", [_plot_record(s) for s in range(1, 4)]))}, fig)
+    panels = {ax.get_title(): ax for ax in fig.axes if ax.get_title()}
+    assert list(panels)[-2:] == ["expert load (MoE)", "load-balancing loss (MoE)"]
+
+    def lines(title):
+        return {line.get_label(): line for line in panels[title].get_lines()}
+
+    load = lines("expert load (MoE)")
+    assert list(load["moe: worst block"].get_ydata()) == [r["expert_load"] for r in records]
+    assert [r["expert_load"] for r in records] == pytest.approx([4 / 3, 5 / 3, 2])
+    blocks = [line for line in panels["expert load (MoE)"].get_lines() if line.get_linewidth() == 0.6]
+    assert [list(line.get_ydata()) for line in blocks] == [[1.0] * 3, [r["expert_load"] for r in records]]
+    assert "balanced" in load and "moe: each MoE block" in load
+    aux = lines("load-balancing loss (MoE)")
+    assert list(aux["moe: aux loss"].get_ydata()) == pytest.approx([0.1, 0.05, 0.1 / 3])
+    assert "dense: aux loss" not in aux
+    assert not any("aux" in label for label in lines("loss"))  # not on the loss's log axis
+    fig = Figure()
+    plot_metrics.draw({"dense": plot_metrics.read_run(tmp_path / "dense.jsonl")}, fig)
+    assert "expert load (MoE)" not in [ax.get_title() for ax in fig.axes]  # a dense run: the four panels
+    bad = _write(tmp_path / "bad.jsonl", [_plot_record(1, expert_load_per_block=[1.0, "x"])])
+    code, err = _main(capsys, bad, "--out", str(tmp_path / "p.png"))
+    assert code == 1 and err == f"error: {bad}:1: expert_load_per_block=[1.0, 'x'] is not a list of finite numbers >= 0"
+
+
 @pytest.mark.parametrize("package", sorted(EXTRAS))
 def test_every_optional_package_names_its_extra(monkeypatch, package):
     monkeypatch.setitem(sys.modules, package, None)  # import of it fails as if not installed

@@ -74,3 +74,18 @@ def test_check_accepts_an_s3_folder_and_names_a_missing_bucket(check, s3_bucket,
     manager.close()
     code, _, err = check(f"checkpoint.folder={s3_bucket['url']}/run", "checkpoint.resume=false")
     one_line_error(code, err, f"checkpoint.folder={s3_bucket['url']}/run holds checkpoints of an earlier run (step-5)")
+
+
+@pytest.mark.parametrize("source, expected", [
+    ("s3://AKIAEXAMPLE:SECRETKEY@bucket/run", "holds credentials"),
+    ("s3://AKIAEXAMPLE%3ASECRETKEY%40bucket/run", "holds credentials"),
+    ("' s3://bucket/run'", "has leading or trailing whitespace"),
+    ("simplecache::s3://bucket/run", "chains file systems"),
+])
+def test_check_refuses_a_load_from_the_stores_refuse_in_one_line(check, tmp_path, monkeypatch, source, expected):
+    """``--check`` reads ``checkpoint.load_from`` too: its refused forms are one line before
+    the run, not a traceback after start-up."""
+    monkeypatch.chdir(tmp_path)
+    code, _, err = check(f"checkpoint.folder={tmp_path / 'ck'}", f"checkpoint.load_from={source}")
+    one_line_error(code, err, "checkpoint.load_from: ")
+    assert expected in err and "SECRETKEY" not in err, err

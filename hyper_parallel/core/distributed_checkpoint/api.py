@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -14,6 +15,7 @@ from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata
 from hyper_parallel.core.distributed_checkpoint.host_memory.background import AsyncSaveFuture, AsyncSaver, optimizers_in
 from hyper_parallel.core.distributed_checkpoint.host_memory.staging_buffers import StagingBuffers
 from hyper_parallel.core.distributed_checkpoint.host_memory.snapshot import StagedSave
+from hyper_parallel.core.distributed_checkpoint.object_store.store import unreachable_named
 from hyper_parallel.core.distributed_checkpoint.planner import LoadPlanner, SavePlan, SavePlanner
 from hyper_parallel.core.distributed_checkpoint.planning.collectives import DistWrapper
 from hyper_parallel.core.distributed_checkpoint.planning.load_planner import StandardLoadPlanner
@@ -101,6 +103,21 @@ class _SaveJob:
         return planned, StagedSave(_SAVER.staging, planned.plan, self.planner, snapshot=snapshot)
 
 
+_Call = TypeVar("_Call", bound=Callable[..., Any])
+
+
+def _store_named_when_unreachable(call: _Call) -> _Call:
+    """``call`` (which takes ``checkpoint_id=``), raising a store that does not answer as a
+    ``CheckpointError`` naming its endpoint (the store's own request bounds end the wait)."""
+    @functools.wraps(call)
+    def named(*args: Any, **kwargs: Any) -> Any:
+        checkpoint_id = kwargs.get("checkpoint_id", args[0] if args and isinstance(args[0], (str, os.PathLike))
+                                   else None)
+        with unreachable_named(None if checkpoint_id is None else os.fspath(checkpoint_id)):
+            return call(*args, **kwargs)
+    return named  # type: ignore[return-value]
+
+
 # -------------------------------------------------------------------------------- save
 
 def wait_for_pending_save() -> None:
@@ -108,6 +125,7 @@ def wait_for_pending_save() -> None:
     _SAVER.wait()
 
 
+@_store_named_when_unreachable
 def save(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
          storage_writer: Optional[StorageWriter] = None, planner: Optional[SavePlanner] = None,
          no_dist: bool = False, use_collectives: bool = True, remove_redundancy: bool = True,
@@ -263,6 +281,7 @@ def _broadcast_replicas(planner: LoadPlanner) -> None:
                 tensor.copy_(buffer)
 
 
+@_store_named_when_unreachable
 def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
          storage_reader: Optional[StorageReader] = None, planner: Optional[LoadPlanner] = None,
          no_dist: bool = False, use_collectives: bool = True, verify: bool = True) -> None:
@@ -323,12 +342,14 @@ def load(state_dict: Dict[str, Any], *, checkpoint_id: Optional[str] = None,
 
 # -------------------------------------------------------------------------------- checks
 
+@_store_named_when_unreachable
 def is_checkpoint(checkpoint_id: str) -> bool:
     """True only for a committed checkpoint: a directory with committed metadata, or an fsspec
     URL whose ``metadata.json`` object exists."""
     return store_for(checkpoint_id).is_checkpoint()
 
 
+@_store_named_when_unreachable
 def read_checkpoint_metadata(checkpoint_id: str) -> Metadata:
     """The committed metadata of a checkpoint (a directory or an fsspec URL), without a
     process group.
@@ -339,6 +360,7 @@ def read_checkpoint_metadata(checkpoint_id: str) -> Metadata:
     return store_for(checkpoint_id).read_metadata()
 
 
+@_store_named_when_unreachable
 def verify_checkpoint(checkpoint_id: str, *, allow_pickle: bool = False) -> Metadata:
     """Run every check ``load`` runs, without loading: the metadata, every file's size and
     every item's and file's checksum (each byte read once), every value decodes.

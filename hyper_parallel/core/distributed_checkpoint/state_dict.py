@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from hyper_parallel.core.distributed_checkpoint.errors import short_repr
 from hyper_parallel.core.layout import local_part
 from hyper_parallel.utils.ranks import rank_and_world
 
@@ -117,9 +118,9 @@ def _check_keys(missing: Iterable[str], unexpected: Iterable[str], what: str,
                 strict: bool) -> IncompatibleKeys:
     result = IncompatibleKeys(sorted(missing), sorted(unexpected))
     if strict and (result.missing_keys or result.unexpected_keys):
-        raise KeyError(
-            f"{what} does not match: missing keys {result.missing_keys}, "
-            f"unexpected keys {result.unexpected_keys}"
+        raise KeyError(  # the first few of each (a model of 48 MoE blocks differs in hundreds of keys)
+            f"{what} does not match: missing keys {short_repr(result.missing_keys, 400)}, "
+            f"unexpected keys {short_repr(result.unexpected_keys, 400)}"
         )
     return result
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 from torch.distributed.tensor import DTensor, Shard
 
 from hyper_parallel._torch_compat import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult, module_parameters
@@ -119,6 +120,7 @@ def _root_modules(module: Union[nn.Module, Sequence[nn.Module]]) -> List[nn.Modu
     for mod in modules:
         if isinstance(mod, FSDPModule):
             raise ValueError(f"fully_shard was already applied to this {type(mod).__name__}")
+        _refuse_torch_wrapped(mod, "this module")
         if isinstance(mod, (nn.ModuleList, nn.ModuleDict)) and type(mod).forward is nn.Module.forward:
             raise ValueError(f"fully_shard cannot wrap a {type(mod).__name__}: it has no forward to "
                              "hook; wrap its items, or the module that runs them")
@@ -145,8 +147,19 @@ def _collect(modules: List[nn.Module], ignored: set) -> Tuple[Dict[int, Tuple[nn
                 own[id(param)] = (param, prefix + name, [(mod, name)])
         for child_name, child in reversed(list(mod._modules.items())):
             if child is not None and not isinstance(child, FSDPModule):
+                _refuse_torch_wrapped(child, f"submodule {prefix + child_name!r}")
                 stack.append((f"{prefix}{child_name}.", child))
     return own, foreign
+
+
+def _refuse_torch_wrapped(module: nn.Module, what: str) -> None:
+    """Raise a ValueError if torch's own fully_shard wrapped ``module`` (its parameters are
+    torch FSDP2's sharded DTensors, driven by torch's hooks)."""
+    if isinstance(module, TorchFSDPModule) and not isinstance(module, FSDPModule):
+        raise ValueError(f"hyper_parallel's fully_shard cannot wrap {what} ({type(module).__name__}): torch's "
+                         "fully_shard (torch.distributed.fsdp.fully_shard) already wrapped it; wrap the model "
+                         "with one of them only (hp.patch_torch_fsdp() before the program's imports makes "
+                         "torch's name ours)")
 
 
 def _check_post_forward_size(value: Optional[Union[bool, int]], dps: List[DataParallelMesh]) -> None:
@@ -230,7 +243,8 @@ def fully_shard(
         TypeError: ``module`` is not an ``nn.Module`` or a non-empty list of them, or a policy
             is neither ours nor torch's.
         RuntimeError: no process group is initialised.
-        ValueError: the module is already wrapped or is a ModuleList/ModuleDict without forward, the mesh is not 1-D/2-D or on another device
+        ValueError: the module is already wrapped (or it or a submodule by torch's fully_shard),
+            or is a ModuleList/ModuleDict without forward, the mesh is not 1-D/2-D or on another device
             type, a parameter is on the wrong device, ``shard_placement_fn`` returned a
             non-``Shard`` placement or an unsupported mesh, or ``reshard_after_forward`` is not
             a bool, None or a divisor of every mesh's shard world size, or ``dp_mesh_dims`` is

@@ -11,15 +11,15 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from hyper_parallel._torch_compat import FSDPMeshInfo, HSDPMeshInfo
+from hyper_parallel._torch_compat import FSDPMeshInfo, HSDPMeshInfo, mesh_dim_rank_groups
 from hyper_parallel.platform import get_platform
 
 # Caches keyed by the default process group: one per process normally, one per rank when
 # ranks are threads of one process (torch's threaded test harness), so that a rank never
 # skips a collective group creation because another rank already cached its result.
 _WORLD_MESH: "weakref.WeakKeyDictionary[dist.ProcessGroup, DeviceMesh]" = weakref.WeakKeyDictionary()
-# default group -> (member ranks, size) -> this rank's subgroup of its shard group
-_SUBGROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, Dict[tuple, dist.ProcessGroup]]" = (
+# default group -> (purpose, every group's ranks) -> this rank's group (see _group_of_every_rank)
+_SUBGROUPS: "weakref.WeakKeyDictionary[dist.ProcessGroup, Dict[tuple, Optional[dist.ProcessGroup]]]" = (
     weakref.WeakKeyDictionary())
 
 
@@ -59,16 +59,42 @@ class DataParallelMesh:
 
     def shard_subgroup(self, size: int) -> dist.ProcessGroup:
         """The group of ``size`` consecutive shard ranks (``size`` divides the shard world
-        size) this rank belongs to; created on first use by its members only (a mesh may
-        cover part of the world: an expert mesh), so they must ask for the same sizes in the
-        same order."""
-        subgroups = _SUBGROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
-        ranks = dist.get_process_group_ranks(self.shard_group)
-        start = self.shard_rank // size * size
-        key = (tuple(ranks[start:start + size]), size)
-        if key not in subgroups:
-            subgroups[key] = dist.new_group(list(key[0]), use_local_synchronization=True)
-        return subgroups[key]
+        size) this rank belongs to. Collective over the root mesh (normally the world): every
+        rank creates every such group of its own and its sibling meshes (see
+        :func:`_group_of_every_rank`), so every rank must ask for the same sizes in the same order."""
+        pieces = tuple(tuple(ranks[start:start + size]) for ranks in self._every_shard_group()
+                       for start in range(0, len(ranks), size))
+        return _group_of_every_rank("post_forward", pieces)
+
+    def separate_shard_group(self) -> dist.ProcessGroup:
+        """A second process group with the ranks of this rank's shard group (its reduce-scatters
+        then progress alongside the all-gathers). Collective over the root mesh, as
+        :meth:`shard_subgroup`."""
+        return _group_of_every_rank("reduce_scatter", self._every_shard_group())
+
+    def _every_shard_group(self) -> Tuple[Tuple[int, ...], ...]:
+        """The ranks of this rank's shard group and of those of the sibling meshes (the other
+        slices of the same root mesh), in mesh order: the same on every rank."""
+        return tuple(map(tuple, mesh_dim_rank_groups(self.mesh, self.mesh.ndim - 1)))
+
+
+def _group_of_every_rank(purpose: str, rank_sets: Tuple[Tuple[int, ...], ...]) -> Optional[dist.ProcessGroup]:
+    """This rank's group among ``rank_sets`` (disjoint), created once per default group and
+    ``purpose``. Every rank calling creates every group, in the same order, as torch's
+    ``new_group`` requires (so does torch's DeviceMesh): a group created by its members only
+    (``use_local_synchronization=True``) is, with an eagerly initialised NCCL default group, a
+    split of the world communicator that only some ranks join, i.e. a hang. ``rank_sets`` is
+    the same on every rank, so the ranks hit or miss this cache together."""
+    cache = _SUBGROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
+    key = (purpose, rank_sets)
+    if key not in cache:
+        rank, mine = dist.get_rank(), None
+        for ranks in rank_sets:
+            group = dist.new_group(list(ranks))
+            if rank in ranks:
+                mine = group
+        cache[key] = mine
+    return cache[key]
 
 
 def _world_mesh() -> DeviceMesh:

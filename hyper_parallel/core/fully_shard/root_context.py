@@ -1,7 +1,7 @@
-"""RootContext: the step state one root module's fully_shard modules share (forward order,
-implicit prefetch targets, reductions in flight, end-of-backward callback) and the root-only
-steps (ordering the step's all-gathers, finishing the reductions at the end of backward,
-resetting an aborted step)."""
+"""RootContext: the step state one root module's fully_shard modules share (forward and
+post-forward orders, implicit prefetch targets, reductions in flight, end-of-backward callback)
+and the root-only steps (ordering the step's all-gathers, finishing the reductions at the end
+of backward, resetting an aborted step)."""
 
 from __future__ import annotations
 
@@ -54,9 +54,15 @@ class RootContext:
 
     def __init__(self, states: List["HSDPState"]):
         self.states = states
-        self.forward_order: List[HSDPState] = []
-        self.next_in_forward: Dict[HSDPState, HSDPState] = {}  # previous step: implicit forward prefetch
-        self.prev_in_forward: Dict[HSDPState, HSDPState] = {}  # this step: implicit backward prefetch
+        self.forward_order: List[HSDPState] = []  # pre-forward order: implicit forward prefetch
+        self.next_in_forward: Dict[HSDPState, HSDPState] = {}  # previous step's forward order
+        # [Note: backward prefetch order] The order in which the groups' forwards finished (one
+        # entry per finished forward, as FSDP2's post_forward_order): backward runs it in
+        # reverse. The pre-forward order differs where groups nest (an experts group inside a
+        # block: pre-forward block, experts; post-forward experts, block), so backward
+        # prefetches the group before the one in the post-forward order.
+        self.post_forward_order: List[HSDPState] = []
+        self.prev_in_backward: Dict[HSDPState, HSDPState] = {}  # this backward: implicit prefetch
         self.reducing: List[HSDPParamGroup] = []  # reduce-scatters in flight
         self.all_reducing: List[HSDPParamGroup] = []  # HSDP all-reduces in flight
         self.callback_queued = False  # the end-of-backward callback, queued once per backward
@@ -78,6 +84,7 @@ class RootContext:
             order = self.forward_order
             self.next_in_forward = dict(zip(order, order[1:]))
         self.forward_order = []
+        self.post_forward_order = []
         for state in self.states:
             # Not the backward counts: forwards run twice before one backward (e.g. DPO's two
             # forwards) each add their calls; the end of backward resets them.
@@ -102,11 +109,16 @@ class RootContext:
             state.phase = StepPhase.FORWARD
             self.forward_order.append(state)
 
+    def record_post_forward(self, state: "HSDPState") -> None:
+        """``state``'s group finished a forward with grad (see [Note: backward prefetch order])."""
+        self.post_forward_order.append(state)
+
     def ensure_final_callback(self) -> None:
         if not self.callback_queued:
             self.callback_queued = True
-            order = self.forward_order
-            self.prev_in_forward = dict(zip(order[1:], order))
+            # a group finishing several forwards prefetches the group before its last one
+            order = self.post_forward_order
+            self.prev_in_backward = dict(zip(order[1:], order))
             queue_autograd_callback(self._final_callback_hook)
 
     def advance_reductions(self) -> None:
@@ -168,5 +180,6 @@ class RootContext:
             state.reset_backward()
         self.reducing, self.all_reducing = [], []
         self.forward_order = []
+        self.post_forward_order = []
         self.callback_queued = False
         self.all_gathers_ordered = False

@@ -183,6 +183,8 @@ class HSDPState:
     def finish_forward(self, grad_enabled: bool) -> None:
         """The last of this group's modules ran forward: reshard per ``reshard_after_forward``
         (always without grad: no backward follows)."""
+        if grad_enabled:
+            self.ctx.record_post_forward(self)
         for group in [owner.group for owner in self.owners]:
             if not grad_enabled:
                 group.reshard()
@@ -201,8 +203,10 @@ class HSDPState:
         if self.backward_prefetch is not None:
             targets = self.backward_prefetch
         else:
-            targets = [self.ctx.prev_in_forward[self]] if self in self.ctx.prev_in_forward else []
-        self._prefetch([state for state in targets if state.unshard_in_backward])
+            targets = [self.ctx.prev_in_backward[self]] if self in self.ctx.prev_in_backward else []
+        # (a group whose backward is over, used again earlier in the forward, is not regathered)
+        self._prefetch([state for state in targets
+                        if state.unshard_in_backward and state.phase is not StepPhase.REDUCED])
 
     def post_backward(self) -> None:
         """Reduce the group's gradients (async)."""

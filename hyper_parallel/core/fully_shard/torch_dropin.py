@@ -3,6 +3,7 @@ written against ``torch.distributed.fsdp.fully_shard`` (torchtitan, accelerate),
 
 from __future__ import annotations
 
+import sys
 from types import ModuleType, TracebackType
 from typing import Any, Dict, List, Optional, Tuple, Type
 
@@ -21,24 +22,35 @@ REPLACEMENTS: Dict[str, Any] = {
     "register_fsdp_forward_method": register_fsdp_forward_method,
 }
 
+# The patches not yet undone, and torch's values of the names they replaced (saved by the
+# first): the names stay ours until every patch is undone, in whatever order.
+_ACTIVE: List["TorchFSDPPatch"] = []
+_TORCH_VALUES: List[Tuple[ModuleType, str, Any]] = []
+
 
 class TorchFSDPPatch:
-    """The names :func:`patch_torch_fsdp` replaced; :meth:`undo` (or leaving the ``with``
-    block) puts torch's back. Patches nest: undo them in reverse order."""
+    """A :func:`patch_torch_fsdp` call; :meth:`undo` (or leaving the ``with`` block) ends it.
+    Patches nest: torch's names come back when the last active patch is undone."""
 
-    def __init__(self, saved: List[Tuple[ModuleType, str, Any]]):
-        self._saved = saved
+    def __init__(self) -> None:
+        self._active = True
+        _ACTIVE.append(self)
 
     @property
     def active(self) -> bool:
-        """The replaced names are still ours (not yet undone)."""
-        return bool(self._saved)
+        """Not yet undone (the names are ours while any patch is active)."""
+        return self._active
 
     def undo(self) -> None:
-        """Restore the names this patch replaced (idempotent)."""
-        saved, self._saved = self._saved, []
-        for module, name, original in reversed(saved):
-            setattr(module, name, original)
+        """End this patch (idempotent); the last active one restores torch's names."""
+        if not self._active:
+            return
+        self._active = False
+        _ACTIVE.remove(self)
+        if not _ACTIVE:
+            for module, name, original in reversed(_TORCH_VALUES):
+                setattr(module, name, original)
+            _TORCH_VALUES.clear()
 
     def __enter__(self) -> "TorchFSDPPatch":
         return self
@@ -49,24 +61,44 @@ class TorchFSDPPatch:
 
 
 def patch_torch_fsdp() -> TorchFSDPPatch:
-    """Make torch's FSDP2 names hyper_parallel's: ``fully_shard``, ``FSDPModule``,
+    """Make torch's public FSDP2 names hyper_parallel's: ``fully_shard``, ``FSDPModule``,
     ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy`` and
-    ``register_fsdp_forward_method`` in ``torch.distributed.fsdp`` and in the private torch modules
-    that also export them (``_torch_compat.fsdp2_export_modules``). Code importing these names afterwards (at module
-    import or inside functions, as accelerate does) gets ours; names a module bound before the
-    call stay torch's, so patch before importing the client's training code.
+    ``register_fsdp_forward_method`` in ``torch.distributed.fsdp`` and torch's deprecated path
+    to them (the modules of ``_torch_compat.fsdp2_export_modules``). Code
+    importing these names afterwards (at module import or inside functions, as accelerate does)
+    gets ours. Torch's own modules are left alone, so torch's ``fully_shard`` bound before the
+    call keeps working as torch's.
 
     Our ``FSDPModule`` subclasses torch's, so ``isinstance`` checks with either class hold for
     our modules; torch's policy objects created before the patch are converted by ``fully_shard``.
 
     Returns:
-        A :class:`TorchFSDPPatch`: ``.undo()`` restores torch's names; also a context manager
-        (``with hp.patch_torch_fsdp(): ...`` restores them on exit).
+        A :class:`TorchFSDPPatch`: ``.undo()`` ends it; also a context manager
+        (``with hp.patch_torch_fsdp(): ...`` ends it on exit).
+
+    Raises:
+        RuntimeError: a module already imported (not torch's or ours) bound torch's
+            ``fully_shard`` under that name: it would go on wrapping with torch's, so patch
+            before importing it.
     """
-    saved: List[Tuple[ModuleType, str, Any]] = []
-    for module in fsdp2_export_modules():
-        for name, ours in REPLACEMENTS.items():
-            if name in vars(module):
-                saved.append((module, name, vars(module)[name]))
-                setattr(module, name, ours)
-    return TorchFSDPPatch(saved)
+    if not _ACTIVE:
+        modules = fsdp2_export_modules()
+        late = _modules_holding(modules[0].fully_shard)
+        if late:
+            raise RuntimeError(f"patch_torch_fsdp() called after {', '.join(late)} imported torch's fully_shard, "
+                               "which it would keep using: call hp.patch_torch_fsdp() before importing it")
+        for module in modules:
+            for name, ours in REPLACEMENTS.items():
+                if name in vars(module):
+                    _TORCH_VALUES.append((module, name, vars(module)[name]))
+                    setattr(module, name, ours)
+    return TorchFSDPPatch()
+
+
+def _modules_holding(torch_fully_shard: Any) -> List[str]:
+    """The imported modules, other than torch's and hyper_parallel's, whose global
+    ``fully_shard`` is torch's."""
+    return sorted(name for name, module in list(sys.modules.items())
+                  if name.split(".")[0] not in ("torch", "hyper_parallel")
+                  and isinstance(getattr(module, "__dict__", None), dict)
+                  and module.__dict__.get("fully_shard") is torch_fully_shard)

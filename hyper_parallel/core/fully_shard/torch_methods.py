@@ -12,9 +12,8 @@ checks it), and one a newer torch adds is refused in one line by
 from __future__ import annotations
 
 import inspect
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, List, Optional
 
-import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule as TorchFSDPModule
 
 from hyper_parallel._torch_compat import current_graph_task_id
@@ -90,18 +89,11 @@ class TorchFSDPMethods:
     def set_separate_reduce_scatter_group(self, enable: bool = True, *, recurse: bool = True) -> None:
         """``True``: reduce-scatter over a process group of its own (same ranks as the shard
         group of each mesh, one per distinct rank set), so it can progress alongside the all-gathers;
-        ``False``: over the shard group again. Collective: call it on every rank. *recurse*"""
+        ``False``: over the shard group again. Collective over the world: every rank calls it,
+        with the same modules (each creates the groups of every rank's meshes). *recurse*"""
         _check_bool("enable", enable)
-        created: Dict[Tuple[int, ...], dist.ProcessGroup] = {}
         for sub in (sub for state in self._states(recurse) for sub in state.group.meshes):
-            shard_group = sub.dp.shard_group
-            if not enable:
-                sub.reduce_scatter_group = shard_group
-                continue
-            ranks = tuple(dist.get_process_group_ranks(shard_group))
-            if ranks not in created:
-                created[ranks] = dist.new_group(list(ranks), use_local_synchronization=True)
-            sub.reduce_scatter_group = created[ranks]
+            sub.reduce_scatter_group = sub.dp.separate_shard_group() if enable else sub.dp.shard_group
 
     # -- custom collectives ----------------------------------------------------------------
     def set_custom_all_gather(self, comm: Any) -> None:

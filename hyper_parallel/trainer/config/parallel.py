@@ -119,9 +119,11 @@ class ParallelConfig:
     def cp_problems(self, seq_len: int) -> List[str]:
         """What context parallelism cannot do yet: split a ``seq_len`` that is not a multiple of
         ``2 x cp`` (the head-tail layout's chunks), or, with tensor parallelism, whose CP part
-        (``seq_len / cp``) the sequence-parallel norms cannot split over ``tp``."""
+        (``seq_len / cp``) the sequence-parallel norms cannot split over ``tp``; and a
+        ``cp_rotate`` other than the default without CP, where it would do nothing."""
         if self.cp == 1:
-            return []
+            return [] if self.cp_rotate == Rotate.RING.value else [
+                f"parallel.cp_rotate={self.cp_rotate} needs parallel.cp > 1 (it is how K/V blocks travel between CP ranks)"]
         cp, problems = f"parallel.cp={self.cp}", []
         if seq_len % (2 * self.cp):
             problems.append(f"training.seq_len={seq_len} is not divisible by 2 x {cp} = {2 * self.cp} (each "

@@ -24,6 +24,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from hyper_parallel.models.llama import LlamaConfig, RopeScaling
 from hyper_parallel.models.moe import MoEConfig
+from hyper_parallel.trainer.config.memory import MemorySnapshotKeys
 from hyper_parallel.trainer.config.moe import MoEOptions, moe_config, moe_problems
 from hyper_parallel.trainer.config.parallel import ParallelConfig, ParallelDims
 from hyper_parallel.trainer.config.rules import defaults, field_rules, key
@@ -50,6 +51,7 @@ class TrainingConfig:
     seed: int = key(0, min=0, max=SEED_MAX)           # model init and data order
     grad_accum_steps: int = key(1, min=1)             # micro-batches per optimizer step on each rank
     max_grad_norm: float = key(1.0, min=0)            # gradient clipping; 0 disables it
+    loss_chunks: int = key(1, min=1)                  # the loss over N pieces of each sequence at a time: logits never whole (1: at once)
     device: str = key("auto", choices=("auto", "cpu"))  # auto (the platform's accelerator, else cpu) | cpu
     compile: bool = key(False)                        # torch.compile each block (after activation checkpointing, before fully_shard)
     compile_backend: str = key("inductor")            # torch.compile backend when compile=true (aot_eager: no codegen)
@@ -266,8 +268,9 @@ class OptimConfig:
 
 
 @dataclass
-class CheckpointConfig:
-    """The ``checkpoint`` group (``default``): saving, retention and what to start from."""
+class CheckpointConfig(MemorySnapshotKeys):
+    """The ``checkpoint`` group (``default``): saving, retention and what to start from (and
+    the in-memory snapshots' keys, ``config/memory.py``)."""
 
     folder: str = key("${output_dir}/checkpoints", path=True)
     interval: int = key(50, min=1)                   # save every N steps (and always at the last step)
@@ -285,7 +288,7 @@ class CheckpointConfig:
     def problems(self, ok: Ok) -> List[str]:
         if self.load_only is True and not self.load_from:
             return ["checkpoint.load_only=true needs checkpoint.load_from (the checkpoint to take the model from)"]
-        return []
+        return self.memory_problems(ok)
 
 
 # The config groups: each one a folder under configs/ whose options extend the schema.
@@ -350,6 +353,14 @@ class TrainConfig:
             problems += p.pipeline_problems(model_shape, micro_batch, m.tie_embeddings)
         if all(ok(k) for k in ("parallel.cp", "parallel.tp", "parallel.pp", "training.seq_len")):
             problems += p.cp_problems(t.seq_len)
+        if all(ok(k) for k in ("training.loss_chunks", "parallel.tp", "parallel.pp")) and t.loss_chunks > 1:
+            if p.tp > 1 or p.pp > 1:
+                problems.append(f"training.loss_chunks={t.loss_chunks} with parallel.{'tp' if p.tp > 1 else 'pp'}>1 "
+                                "is not supported yet (the logits are vocabulary-sharded or on the last stage); "
+                                "use training.loss_chunks=1")
+            elif ok("training.seq_len") and ok("parallel.cp") and t.loss_chunks > t.seq_len // p.cp:
+                problems.append(f"training.loss_chunks={t.loss_chunks} exceeds the {t.seq_len // p.cp} tokens of each "
+                                "sequence per rank (training.seq_len / parallel.cp)")
         if ok("training.seq_len") and ok("model.max_seq_len") and t.seq_len > m.max_seq_len:
             problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         d = self.data

@@ -9,6 +9,7 @@ from hyper_parallel.core.distributed_checkpoint.dcp_interop.convert import expor
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.fused_split import FusedSplit
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.key_mapping import RenameRule
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import is_dcp_checkpoint
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.rotary_layout import RotateHalf
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import TensorStorageMetadata
 
@@ -30,6 +31,13 @@ def _fused_split(text: str) -> FusedSplit:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _rotate_half(text: str) -> RotateHalf:
+    try:
+        return RotateHalf.parse(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
 def add_dcp_commands(sub: "argparse._SubParsersAction") -> None:
     p = sub.add_parser("import-dcp", help="convert a torch DCP (e.g. torchtitan) checkpoint into ours, "
                                           "chunk by chunk; never unpickles anything but DCP's metadata classes")
@@ -46,6 +54,10 @@ def add_dcp_commands(sub: "argparse._SubParsersAction") -> None:
                    help="cut keys with the component FUSED (a fused attention projection and its optimizer "
                         "state) into Q, K, V along dim 0; layout 'grouped' (torchtitan's fused wqkv, the "
                         "default) or 'concat' ([q;k;v]); applied before --rename")
+    p.add_argument("--rotate-half", action="append", default=[], type=_rotate_half, metavar="NAME:N_HEADS",
+                   help="tensors of keys with the component NAME (and their optimizer moments) hold N_HEADS heads "
+                        "of rotate-half rotary rows (torchtitan's Qwen3: wq, wk, q_norm:1, k_norm:1); their rows "
+                        "are moved to our interleaved pairs, per head; applied after --split-fused")
     p.add_argument("--force", action="store_true", help="replace DST if it is a checkpoint of ours")
     p = sub.add_parser("export-dcp", help="write a checkpoint as a torch DCP checkpoint (torch.distributed."
                                           "checkpoint.load reads it)")
@@ -68,7 +80,7 @@ def run_dcp_command(args: argparse.Namespace) -> bool:
                               f"metadata.json to inspect: `import-dcp {args.dir} DST` converts it into one that has")
     if args.command == "import-dcp":
         metadata = import_dcp(args.src, args.dst, rename=args.rename, exclude=args.exclude,
-                              split=args.split_fused, force=args.force)
+                              split=args.split_fused, rotate_half=args.rotate_half, force=args.force)
         tensors = [md for md in metadata.state_dict_metadata.values() if isinstance(md, TensorStorageMetadata)]
         nbytes = sum(math.prod(md.size) * md.dtype.itemsize for md in tensors)
         print(f"imported {len(tensors)} tensors ({nbytes} bytes) and "

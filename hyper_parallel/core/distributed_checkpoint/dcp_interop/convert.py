@@ -37,6 +37,7 @@ from hyper_parallel.core.distributed_checkpoint.dcp_interop.key_mapping import (
     plan_import,
 )
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.reader import DcpFiles, translate_metadata
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.rotary_layout import RotateHalf
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.planning.global_save_plan import build_global_save_plan
 from hyper_parallel.core.distributed_checkpoint.planning.load_planner import StandardLoadPlanner
@@ -118,6 +119,9 @@ class _DcpImportPlanner(SavePlanner):
 
     def build_local_plan(self) -> SavePlan:
         self.sources = plan_import(self.metadata, lambda key: self._read(MetadataIndex(key)), **self.mapping)
+        if not self.sources:
+            raise CheckpointError(f"nothing to import: --exclude leaves none of the {len(self.metadata.state_dict_metadata)} "
+                                  f"entries of {self.src}; an empty checkpoint is not written")
         items: List[WriteItem] = []
         # Ordered by the stored item read, so the parts of a split chunk are written one after another.
         for new in sorted(self.sources, key=lambda n: (_stored_key(self.sources[n]), n)):
@@ -154,24 +158,28 @@ class _DcpImportPlanner(SavePlanner):
 
 
 def import_dcp(src: str, dst: str, *, rename: Sequence[Rule] = (), exclude: Sequence[str] = (),
-               split: Sequence[FusedSplit] = (), force: bool = False) -> Metadata:
+               split: Sequence[FusedSplit] = (), rotate_half: Sequence[RotateHalf] = (),
+               force: bool = False) -> Metadata:
     """Convert the torch DCP checkpoint ``src`` into a checkpoint of ours at ``dst`` (committed
     atomically), chunk by chunk: host memory stays about one chunk, whatever the checkpoint's
-    size. Keys are kept, or mapped by ``exclude``, ``rename`` and ``split``, and optimizer
+    size. Keys are kept, or mapped by ``exclude``, ``rename`` and ``split``, the rows of the
+    tensors ``rotate_half`` names moved from rotated halves to interleaved rotary pairs, and optimizer
     param groups are regrouped into ours (:func:`~.key_mapping.plan_import`). ``src`` and
     ``dst`` may be fsspec URLs. An existing ``dst`` is replaced only if it is a checkpoint of
     ours and ``force`` is given (:func:`~.destination.check_destination`).
 
     Raises:
         DestinationRefused: ``dst`` is ``src``, or exists and is not empty (see above).
-        CheckpointError: ``src`` is not a readable DCP checkpoint, refuses a class, holds a
+        CheckpointError: ``src`` is not a readable DCP checkpoint, ``exclude`` leaves nothing of
+            it (no empty checkpoint is written), refuses a class, holds a
             value that is not plain data or a dtype safetensors cannot store, or a key mapping
             that :func:`~.key_mapping.plan_import` refuses (names the key).
     """
     src, dst = os.fspath(src), os.fspath(dst)
     check_destination(src, dst, OutputKind.OURS, force)
     metadata = translate_metadata(src)
-    planner = _DcpImportPlanner(src, metadata, {"rename": rename, "exclude": exclude, "split": split})
+    planner = _DcpImportPlanner(src, metadata, {"rename": rename, "exclude": exclude, "split": split,
+                                                      "rotate_half": rotate_half})
     writer = store_for(dst).writer()
     writer.initialize_writer(dst)
     plan = None

@@ -20,10 +20,11 @@ import uuid
 from typing import Any, Iterator, List, Optional, Tuple
 
 from hyper_parallel.core.distributed_checkpoint._fileio import replace_dir, url_scheme
-from hyper_parallel.core.distributed_checkpoint.dcp_interop.unpickler import DCP_METADATA_FILE
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.utils.fileio import read_regular_file
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.unpickler import DCP_METADATA_FILE, read_dcp_metadata
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, short_repr
 from hyper_parallel.core.distributed_checkpoint.filesystem.commit import RANK_METADATA, pending_dir
-from hyper_parallel.core.distributed_checkpoint.format.metadata import METADATA_FILE
+from hyper_parallel.core.distributed_checkpoint.format.metadata import MAX_METADATA_BYTES, METADATA_FILE, Metadata
 from hyper_parallel.core.distributed_checkpoint.object_store import store
 
 __all__ = ["DestinationRefused", "OutputKind", "check_destination", "staged_output"]
@@ -54,6 +55,25 @@ class OutputKind(enum.Enum):
         if commit_file not in names:
             return f"no {commit_file}"
         return next((repr(name) for name in sorted(names) if not pattern.fullmatch(name)), None)
+
+    def marked(self, dst: str, names: List[str]) -> Optional[str]:
+        """None if the commit file in ``dst`` (whose entries ``names`` passed :meth:`holds`) is
+        one of this kind (ours: a ``metadata.json`` of our format; DCP: a ``.metadata`` DCP's
+        restricted reader accepts), else why not: file names alone never make a folder ours."""
+        try:
+            if self is OutputKind.DCP:
+                read_dcp_metadata(dst)
+                return None
+            name = RANK_METADATA.format(0) if RANK_METADATA.format(0) in names else METADATA_FILE
+            if url_scheme(dst):
+                fs, path = store.open_store(dst)
+                data = fs.cat_file(f"{path}/{name}")
+            else:
+                data = read_regular_file(os.path.join(dst, name), MAX_METADATA_BYTES, "checkpoint metadata")
+            Metadata.from_json(data, name)
+            return None
+        except (CheckpointError, OSError, ValueError) as exc:
+            return f"its metadata is not a {self.value}'s: {short_repr(str(exc))}"
 
 
 def _local_entries(dst: str) -> Optional[List[str]]:
@@ -110,6 +130,10 @@ def check_destination(src: str, dst: str, kind: OutputKind, force: bool) -> Opti
     if not names:
         return None
     stranger = kind.holds(names)
+    if stranger is not None:
+        raise DestinationRefused(f"destination {dst} is not empty and is not a {kind.value} ({stranger}); refusing "
+                                 "to replace it (choose a new or empty folder)")
+    stranger = kind.marked(dst, names)
     if stranger is not None:
         raise DestinationRefused(f"destination {dst} is not empty and is not a {kind.value} ({stranger}); refusing "
                                  "to replace it (choose a new or empty folder)")

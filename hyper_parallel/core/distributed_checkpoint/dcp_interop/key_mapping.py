@@ -7,11 +7,15 @@
    or a flattened one (torch's ``flatten_optimizer_state_dict``, torchtitan:
    ``<P>param_groups.<fqn>.<name>`` per parameter; parameters with equal values share a group);
 3. ``split``: fused tensors are cut into their parts (:mod:`fused_split`), the params lists too;
+   then ``rotate_half``: the rows of the tensors it names move from rotated halves to
+   interleaved rotary pairs, per head (:mod:`rotary_layout`);
 4. ``rename``: the first rule whose pattern prefixes a key replaces that prefix. A parameter
    named in the param groups gets the name its optimizer state gets (``<P>state.<fqn>.``).
 
-Patterns (``exclude`` and both sides of ``rename``) are key prefixes in which ``*`` stands for
-one dotted component; each ``*`` of a rule's new prefix is the component its counterpart matched.
+Patterns (``exclude`` and both sides of ``rename``) are key prefixes of whole dotted components
+(``moe.expert_bias`` matches ``moe.expert_bias`` and ``moe.expert_bias.x``, never
+``moe.expert_bias_E``) in which ``*`` stands for one component; each ``*`` of a rule's new
+prefix is the component its counterpart matched.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 from hyper_parallel.core.distributed_checkpoint.dcp_interop.fused_split import FusedSplit, Rows
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.rotary_layout import RotateHalf
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 from hyper_parallel.core.distributed_checkpoint.format.metadata import Metadata, TensorStorageMetadata
 
@@ -30,7 +35,8 @@ _GROUPS, _STATE, _PARAMS = "param_groups", "state", "params"
 
 
 class KeyPattern:
-    """A key prefix in which ``*`` stands for one dotted component (``layers.*.attention.``)."""
+    """A key prefix of whole dotted components in which ``*`` stands for one component
+    (``layers.*.attention.``; ``moe.expert_bias`` does not match ``moe.expert_bias_E``)."""
 
     def __init__(self, text: str) -> None:
         self.text = text
@@ -41,7 +47,10 @@ class KeyPattern:
     def match(self, key: str) -> Optional[Tuple[int, Tuple[str, ...]]]:
         """Where the matched prefix of ``key`` ends and what each ``*`` matched; None: no match."""
         found = self._regex.match(key)
-        return None if found is None else (found.end(), found.groups())
+        if found is None or not (self.text.endswith(".") or not self.text or found.end() == len(key)
+                                 or key[found.end()] == "."):
+            return None
+        return found.end(), found.groups()
 
 
 @dataclass(frozen=True)
@@ -246,13 +255,14 @@ def _emit_groups(found: _Groups, rules: Sequence[RenameRule], split: Sequence[Fu
 
 
 def plan_import(metadata: Metadata, read_value: Callable[[str], Any], *, rename: Sequence[Rule] = (),
-                exclude: Sequence[str] = (), split: Sequence[FusedSplit] = ()) -> Dict[str, Source]:
+                exclude: Sequence[str] = (), split: Sequence[FusedSplit] = (),
+                rotate_half: Sequence[RotateHalf] = ()) -> Dict[str, Source]:
     """{new key: what it is made of} for importing the DCP checkpoint described by
     ``metadata`` (``read_value(key)``: a stored value), in the order of the module docstring.
 
     Raises:
         CheckpointError: two keys map to one name, a fused tensor's rows do not match
-            ``split``, param groups that cannot be regrouped or whose names ``rename`` moves
+            ``split``, a tensor's rows are not the heads ``rotate_half`` says, param groups that cannot be regrouped or whose names ``rename`` moves
             away from their optimizer state (names the keys).
     """
     rules, patterns = _rules(rename), [KeyPattern(p) for p in exclude]
@@ -266,7 +276,7 @@ def plan_import(metadata: Metadata, read_value: Callable[[str], Any], *, rename:
         if key in grouped:
             continue
         for part, source in _split_key(key, metadata, split):
-            _add(mapped, _renamed(part, rules), source, key, origins)
+            _add(mapped, _renamed(part, rules), _rotated(part, source, metadata, rotate_half), key, origins)
     for groups in found:
         _emit_groups(groups, rules, split, mapped, origins)
     return mapped
@@ -282,3 +292,15 @@ def _split_key(key: str, metadata: Metadata, split: Sequence[FusedSplit]) -> Lis
             return [(part, Copy(key)) for part in parts]
         return [(part, SplitRows(key, rows)) for part, rows in zip(parts, rule.part_rows(md.size[0], key))]
     return [(key, Copy(key))]
+
+
+def _rotated(key: str, source: Source, metadata: Metadata, rotate_half: Sequence[RotateHalf]) -> Source:
+    """``source`` with its rows in interleaved rotary order when a rule of ``rotate_half`` names ``key``."""
+    rule = next((r for r in rotate_half if r.applies(key)), None)
+    if rule is None or isinstance(source, Made):
+        return source
+    md = metadata.state_dict_metadata[source.key]
+    if not isinstance(md, TensorStorageMetadata) or not md.size:
+        return source
+    rows = source.rows if isinstance(source, SplitRows) else ((0, md.size[0]),)
+    return SplitRows(source.key, rule.permuted(rows, key))

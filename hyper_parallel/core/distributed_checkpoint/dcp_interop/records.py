@@ -10,7 +10,11 @@ and shape; the storage exactly as large as the chunk, so a stride-0 record canno
 ``data/<key>`` entry declaring that many bytes) before the chunk's buffer is allocated, and
 the entry is then read (inflated, if compressed) into it block by block, never past its size.
 A value's record must hold plain data (numbers, strings, lists, dicts, nested at most
-``MAX_VALUE_NESTING`` deep).
+``MAX_VALUE_NESTING`` deep) whose size, counted as written out (a list shared twice counts
+twice, a string by its length), is at most a small multiple of the pickle's: a "billion laughs"
+record of shared references is refused after that many steps, not expanded. ``data.pkl`` is
+scanned first (:func:`~.unpickler.scan_pickle`), so a counted argument (``BYTEARRAY8 2**31``)
+longer than the file is refused before the unpickler allocates it.
 """
 
 from __future__ import annotations
@@ -21,13 +25,13 @@ import math
 import pickle
 import sys
 import zipfile
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, List, Tuple
 
 import torch
 
 from hyper_parallel._torch_compat import tensor_rebuild_version
-from hyper_parallel.core.distributed_checkpoint.dcp_interop.unpickler import torch_dtype
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.dcp_interop.unpickler import scan_pickle, torch_dtype
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, short_repr
 from hyper_parallel.core.distributed_checkpoint.format.metadata import MetadataIndex, StorageInfo, TensorStorageMetadata
 from hyper_parallel.core.distributed_checkpoint.format.values import MAX_VALUE_NESTING
 
@@ -135,15 +139,32 @@ class _RecordUnpickler(pickle._Unpickler):  # the pure-Python unpickler: a dict 
         return _StorageRef(pid[2], pid[1].dtype, pid[4] * pid[1].dtype.itemsize, pid[3])
 
 
-def _plain(value: Any, depth: int = 0) -> bool:
+_VALUE_BUDGET_PER_BYTE, _VALUE_BUDGET_FLOOR = 16, 4096
+
+
+class _TooLarge(Exception):
+    """A value that, written out, is far larger than its pickle (shared references)."""
+
+
+def _plain(value: Any, budget: List[int], depth: int = 0) -> bool:
+    """Whether ``value`` is plain data nested at most MAX_VALUE_NESTING deep; each item (and
+    each character of a string) spends one unit of ``budget[0]``.
+
+    Raises:
+        _TooLarge: the budget is spent.
+    """
+    budget[0] -= 1 + (len(value) if isinstance(value, str) else 0)
+    if budget[0] < 0:
+        raise _TooLarge
     if isinstance(value, _PLAIN):
         return True
     if depth >= MAX_VALUE_NESTING:
         return False
     if isinstance(value, (list, tuple)):
-        return all(_plain(v, depth + 1) for v in value)
+        return all(_plain(v, budget, depth + 1) for v in value)
     if isinstance(value, dict):
-        return all(isinstance(k, _PLAIN) and _plain(v, depth + 1) for k, v in value.items())
+        return all(isinstance(k, _PLAIN) and _plain(k, budget, depth + 1) and _plain(v, budget, depth + 1)
+                   for k, v in value.items())
     return False
 
 
@@ -219,7 +240,8 @@ def _materialise(archive: zipfile.ZipFile, prefix: str, ref: _TensorRef, sizes: 
     return torch.as_strided(flat, sizes, tuple(ref.stride), ref.offset).contiguous()
 
 
-def _unpickle(archive: zipfile.ZipFile, limit: int, where: str) -> Tuple[str, Any]:
+def _unpickle(archive: zipfile.ZipFile, limit: int, where: str) -> Tuple[str, Any, int]:
+    """The record's prefix, its unpickled ``data.pkl`` and that pickle's size."""
     pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
     if len(pickles) != 1:
         raise CheckpointError(f"{where} is not a torch.save record: it has {len(pickles)} data.pkl entries")
@@ -229,7 +251,10 @@ def _unpickle(archive: zipfile.ZipFile, limit: int, where: str) -> Tuple[str, An
         if order != sys.byteorder:
             raise CheckpointError(f"{where} was saved {order}-endian; this host is {sys.byteorder}-endian")
     data = archive.read(_entry(archive, pickles[0], limit, where))
-    return prefix, _RecordUnpickler(io.BytesIO(data)).load()
+    problem = scan_pickle(data)
+    if problem is not None:
+        raise CheckpointError(f"{where} is not a readable torch.save record: its data.pkl: {problem}")
+    return prefix, _RecordUnpickler(io.BytesIO(data)).load(), len(data)
 
 
 def read_record(read_at: ReadAt, file_size: int, path: str, info: StorageInfo, index: MetadataIndex,
@@ -243,24 +268,31 @@ def read_record(read_at: ReadAt, file_size: int, path: str, info: StorageInfo, i
             is not exactly the chunk's bytes, a value that is not plain data (names the key
             and the file).
     """
-    key = index.fqn
+    key = short_repr(index.fqn)
     end = info.offset + info.length
     if end > file_size:
-        raise CheckpointError(f"{path} is truncated: {key!r} needs bytes {info.offset}..{end} but the file ends "
+        raise CheckpointError(f"{path} is truncated: {key} needs bytes {info.offset}..{end} but the file ends "
                               f"at {file_size}")
     is_tensor = isinstance(md, TensorStorageMetadata)
-    where = f"{key!r} chunk {index.offset} in {path}" if is_tensor else f"value {key!r} in {path}"
+    where = f"{key} chunk {index.offset} in {path}" if is_tensor else f"value {key} in {path}"
     record = _FileSlice(read_at, info.offset, info.length)
     magic = bytearray(len(_ZIP_MAGIC))
     if record.readinto(magic) != len(magic) or magic != _ZIP_MAGIC:
-        raise CheckpointError(f"{key!r} in {path} (bytes {info.offset}..{end}) is not a torch.save record: only "
+        raise CheckpointError(f"{key} in {path} (bytes {info.offset}..{end}) is not a torch.save record: only "
                               "DCP's default serialization (torch_save) can be read")
     record.seek(0)
     try:
         with zipfile.ZipFile(record) as archive:
-            prefix, value = _unpickle(archive, info.length, where)
+            prefix, value, pickled = _unpickle(archive, info.length, where)
             if not is_tensor:
-                if isinstance(value, _TensorRef) or not _plain(value):
+                budget = [_VALUE_BUDGET_PER_BYTE * pickled + _VALUE_BUDGET_FLOOR]
+                try:
+                    plain = not isinstance(value, _TensorRef) and _plain(value, budget)
+                except _TooLarge:
+                    raise CheckpointError(f"{where} would be more than {_VALUE_BUDGET_PER_BYTE}x its "
+                                          f"{pickled}-byte pickle written out (shared references, as in a "
+                                          "'billion laughs'); refusing it") from None
+                if not plain:
                     raise CheckpointError(f"{where} is {_describe(value)}: only plain data (numbers, strings, lists, "
                                           "dicts) can be read; leave it out (import-dcp --exclude)")
                 return value

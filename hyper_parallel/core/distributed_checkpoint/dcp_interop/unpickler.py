@@ -11,7 +11,7 @@ before it is called. The result is then checked field by field (:func:`read_dcp_
 
 It is read by the C unpickler (2-3x as fast as the pure-Python one on large files; the scan
 adds about a quarter: ``benchmarks/dcp_metadata_read.py``) after a pre-scan of its opcodes
-(:func:`_scan_opcodes`): the C unpickler sizes its memo table to the largest index a PUT names
+(:func:`scan_pickle`): the C unpickler sizes its memo table to the largest index a PUT names
 and allocates a counted string's declared length before reading it, so a few bytes could make
 it allocate gigabytes. The scan refuses a memo index past the number of objects stored so far
 (a pickler numbers them in order) and a counted argument or frame longer than the rest of the
@@ -27,7 +27,6 @@ import math
 import pathlib
 import pickle
 import pickletools
-import reprlib
 from typing import Any, Callable, Dict, List, Optional, Set, Tuple
 
 import torch
@@ -35,18 +34,28 @@ from torch.distributed.checkpoint import metadata as dcp_md
 
 from hyper_parallel._torch_compat import dcp_mem_format_encoding, dcp_storage_info, get_layout
 from hyper_parallel.core.distributed_checkpoint._fileio import read_regular_file, url_scheme
-from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
+from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError, short_repr
 from hyper_parallel.core.distributed_checkpoint.format.metadata import MAX_DIMS, MAX_METADATA_BYTES, check_relative_path
 from hyper_parallel.core.distributed_checkpoint.object_store import store
 
-__all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "torch_dtype", "unpickle_dcp_metadata"]
+__all__ = ["DCP_METADATA_FILE", "read_dcp_metadata", "scan_pickle", "torch_dtype", "unpickle_dcp_metadata"]
 
 DCP_METADATA_FILE = ".metadata"
 _MAX_INT = 2**63 - 1  # sizes, offsets and byte counts must fit int64 (what torch indexes with)
 _INTEGRAL = frozenset({torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
                        torch.uint16, torch.uint32, torch.uint64})
-_REPR = reprlib.Repr()
-_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
+_MAX_PATH_CHARS = 4096  # a pathlib path in a .metadata (StorageMeta.checkpoint_id) is a name, at most this long
+
+
+def _path_from_strings(cls: type) -> Callable[..., Any]:
+    """``cls(*parts)`` for plain string parts of at most _MAX_PATH_CHARS together: a pickle
+    cannot nest paths in paths (each level would double the name's length)."""
+    def build(*parts: Any) -> Any:
+        if not all(type(p) is str for p in parts) or sum(len(p) for p in parts) > _MAX_PATH_CHARS:
+            raise ValueError(f"a {cls.__name__} built from {short_repr(parts)}: a DCP .metadata path is made of "
+                             f"plain strings of at most {_MAX_PATH_CHARS} characters")
+        return cls(*parts)
+    return build
 
 _ALLOWED: Dict[Tuple[str, str], Any] = {
     ("torch.distributed.checkpoint.metadata", cls.__name__): cls
@@ -59,10 +68,10 @@ _ALLOWED.update({
     ("torch", "Size"): torch.Size,
     ("torch.serialization", "_get_layout"): get_layout,
     ("collections", "OrderedDict"): collections.OrderedDict,
-    ("pathlib", "PosixPath"): pathlib.PurePosixPath,  # a name only: never touches the file system
-    ("pathlib", "PurePosixPath"): pathlib.PurePosixPath,
-    ("pathlib", "WindowsPath"): pathlib.PureWindowsPath,
-    ("pathlib", "PureWindowsPath"): pathlib.PureWindowsPath,
+    ("pathlib", "PosixPath"): _path_from_strings(pathlib.PurePosixPath),  # a name only: never touches the disk
+    ("pathlib", "PurePosixPath"): _path_from_strings(pathlib.PurePosixPath),
+    ("pathlib", "WindowsPath"): _path_from_strings(pathlib.PureWindowsPath),
+    ("pathlib", "PureWindowsPath"): _path_from_strings(pathlib.PureWindowsPath),
 })
 
 
@@ -135,9 +144,10 @@ def _opcode_tables() -> Tuple[List[int], Dict[int, Tuple[int, int]]]:
 _FIXED_SIZE, _SPECIAL = _opcode_tables()
 
 
-def _scan_opcodes(data: bytes) -> Optional[str]:
-    """What makes ``data`` unsafe for the C unpickler (a memo index past the objects stored so
-    far, a counted argument or frame past the end, an unknown opcode, no STOP), or None."""
+def scan_pickle(data: bytes) -> Optional[str]:
+    """What makes ``data`` unsafe to unpickle (a memo index past the objects stored so far, a
+    counted argument or frame past the end, e.g. a ``BYTEARRAY8`` declaring 2 GiB in a 12-byte
+    file, an unknown opcode, no STOP), or None."""
     pos, end, stored, fixed = 0, len(data), 0, _FIXED_SIZE
     from_bytes = int.from_bytes
     while pos < end:
@@ -192,7 +202,7 @@ def unpickle_dcp_metadata(data: bytes, source: str) -> Any:
         CheckpointError: a refused global, an opcode refused by the pre-scan, or a truncated /
             corrupt pickle (names ``source``).
     """
-    problem = _scan_opcodes(data)
+    problem = scan_pickle(data)
     if problem is not None:
         raise CheckpointError(f"{source} is not a readable torch DCP .metadata pickle: {problem}; refused before "
                               "unpickling it")
@@ -203,7 +213,7 @@ def unpickle_dcp_metadata(data: bytes, source: str) -> Any:
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, IndexError,
             KeyError, RuntimeError, MemoryError, RecursionError, OverflowError) as exc:
         raise CheckpointError(f"{source} is not a readable torch DCP .metadata pickle "
-                              f"({type(exc).__name__}: {exc}); is the file truncated?") from None
+                              f"({type(exc).__name__}: {short_repr(str(exc))}); is the file truncated?") from None
 
 
 # --------------------------------------------------------------- checks of the unpickled result
@@ -214,13 +224,7 @@ def _check(ok: bool, source: str, what: Callable[[], str]) -> None:
         raise CheckpointError(f"{source} is malformed: {what()}")
 
 
-def _short(value: Any) -> str:
-    """``value``'s repr for a message: cut short, and never recursing without bound (a hostile
-    pickle may nest thousands of levels deep)."""
-    try:
-        return _REPR.repr(value)[:200]
-    except (RecursionError, Exception):  # noqa: BLE001 - any repr may fail on hostile objects
-        return f"a {type(value).__name__}"
+_short = short_repr
 
 
 def _is_dims(value: Any, ndim: Optional[int] = None) -> bool:
@@ -240,22 +244,22 @@ def _dense_dtype(dtype: Any) -> bool:
 def _check_tensor(fqn: str, md: Any, source: str) -> None:
     properties = md.properties
     _check(isinstance(properties, dcp_md.TensorProperties) and _dense_dtype(properties.dtype), source,
-           lambda: f"{fqn!r} has no dense tensor dtype ({_short(properties)})")
+           lambda: f"{_short(fqn)} has no dense tensor dtype ({_short(properties)})")
     _check(properties.layout == torch.strided, source,
-           lambda: f"{fqn!r} has layout {_short(properties.layout)}; only dense (strided) tensors can be read")
+           lambda: f"{_short(fqn)} has layout {_short(properties.layout)}; only dense (strided) tensors can be read")
     size = md.size
-    _check(_is_dims(size), source, lambda: f"{fqn!r} has size {_short(size)}")
+    _check(_is_dims(size), source, lambda: f"{_short(fqn)} has size {_short(size)}")
     _check(math.prod(size) * properties.dtype.itemsize <= _MAX_INT, source,
-           lambda: f"{fqn!r} of size {tuple(size)} has more than {_MAX_INT} bytes")
+           lambda: f"{_short(fqn)} of size {tuple(size)} has more than {_MAX_INT} bytes")
     chunks = md.chunks
-    _check(isinstance(chunks, list), source, lambda: f"{fqn!r} has chunks {_short(chunks)}")
+    _check(isinstance(chunks, list), source, lambda: f"{_short(fqn)} has chunks {_short(chunks)}")
     seen: Set[Tuple[int, ...]] = set()
     for chunk in chunks:  # (a repeated chunk is refused at once: a pickle repeats one for 2 bytes)
         _check(isinstance(chunk, dcp_md.ChunkStorageMetadata) and _is_dims(chunk.offsets, len(size))
                and _is_dims(chunk.sizes, len(size)), source,
-               lambda: f"{fqn!r} has a chunk {_short(chunk)} that does not fit its size {tuple(size)}")
+               lambda: f"{_short(fqn)} has a chunk {_short(chunk)} that does not fit its size {tuple(size)}")
         offsets = tuple(chunk.offsets)
-        _check(offsets not in seen, source, lambda: f"{fqn!r} lists its chunk at {offsets} more than once")
+        _check(offsets not in seen, source, lambda: f"{_short(fqn)} lists its chunk at {offsets} more than once")
         seen.add(offsets)
 
 
@@ -265,12 +269,12 @@ def _check_storage(index: Any, info: Any, source: str) -> None:
            lambda: f"storage_data has key {_short(index)}")
     _check(isinstance(info, dcp_storage_info) and _is_count(info.offset) and _is_count(info.length)
            and info.offset + info.length <= _MAX_INT, source,
-           lambda: f"storage of {index.fqn!r} is {_short(info)}")
+           lambda: f"storage of {_short(index.fqn)} is {_short(info)}")
     check_relative_path(info.relative_path, source)
     transforms = info.transform_descriptors  # (the class default, None, when not pickled)
     if transforms:
         raise CheckpointError(
-            f"{source}: {index.fqn!r} is stored through the transforms {_short(transforms)} (e.g. compression) "
+            f"{source}: {_short(index.fqn)} is stored through the transforms {_short(transforms)} (e.g. compression) "
             f"in {info.relative_path}; only untransformed DCP checkpoints can be read: save without them"
         )
 
@@ -285,7 +289,7 @@ def _check_metadata(metadata: Any, source: str) -> None:
         if isinstance(md, dcp_md.TensorStorageMetadata):
             _check_tensor(fqn, md, source)
         else:
-            _check(isinstance(md, dcp_md.BytesStorageMetadata), source, lambda: f"{fqn!r} has metadata {_short(md)}")
+            _check(isinstance(md, dcp_md.BytesStorageMetadata), source, lambda: f"{_short(fqn)} has metadata {_short(md)}")
     for index, info in metadata.storage_data.items():
         _check_storage(index, info, source)
 

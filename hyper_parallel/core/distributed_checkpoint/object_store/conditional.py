@@ -134,6 +134,12 @@ class S3Ops(ObjectOps):
 
     def bound(self, bounds: RequestBounds) -> None:
         self.fs.retries = 1  # one pass of s3fs's own retry loop (a class attribute, no option)
+        # botocore asks for "Expect: 100-continue" on every PUT/POST with a file-like body, and
+        # aiohttp waits for that answer with no timeout: an endpoint that never answers would hang
+        # each upload. Without it the body is sent at once and the read timeout bounds the answer.
+        from botocore.handlers import add_expect_header
+
+        self.fs.s3.meta.events.unregister("before-call.s3", add_expect_header)
 
     def endpoint(self) -> str:
         """The endpoint botocore resolved (``endpoint_url`` option, ``AWS_ENDPOINT_URL*``, config

@@ -16,9 +16,12 @@ Object stores have no rename, so a save cannot be staged aside and swapped in. I
 
 Credentials and endpoints come from the file system's own configuration (for S3 what
 botocore reads: ``AWS_*`` environment variables such as ``AWS_ENDPOINT_URL``, config files),
-with fsspec ``storage_options`` on top. Within :func:`bounded_requests` (start-up checks, the
-CLI) each request is bounded instead of retried for minutes (an endpoint that accepts
-connections but never answers is named in one line: :func:`unreachable_message`).
+with fsspec ``storage_options`` on top. Every store :func:`open_store` opens bounds each request
+instead of retrying for minutes: by ``LIBRARY_BOUNDS`` (save, load and the rest of the
+library), or by tighter bounds within :func:`bounded_requests` (start-up checks, the CLI). An
+endpoint that accepts connections but never answers is named in one line
+(:func:`unreachable_message`; ``save``/``load`` raise it as a ``CheckpointError``:
+:func:`unreachable_named`).
 """
 
 from __future__ import annotations
@@ -55,13 +58,16 @@ DONE_MARKER = ".done.rank{}.{}.json"
 FAILED_MARKER = ".failed.rank{}.{}"
 STARTUP_BOUNDS = RequestBounds(timeout_s=10.0, attempts=2)
 """Each request of the recipe's start-up check and of the CLI: 10 s to connect and per read, 2 tries."""
+LIBRARY_BOUNDS = RequestBounds(timeout_s=30.0, attempts=3)
+"""Each request of the library's own stores outside :func:`bounded_requests`: 30 s to connect
+and per read (a read of a large object only needs data to keep arriving), 3 tries."""
 _BOUNDS: contextvars.ContextVar[Optional[RequestBounds]] = contextvars.ContextVar("request_bounds", default=None)
 
 
 @contextlib.contextmanager
 def bounded_requests(bounds: RequestBounds) -> Iterator[None]:
     """Within this block, the stores :func:`open_store` opens bound each request by ``bounds``
-    (options the caller passes win). Outside it requests follow the store's own defaults."""
+    (options the caller passes win). Outside it, by ``LIBRARY_BOUNDS``."""
     token = _BOUNDS.set(bounds)
     try:
         yield
@@ -88,13 +94,11 @@ def open_store(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tu
     fsspec = require("fsspec", f"checkpoint {url!r}")
     options = dict(storage_options or {})
     try:
-        bounds = _BOUNDS.get()
-        if bounds is not None:
-            cls = fsspec.get_filesystem_class(scheme)
-            options = _with_bounds(options, ops_class(protocols(cls)).bounded_options(bounds))
+        bounds = _bounds()
+        cls = fsspec.get_filesystem_class(scheme)
+        options = _with_bounds(options, ops_class(protocols(cls)).bounded_options(bounds))
         fs, path = fsspec.core.url_to_fs(url, **options)
-        if bounds is not None:
-            object_ops(fs).bound(bounds)
+        object_ops(fs).bound(bounds)
     except ImportError as exc:
         raise ValueError(f"checkpoint {url!r}: the {scheme}:// file system is not installed ({exc}); "
                          "for s3:// pip install 'hyper_parallel[s3]'") from None
@@ -102,6 +106,23 @@ def open_store(url: str, storage_options: Optional[Dict[str, Any]] = None) -> Tu
         raise ValueError(f"checkpoint {url!r}: {scheme}:// is no storage fsspec knows ({exc}); use a local "
                          "path or an fsspec URL such as s3://bucket/prefix") from None
     return fs, path.rstrip("/")
+
+
+def _bounds() -> RequestBounds:
+    return _BOUNDS.get() or LIBRARY_BOUNDS
+
+
+@contextlib.contextmanager
+def unreachable_named(url: Optional[str]) -> Iterator[None]:
+    """Within this block, a store that does not answer (:func:`unreachable_errors`) on the
+    fsspec URL ``url`` raises ``CheckpointError`` with :func:`unreachable_message`; errors on a
+    local path (``url`` without a scheme, or None) pass as they are."""
+    try:
+        yield
+    except unreachable_errors() as exc:
+        if url is None or not url_scheme(url):
+            raise
+        raise CheckpointError(unreachable_message(url, exc)) from None
 
 
 def call_deadline(fs: Any) -> Dict[str, float]:
@@ -155,8 +176,8 @@ def unreachable_message(url: str, error: BaseException) -> str:
         endpoint = object_ops(open_store(url)[0]).endpoint()
     except Exception:  # noqa: BLE001 (naming the endpoint must not hide the error itself)
         endpoint = f"the {url_scheme(url)}:// store"
-    bounds = _BOUNDS.get()
-    within = "" if bounds is None else f" ({bounds.attempts} tries of {bounds.timeout_s:.0f}s)"
+    bounds = _bounds()
+    within = f" ({bounds.attempts} tries of {bounds.timeout_s:g}s)"
     return (f"{redact_url(url)}: no answer from the object store at {redact_url(endpoint)}{within}: "
             f"{type(error).__name__}; check the endpoint (for S3: AWS_ENDPOINT_URL or storage_options), "
             "the network and that the store is running")
