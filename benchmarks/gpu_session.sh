@@ -107,7 +107,6 @@ checkpoint | all)
             --verify "$verify" --dir /tmp/hp_ckpt_bench
     done
     ;;&
-cp | tests | step) ;;&
 # ---- MoE layer (appended block; `moe` alone, or within `all`) ------------------------------
 # One process, one GPU, bf16: the host syncs of one MoE layer step counted under
 # torch.cuda.set_sync_debug_mode("warn") (expected 0: no expert parallelism), and its step
