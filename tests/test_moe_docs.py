@@ -48,14 +48,21 @@ def test_every_moe_md_snippet_runs_as_written(tmp_path):
     assert '"dtype": "float32"' in config and '"torch_dtype": "float32"' in config
 
 
-def _saved_bytes_per_token(cfg, layer: int, batch: int = 2, seq: int = 64) -> float:
-    """What one block of ``cfg`` saves for its backward per token, measured: the distinct
-    storages torch's saved-tensor hooks see, less the weights, buffers and RoPE tables."""
+def _saved_bytes_per_token(cfg, layer: int, dtype: torch.dtype, batch: int = 4, seq: int = 64) -> float:
+    """What one block of ``cfg`` saves for its backward per token, measured with the block's
+    weights and input in ``dtype`` (the RoPE tables stay float32, as mixed precision leaves the
+    root's buffers): the distinct storages torch's saved-tensor hooks see, less the weights,
+    buffers and RoPE tables. The routed experts must take the grouped GEMM path, as in production."""
     from hyper_parallel.models.moe import MoETransformer
+    from hyper_parallel.models.moe_layer import ExpertMatmul, expert_matmul
 
     model = MoETransformer(cfg)
     model.init_weights(seed=0)
-    block = model.layers[str(layer)]
+    block = model.layers[str(layer)].to(dtype)
+    if block.moe is not None:
+        experts = block.moe.experts
+        sorted_rows = torch.empty(batch * seq * cfg.top_k, cfg.dim, dtype=dtype)
+        assert expert_matmul(sorted_rows, experts.w1, experts.w2, experts.w3) is ExpertMatmul.GROUPED_MM
     skip = {t.untyped_storage().data_ptr() for t in (*block.parameters(), *block.buffers(), model.rope_cos,
                                                      model.rope_sin)}
     storages = {}
@@ -65,7 +72,7 @@ def _saved_bytes_per_token(cfg, layer: int, batch: int = 2, seq: int = 64) -> fl
             storages[tensor.untyped_storage().data_ptr()] = tensor.untyped_storage().nbytes()
         return tensor
 
-    x = torch.randn(batch, seq, cfg.dim, requires_grad=True)
+    x = torch.randn(batch, seq, cfg.dim, dtype=dtype, requires_grad=True)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
         block(x, model.rope_cos[:seq], model.rope_sin[:seq])
     return sum(storages.values()) / (batch * seq)
@@ -73,15 +80,15 @@ def _saved_bytes_per_token(cfg, layer: int, batch: int = 2, seq: int = 64) -> fl
 
 def _formula_per_token(cfg, dense: bool, b: int) -> int:
     """docs/moe.md's arithmetic: one block's saved activations per token (``b``: the compute
-    dtype's bytes; the small terms at 4 B, the int64 indices at 8 B)."""
+    dtype's bytes, 2 or 4; the float32 terms at 4 B, the int64 indices at 8 B)."""
     d, heads, kv_heads, head_dim, q = cfg.dim, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, int(cfg.qk_norm)
-    total = (b * (6 * d + (3 + 2 * q) * heads * head_dim + (2 + 2 * q) * kv_heads * head_dim)
-             + 4 * (2 + (1 + q) * heads + q * kv_heads))
+    total = (b * (4 * d + (3 + q) * heads * head_dim + (2 + q) * kv_heads * head_dim)
+             + 4 * (2 * d + q * (heads + kv_heads) * head_dim) + 4 * (2 + (1 + q) * heads + q * kv_heads))
     if dense:
         return total + b * 4 * cfg.ffn_hidden_dim
     k, h = cfg.top_k, cfg.moe_ffn_dim
-    return (total + b * (2 * k * d + 4 * k * h + 4 * cfg.shared_experts * h)
-            + 4 * (cfg.num_experts + k + (1 + k) * int(cfg.norm_topk_prob)) + 8 * 4 * k)
+    return (total + b * (k * d + 4 * k * h + 4 * cfg.shared_experts * h)
+            + 4 * (k * d + cfg.num_experts + k + (1 + k) * int(cfg.norm_topk_prob)) + 8 * 3 * k)
 
 
 def test_the_activation_arithmetic_matches_a_measurement_and_the_docs_table():
@@ -95,15 +102,19 @@ def test_the_activation_arithmetic_matches_a_measurement_and_the_docs_table():
     for changes in shapes:
         cfg = MoEConfig(**{**base, **changes})
         for layer in range(cfg.n_layers):
-            measured = _saved_bytes_per_token(cfg, layer)
-            # the per-block constants (the token counts, the aux loss) are under a byte per token
-            assert 0 <= measured - _formula_per_token(cfg, layer < cfg.first_k_dense, 4) < 1, (changes, layer)
+            for dtype in (torch.bfloat16, torch.float32):  # production's compute dtype, and float32
+                measured = _saved_bytes_per_token(cfg, layer, dtype)
+                formula = _formula_per_token(cfg, layer < cfg.first_k_dense, dtype.itemsize)
+                # the per-block constants (the token counts, the offsets, the aux loss) are under a byte per token
+                assert 0 <= measured - formula < 1, (changes, layer, dtype, measured, formula)
     docs = DOC.read_text()
     tokens = 4096
     for name in ("qwen3_30b_a3b", "deepseek_v3_16b"):
         cfg = MoEConfig(**MOE_CONFIGS[name])
         blocks = [_formula_per_token(cfg, layer < cfg.first_k_dense, 2) for layer in range(cfg.n_layers)]
+        # with checkpointing: every block's input, every MoE block's replayed routing (int64 top_k), one block
+        held = cfg.n_layers * cfg.dim * 2 + (cfg.n_layers - cfg.first_k_dense) * 8 * cfg.top_k + max(blocks)
         row = (f"| `{name}` | {_formula_per_token(cfg, False, 2) / 1e3:.1f} KB | {sum(blocks) * tokens / 1e9:.1f} GB | "
-               f"{(cfg.n_layers * cfg.dim * 2 + max(blocks)) * tokens / 1e9:.2f} GB | "
+               f"{held * tokens / 1e9:.2f} GB | "
                f"{14 * cfg.vocab_size * tokens / 1e9:.1f} GB |")
         assert row in docs, row
