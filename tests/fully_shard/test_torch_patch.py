@@ -131,18 +131,23 @@ def test_nested_patches_undone_in_any_order_restore_torch():
     assert all(getattr(fsdp, name) is value for name, value in torch_values.items())
 
 
-def test_patch_after_a_client_bound_torchs_fully_shard_is_refused(monkeypatch):
+def test_patch_rebinds_torchs_names_a_module_imported_before_it_bound(monkeypatch):
     import sys
     import types
 
     from torch.distributed import fsdp
 
+    torch_fully_shard, torch_policy = fsdp.fully_shard, fsdp.MixedPrecisionPolicy
     client = types.ModuleType("my_trainer")
-    client.fully_shard = fsdp.fully_shard  # `from torch.distributed.fsdp import fully_shard` at its import
+    client.fully_shard = torch_fully_shard  # `from torch.distributed.fsdp import fully_shard` at its import
+    client.MixedPrecisionPolicy = torch_policy
+    client.torch_fully_shard = torch_fully_shard  # bound under another name on purpose: left alone
     monkeypatch.setitem(sys.modules, "my_trainer", client)
-    with pytest.raises(RuntimeError, match=r"after my_trainer imported torch's fully_shard.*before importing it"):
-        hp.patch_torch_fsdp()
-    assert fsdp.fully_shard is client.fully_shard  # nothing patched
+    with hp.patch_torch_fsdp():
+        assert client.fully_shard is hp.fully_shard and client.MixedPrecisionPolicy is hp.MixedPrecisionPolicy
+        assert client.torch_fully_shard is torch_fully_shard
+    assert (client.fully_shard, client.MixedPrecisionPolicy) == (torch_fully_shard, torch_policy)
+    assert fsdp.fully_shard is torch_fully_shard
 
 
 def _torch_fully_shard_bound_before_the_patch():

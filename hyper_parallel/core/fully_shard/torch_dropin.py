@@ -64,41 +64,35 @@ def patch_torch_fsdp() -> TorchFSDPPatch:
     """Make torch's public FSDP2 names hyper_parallel's: ``fully_shard``, ``FSDPModule``,
     ``MixedPrecisionPolicy``, ``OffloadPolicy``, ``CPUOffloadPolicy`` and
     ``register_fsdp_forward_method`` in ``torch.distributed.fsdp`` and torch's deprecated path
-    to them (the modules of ``_torch_compat.fsdp2_export_modules``). Code
-    importing these names afterwards (at module import or inside functions, as accelerate does)
-    gets ours. Torch's own modules are left alone, so torch's ``fully_shard`` bound before the
-    call keeps working as torch's.
+    to them (the modules of ``_torch_compat.fsdp2_export_modules``). Code importing these names
+    afterwards (at module import or inside functions, as accelerate does) gets ours; a module
+    imported before the call (not torch's) that bound one of them under the same name (e.g.
+    ``from torch.distributed.fsdp import fully_shard``, as ``transformers`` does) has that global
+    rebound to ours too. Torch's own modules are left alone, so torch's ``fully_shard`` reached
+    through them, or bound by a function before the call, keeps working as torch's.
 
     Our ``FSDPModule`` subclasses torch's, so ``isinstance`` checks with either class hold for
     our modules; torch's policy objects created before the patch are converted by ``fully_shard``.
 
     Returns:
-        A :class:`TorchFSDPPatch`: ``.undo()`` ends it; also a context manager
-        (``with hp.patch_torch_fsdp(): ...`` ends it on exit).
-
-    Raises:
-        RuntimeError: a module already imported (not torch's or ours) bound torch's
-            ``fully_shard`` under that name: it would go on wrapping with torch's, so patch
-            before importing it.
+        A :class:`TorchFSDPPatch`: ``.undo()`` ends it (the last active patch restores every name
+        it replaced); also a context manager (``with hp.patch_torch_fsdp(): ...`` ends it on exit).
     """
     if not _ACTIVE:
-        modules = fsdp2_export_modules()
-        late = _modules_holding(modules[0].fully_shard)
-        if late:
-            raise RuntimeError(f"patch_torch_fsdp() called after {', '.join(late)} imported torch's fully_shard, "
-                               "which it would keep using: call hp.patch_torch_fsdp() before importing it")
-        for module in modules:
+        exports = fsdp2_export_modules()
+        torch_values = {name: vars(exports[0])[name] for name in REPLACEMENTS}
+        for module in [*exports, *_modules_holding(torch_values)]:
             for name, ours in REPLACEMENTS.items():
-                if name in vars(module):
+                if name in vars(module) and (module in exports or vars(module)[name] is torch_values[name]):
                     _TORCH_VALUES.append((module, name, vars(module)[name]))
                     setattr(module, name, ours)
     return TorchFSDPPatch()
 
 
-def _modules_holding(torch_fully_shard: Any) -> List[str]:
-    """The imported modules, other than torch's and hyper_parallel's, whose global
-    ``fully_shard`` is torch's."""
-    return sorted(name for name, module in list(sys.modules.items())
-                  if name.split(".")[0] not in ("torch", "hyper_parallel")
-                  and isinstance(getattr(module, "__dict__", None), dict)
-                  and module.__dict__.get("fully_shard") is torch_fully_shard)
+def _modules_holding(torch_values: Dict[str, Any]) -> List[ModuleType]:
+    """The imported modules, other than torch's and hyper_parallel's, holding one of torch's
+    FSDP2 objects as a global of the same name."""
+    return [module for name, module in list(sys.modules.items())
+            if name.split(".")[0] not in ("torch", "hyper_parallel")
+            and isinstance(getattr(module, "__dict__", None), dict)
+            and any(module.__dict__.get(key) is value for key, value in torch_values.items())]
