@@ -8,10 +8,12 @@ the README (``make test-torch TORCH=<version>`` runs the suite on another one).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401  (re-exported)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
@@ -22,11 +24,19 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo as dcp_storage_
 from torch.distributed.checkpoint.metadata import _MEM_FORMAT_ENCODING as dcp_mem_format_encoding  # noqa: F401
 # FSDP2's per-parameter mesh: what ``shard_placement_fn`` may return (a placement and the mesh
 # it shards over) and the mesh descriptions it holds; torch exports them from no public module.
-from torch.distributed.fsdp._fully_shard._fsdp_common import (  # noqa: F401  (re-exported)
-    FSDPMeshInfo,
-    HSDPMeshInfo,
-    ShardPlacementResult,
-)
+from torch.distributed.fsdp._fully_shard._fsdp_common import FSDPMeshInfo, HSDPMeshInfo  # noqa: F401
+from torch.distributed.tensor import Shard
+
+try:
+    from torch.distributed.fsdp._fully_shard._fsdp_common import ShardPlacementResult  # noqa: F401
+except ImportError:  # torch < 2.12 (the GPU image's 2.11): FSDP2 has no per-parameter meshes yet
+
+    @dataclasses.dataclass
+    class ShardPlacementResult:  # type: ignore[no-redef]
+        """torch 2.12's ``ShardPlacementResult`` (same fields), for torch releases without it."""
+
+        placement: Optional[Shard]
+        mesh_info: FSDPMeshInfo
 from torch.serialization import _get_layout as get_layout  # noqa: F401
 # The base class of a mode that sees every aten op a block runs (torch exports it from no public
 # module; hyper_parallel.utils.host_reads counts the ops that read values on the host with it).
@@ -38,6 +48,7 @@ __all__ = [
     "HSDPMeshInfo",
     "ShardPlacementResult",
     "HOST_READING_OPS",
+    "all_gather_single",
     "TensorMeta",
     "TorchDispatchMode",
     "chunk_cat",
@@ -70,7 +81,9 @@ __all__ = [
     "preserve_version_counter",
     "queue_autograd_callback",
     "record_cuda_memory_history",
+    "reduce_scatter_single",
     "set_local_tensor",
+    "spmd_mesh_dims",
     "unflatten_mesh",
 ]
 
@@ -109,6 +122,36 @@ HOST_READING_OPS = frozenset({
 # Context manager: writes inside it do not bump a tensor's version counter (refilling the
 # unsharded parameters that autograd saved in forward).
 preserve_version_counter = torch.autograd._unsafe_preserve_version_counter
+
+
+def spmd_mesh_dims(mesh_info: FSDPMeshInfo) -> Optional[Any]:
+    """The full-SPMD-mesh description of an FSDP2 mesh info (``dp_mesh_dims``, torch 2.12+);
+    None where torch has no such field."""
+    fields = {f.name for f in dataclasses.fields(mesh_info)}
+    return mesh_info.dp_mesh_dims if "dp_mesh_dims" in fields else None
+
+
+# torch 2.12 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single (the old names
+# warn since); the GPU image's torch 2.11 has only the old ones.
+_SINGLE_COLLECTIVES = hasattr(dist, "all_gather_single")
+
+
+def all_gather_single(output: torch.Tensor, input: torch.Tensor, group: Optional[dist.ProcessGroup] = None,
+                      async_op: bool = False) -> Optional[dist.Work]:
+    """``torch.distributed.all_gather_single`` (``all_gather_into_tensor`` before torch 2.12),
+    looked up at call time, so a patched ``torch.distributed`` is honoured."""
+    if _SINGLE_COLLECTIVES:
+        return dist.all_gather_single(output, input, group=group, async_op=async_op)
+    return dist.all_gather_into_tensor(output, input, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                          group: Optional[dist.ProcessGroup] = None, async_op: bool = False) -> Optional[dist.Work]:
+    """``torch.distributed.reduce_scatter_single`` (``reduce_scatter_tensor`` before torch 2.12),
+    looked up at call time."""
+    if _SINGLE_COLLECTIVES:
+        return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
+    return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
 def dtensor_spec(dtensor: torch.Tensor) -> DTensorSpec:
@@ -158,7 +201,10 @@ def mesh_dim_rank_groups(mesh: DeviceMesh, dim: int) -> List[List[int]]:
     them)."""
     from torch.distributed._mesh_layout import _MeshLayout
 
-    return _MeshLayout([mesh._layout[dim]]).remap_to_tensor(mesh._get_root_mesh()._rank_map).tolist()
+    layout = mesh._layout[dim]
+    if not isinstance(layout, _MeshLayout):  # torch 2.12+: one axis of a layout is a _FlatLayout
+        layout = _MeshLayout([layout])
+    return layout.remap_to_tensor(mesh._get_root_mesh()._rank_map).tolist()
 
 
 def current_graph_task_id() -> int:

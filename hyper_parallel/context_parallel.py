@@ -35,6 +35,7 @@ import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
+from hyper_parallel import _torch_compat as compat
 from hyper_parallel.block_attention import (BlockKernel, BlockMask, accumulation_dtype, block_attention,
                                             block_attention_backward, block_kernel, merge_attention,
                                             new_kernel_layout)
@@ -298,7 +299,7 @@ def _kv_blocks(flat: torch.Tensor, cp: ContextParallel) -> Iterator[Tuple[int, t
     rank, size = cp.rank, cp.size
     if cp.rotate is Rotate.ALLGATHER and size > 1:
         gathered = flat.new_empty((size, flat.numel()))
-        dist.all_gather_single(gathered.view(-1), flat, group=cp.group)
+        compat.all_gather_single(gathered.view(-1), flat, group=cp.group)
         for i in range(size):
             yield (rank - i) % size, gathered[(rank - i) % size]
         return
@@ -370,7 +371,7 @@ class _RingAttention(torch.autograd.Function):
             for src, block in _kv_blocks(flat, cp):
                 add_block(src, block, grads[src])
             own = grads.new_empty(flat.numel())
-            dist.reduce_scatter_single(own, grads.view(-1), op=dist.ReduceOp.SUM, group=cp.group)
+            compat.reduce_scatter_single(own, grads.view(-1), op=dist.ReduceOp.SUM, group=cp.group)
         else:  # each block's gradients travel with it and reach its owner after the last step
             arriving: Optional[_Shift] = None  # the previous ranks' gradients of the block now here
             for src, block in _kv_blocks(flat, cp):

@@ -337,3 +337,19 @@ def test_cuda_flash_attention_backward_on_meta_tensors():
 def test_cuda_flash_attention_applies_only_on_a_gpu_it_runs_on():
     assert not compat.cuda_flash_attention_applies(torch.device("cpu"))
     assert not compat.cuda_flash_attention_applies(torch.device("meta"))
+
+
+def test_spmd_mesh_dims_and_shard_placement_result(rank_2_of_4):
+    info = compat.FSDPMeshInfo(mesh=rank_2_of_4, shard_mesh_dim=0)
+    assert compat.spmd_mesh_dims(info) is None
+    result = compat.ShardPlacementResult(placement=Shard(0), mesh_info=info)
+    assert (result.placement, result.mesh_info) == (Shard(0), info)
+
+
+def test_all_gather_single_and_reduce_scatter_single(rank_2_of_4):
+    group = rank_2_of_4.get_group()
+    gathered, shard = torch.empty(8), torch.ones(2)
+    assert compat.all_gather_single(gathered, shard, group=group) is None
+    assert compat.all_gather_single(gathered, shard, group=group, async_op=True).wait()
+    assert compat.reduce_scatter_single(shard, gathered, group=group) is None
+    assert compat.reduce_scatter_single(shard, gathered, group=group, async_op=True).wait()

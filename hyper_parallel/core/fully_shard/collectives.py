@@ -16,6 +16,8 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from hyper_parallel import _torch_compat as compat
+
 _COUNTS: Counter = Counter()
 _BYTES: Counter = Counter()
 # A custom all-gather (torch's ``AllGather`` protocol, ``FSDPModule.set_custom_all_gather``) of
@@ -69,7 +71,7 @@ def all_gather(output: torch.Tensor, shard: torch.Tensor, group: dist.ProcessGro
     comm = _ALL_GATHER_COMM.get()
     if comm is not None:
         return comm(output, shard, group, async_op)
-    return dist.all_gather_single(output, shard, group=group, async_op=async_op)
+    return compat.all_gather_single(output, shard, group=group, async_op=async_op)
 
 
 def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.ProcessGroup,
@@ -79,7 +81,7 @@ def reduce_scatter(output: torch.Tensor, full: torch.Tensor, group: dist.Process
     _count("reduce_scatter", full)
     if comm is not None:
         return comm(output, full, group, dist.ReduceOp.SUM, async_op)
-    return dist.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
+    return compat.reduce_scatter_single(output, full, op=dist.ReduceOp.SUM, group=group,
                                       async_op=async_op)
 
 

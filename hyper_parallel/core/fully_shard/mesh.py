@@ -11,7 +11,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement, _StridedShard
 
-from hyper_parallel._torch_compat import FSDPMeshInfo, HSDPMeshInfo, mesh_dim_rank_groups
+from hyper_parallel._torch_compat import FSDPMeshInfo, HSDPMeshInfo, mesh_dim_rank_groups, spmd_mesh_dims
 from hyper_parallel.platform import get_platform
 
 # Caches keyed by the default process group: one per process normally, one per rank when
@@ -158,8 +158,8 @@ def resolve_mesh_info(mesh_info: object) -> DataParallelMesh:
         raise ValueError(f"ShardPlacementResult.mesh_info must be torch's FSDPMeshInfo or HSDPMeshInfo, "
                          f"got {type(mesh_info).__name__}")
     mesh = mesh_info.mesh
-    if mesh_info.dp_mesh_dims is not None:
-        raise ValueError(f"ShardPlacementResult with dp_mesh_dims={mesh_info.dp_mesh_dims!r} is not supported: "
+    if spmd_mesh_dims(mesh_info) is not None:
+        raise ValueError(f"ShardPlacementResult with dp_mesh_dims={spmd_mesh_dims(mesh_info)!r} is not supported: "
                          "describe the data-parallel sub-mesh itself")
     if isinstance(mesh_info, HSDPMeshInfo):
         layout_ok = mesh.ndim == 2 and (mesh_info.replicate_mesh_dim, mesh_info.shard_mesh_dim) == (0, 1)
