@@ -20,6 +20,8 @@ from tests.recipes.launch import TINY, assert_losses_match, last_loss_per_step, 
 STEPS = ["training.steps=3", "model.activation_checkpointing=true"]
 
 
+@pytest.mark.slow  # the recipe compiled, in-process: test_cp2_compiled_with_checkpointing_trains_like_one_process;
+# hooks left eager: tests/fully_shard/test_compile.py
 def test_compiled_recipe_matches_eager(tmp_path):
     compiled_out, eager_out = tmp_path / "compiled", tmp_path / "eager"
     cmd = torchrun_cmd(2, [*TINY, *STEPS, f"output_dir={compiled_out}", "training.compile=true",

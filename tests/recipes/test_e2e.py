@@ -155,6 +155,7 @@ def test_sigterm_saves_a_final_checkpoint_and_exits_0(tmp_path):
     assert read_metrics(str(tmp_path))[-1]["step"] == last + 1
 
 
+@pytest.mark.slow  # text data: test_ops_e2e.py; bf16 with checkpointing: test_tensor_parallel.py (in-process)
 def test_text_data_in_bf16_with_activation_checkpointing(tmp_path):
     text = tmp_path / "corpus.txt"
     text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
@@ -168,6 +169,7 @@ def test_text_data_in_bf16_with_activation_checkpointing(tmp_path):
     assert records[-1]["loss"] < records[0]["loss"]
 
 
+@pytest.mark.slow  # init_from: test_hf_interop.py, test_ops_e2e.py; data=tokens: in-process recipe tests
 def test_token_file_data_and_init_from_hf(tmp_path):
     """The first step's loss equals a plain model's, initialised from the same HF directory, on
     the first global batch of the token file."""
