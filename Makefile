@@ -38,12 +38,14 @@ extras:
 train: install
 	NPROC=$(NPROC) TORCHRUN=$(VENV)/bin/torchrun PYTHON=$(PY) scripts/train.sh $(ARGS)
 
+# Bytecode is written even where PYTHONDONTWRITEBYTECODE is set: the suite starts a few hundred
+# rank and recipe processes, each of which would otherwise compile the package's sources again.
 test: install
-	$(PY) -m pytest -q $(ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q $(ARGS)
 
 # Every test, those marked slow included (each also covered by a faster one in `make test`).
 test-all: install
-	$(PY) -m pytest -q -m '' $(ARGS)
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -m pytest -q -m '' $(ARGS)
 
 # The suite on another torch version, in its own venv .venv-torch-<version> (not in CI):
 #   make test-torch TORCH=2.15.0 [ARGS="tests/fully_shard -x"]
