@@ -38,19 +38,19 @@ def _wait_until_sigterm_is_caught(pid: int, timeout: float = 60) -> None:
 
 def test_a_sigterm_during_the_start_up_checks_waits_for_the_ranks_error_line(tmp_path):
     rank_1_of_2 = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}
-    proc = start([sys.executable, RECIPE, *TINY, f"output_dir={tmp_path}", "parallel.pp_schedule=GPipe"],
-                 stderr=subprocess.PIPE, extra_env=rank_1_of_2)
-    _wait_until_sigterm_is_caught(proc.pid)  # (from its first lines on, before torch is imported)
-    proc.send_signal(signal.SIGTERM)  # as torchrun does when another rank exited first
-    _, err = proc.communicate(timeout=120)
-    assert (proc.returncode, err) == (2, "error: (rank 1 of 2) parallel.pp_schedule=GPipe needs parallel.pp > 1 "
-                                         "(it has no effect with parallel.pp=1); set parallel.pp or remove it\n")
+    # Two ranks 1 at once: one with a problem in its config, one without (its checks pass).
+    failing = start([sys.executable, RECIPE, *TINY, f"output_dir={tmp_path}", "parallel.pp_schedule=GPipe"],
+                    stderr=subprocess.PIPE, extra_env=rank_1_of_2)
+    passing = start([sys.executable, RECIPE, *TINY, f"output_dir={tmp_path}", "--check"], extra_env=rank_1_of_2)
+    for proc in (failing, passing):
+        _wait_until_sigterm_is_caught(proc.pid)  # (from its first lines on, before torch is imported)
+        proc.send_signal(signal.SIGTERM)  # as torchrun does when another rank exited first
+    _, err = failing.communicate(timeout=120)
+    assert (failing.returncode, err) == (2, "error: (rank 1 of 2) parallel.pp_schedule=GPipe needs parallel.pp > 1 "
+                                            "(it has no effect with parallel.pp=1); set parallel.pp or remove it\n")
     # A rank without a problem ends by the held SIGTERM once the checks are done (never trains).
-    proc = start([sys.executable, RECIPE, *TINY, f"output_dir={tmp_path}", "--check"], extra_env=rank_1_of_2)
-    _wait_until_sigterm_is_caught(proc.pid)
-    proc.send_signal(signal.SIGTERM)
-    out = finish(proc, timeout=120)
-    assert proc.returncode == -signal.SIGTERM and "config OK" not in out, out
+    out = finish(passing, timeout=120)
+    assert passing.returncode == -signal.SIGTERM and "config OK" not in out, out
 
 
 _INTERRUPTED_SESSION = '''
