@@ -7,6 +7,7 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 
 import numpy as np
@@ -197,16 +198,19 @@ def test_bad_configs_fail_fast_and_readably(tmp_path):
         assert "recipes/train.py\", line" not in stderr and "hyper_parallel/" not in stderr, stderr
 
     # scripts/train.sh checks the config before torchrun starts: one line, exit 2, no torchrun.
-    bad = run(["env", "NPROC=2", f"TORCHRUN={os.path.dirname(sys.executable)}/torchrun",
-               f"PYTHON={sys.executable}", "scripts/train.sh", f"output_dir={tmp_path}",
-               "parallel.dp_replicate=3", "training.steps=-1"], timeout=60)
+    # Beside it, a problem found after the process group started (reading the data).
+    bad = start(["env", "NPROC=2", f"TORCHRUN={os.path.dirname(sys.executable)}/torchrun",
+                 f"PYTHON={sys.executable}", "scripts/train.sh", f"output_dir={tmp_path}",
+                 "parallel.dp_replicate=3", "training.steps=-1"], stderr=subprocess.PIPE)
+    missing = start([sys.executable, "recipes/train.py", f"output_dir={tmp_path}", "data=text",
+                     f"data.paths={tmp_path}/nope.txt"], stderr=subprocess.PIPE)
+    _, bad_err = bad.communicate(timeout=60)
     assert bad.returncode == 2
-    assert "dp_replicate=3 does not divide the world size 2" in bad.stderr, bad.stderr
-    assert "training.steps=-1 must be a positive integer" in bad.stderr
-    assert "ChildFailedError" not in bad.stderr and "torch.distributed" not in bad.stderr, bad.stderr
-    no_traceback_from_the_recipe(bad.stderr)
-    # Found after the process group started (reading the data): still one line, exit 2.
-    missing = run([sys.executable, "recipes/train.py", f"output_dir={tmp_path}", "data=text",
-                   f"data.paths={tmp_path}/nope.txt"], timeout=60)
-    assert missing.returncode == 2 and "no such data file" in missing.stderr, missing.stderr
-    no_traceback_from_the_recipe(missing.stderr)
+    assert "dp_replicate=3 does not divide the world size 2" in bad_err, bad_err
+    assert "training.steps=-1 must be a positive integer" in bad_err
+    assert "ChildFailedError" not in bad_err and "torch.distributed" not in bad_err, bad_err
+    no_traceback_from_the_recipe(bad_err)
+    # Still one line, exit 2.
+    _, missing_err = missing.communicate(timeout=60)
+    assert missing.returncode == 2 and "no such data file" in missing_err, missing_err
+    no_traceback_from_the_recipe(missing_err)
