@@ -6,14 +6,22 @@ back-reference is declared as a contract in the lower module (e.g. a Protocol) i
 from __future__ import annotations
 
 import os
+from typing import Dict, Set
+
+import pytest
 
 from tests.import_graph import cycles, module_graph
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_no_import_cycle_in_the_library():
-    graph = module_graph(ROOT, "hyper_parallel")
+@pytest.fixture(scope="module")
+def library_graph() -> Dict[str, Set[str]]:
+    return module_graph(ROOT, "hyper_parallel")
+
+
+def test_no_import_cycle_in_the_library(library_graph):
+    graph = library_graph
     assert {"hyper_parallel.core.fully_shard.state", "hyper_parallel.models"} <= set(graph)
     assert cycles(graph) == []
 
@@ -31,3 +39,15 @@ def test_a_lazy_import_closing_a_circle_is_found(tmp_path):
     graph = module_graph(str(tmp_path), "pkg")
     assert graph["pkg.d"] == {"pkg.a", "pkg.sub.b"}
     assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+
+
+# What hyper_parallel/models/__init__.py's docstring says the models may import.
+MODELS_MAY_IMPORT = ("hyper_parallel.models", "hyper_parallel._torch_compat", "hyper_parallel.core",
+                     "hyper_parallel.checkpoint", "hyper_parallel.context_parallel", "hyper_parallel.chunked_loss")
+
+
+def test_the_models_import_only_what_their_package_docstring_allows(library_graph):
+    outside = sorted(f"{module} imports {imported}" for module, imports in library_graph.items()
+                     if module.startswith("hyper_parallel.models") for imported in imports
+                     if not imported.startswith(MODELS_MAY_IMPORT))
+    assert outside == []
