@@ -27,6 +27,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from hyper_parallel.chunked_loss import ChunkedLoss
+from hyper_parallel.core.distributed_checkpoint.state_dict import canonical_fqn
 from hyper_parallel.core.layout import local_part
 from hyper_parallel.models.attention import Attention, AttentionConfig
 from hyper_parallel.models.layers import RMSNorm
@@ -177,7 +178,8 @@ class Decoder(nn.Module):
                     nn.init.zeros_(param)
                 else:
                     wide = path.endswith(("wo.weight", "w2.weight", ".w2"))
-                    init_normal_(param, seed, f"layers.{name}.{path}", out_std if wide else std)
+                    # (named without wrapper segments: a torch.compile'd block's _orig_mod)
+                    init_normal_(param, seed, canonical_fqn(f"layers.{name}.{path}"), out_std if wide else std)
             block.reset_buffers()
         if self.norm is not None:
             self.norm.reset_parameters()
