@@ -1,4 +1,16 @@
-"""Reference models used by the recipes, tests and benchmarks."""
+"""The models of the recipes, tests and benchmarks: one decoder and its families.
+
+``decoder`` is the decoder (embedding, blocks, final norm, output, rotary tables, seeded
+initialisation) built from ``attention``, ``layers`` (RMSNorm, dense SwiGLU) and ``rotary``; a
+family chooses each block's feed-forward: ``llama`` (dense SwiGLU) and ``moe`` (a mixture of
+experts: ``moe_layer``, ``grouped_experts``). ``llama_parallel`` holds their tensor-parallel plan
+and pipeline stage split, ``hf_llama`` / ``hf_moe`` the Hugging Face name maps and configs.
+
+May import (beside torch): ``hyper_parallel._torch_compat``, ``core`` (fully_shard, layout, the
+checkpoint formats for the HF maps), ``checkpoint``, ``context_parallel`` (ring attention) and
+``chunked_loss``; never ``trainer``, ``data``, the other parallelisms or the recipes
+(tests/test_import_cycles.py checks it).
+"""
 
 from hyper_parallel.models.llama import CONFIGS, LlamaConfig, Transformer, TransformerBlock, build_llama
 from hyper_parallel.models.moe import MOE_CONFIGS, MoEConfig, MoETransformer, build_moe, param_counts

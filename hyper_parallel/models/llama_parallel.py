@@ -1,8 +1,9 @@
-"""Llama-specific parallel layouts: the Megatron-style tensor-parallel plan (applied with
-torch's own ``parallelize_module``) and the pipeline-stage split of
-:class:`~hyper_parallel.models.llama.Transformer`. The generic pieces stay in
-``hyper_parallel.parallel`` (``cross_entropy``, ``loss_parallel``) and ``hyper_parallel.pipeline``
-(the sharded stage, schedules, stage ranges), which re-export these names.
+"""The decoder's parallel layouts: the Megatron-style tensor-parallel plan of the Llama
+(dense) decoder (applied with torch's own ``parallelize_module``) and the pipeline-stage
+split of every :class:`~hyper_parallel.models.decoder.Decoder` (Llama's and the mixtures of
+experts'). The generic pieces stay in ``hyper_parallel.parallel`` (``cross_entropy``,
+``loss_parallel``) and ``hyper_parallel.pipeline`` (the sharded stage, schedules, stage
+ranges), which re-export these names.
 
 Tensor parallelism: column-parallel ``wq``/``wk``/``wv`` and ``w1``/``w3``, row-parallel ``wo``
 and ``w2`` (each rank holds ``n_heads / tp`` query heads and ``n_kv_heads / tp`` key/value
@@ -40,12 +41,12 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
                                                SequenceParallel, parallelize_module)
 
 from hyper_parallel.core.fully_shard import FSDPModule
+from hyper_parallel.models.decoder import Decoder
 from hyper_parallel.models.llama import Transformer
-from hyper_parallel.models.moe import MoETransformer
 
 __all__ = ["apply_tensor_parallel", "block_plan", "root_plan", "split_stage"]
 
-Model = TypeVar("Model", Transformer, MoETransformer)  # what split_stage splits
+Model = TypeVar("Model", bound=Decoder)  # what split_stage splits
 
 
 # Activations between blocks stay DTensors sharded over the sequence (use_local_output=False on
@@ -120,9 +121,8 @@ def split_stage(model: Model, layers: range, *, first: bool, last: bool) -> Mode
     """A deep copy of ``model`` (``model`` itself is left whole) holding only the blocks in
     ``layers``, under the same names (``layers.3.attention.wq.weight``), with the embedding
     only if ``first`` and the final norm and output projection only if ``last`` (see
-    :class:`~hyper_parallel.models.llama.Transformer`; a mixture of experts,
-    :class:`~hyper_parallel.models.moe.MoETransformer`, has the same names outside its blocks
-    and splits the same way, its dense and MoE blocks alike). Call it before tensor parallelism and
+    :class:`~hyper_parallel.models.decoder.Decoder`: Llama's and the mixtures of experts', their
+    dense and MoE blocks alike). Call it before tensor parallelism and
     ``fully_shard`` (on the meta device, the copy allocates nothing); ``init_weights`` then
     gives every parameter the value it has in the full model.
 

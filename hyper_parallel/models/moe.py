@@ -1,6 +1,8 @@
-"""A Qwen3-MoE-shaped decoder: Llama's attention (optionally with Qwen3's per-head q/k norm),
-RMSNorm and rotary code, with a mixture of experts (``hyper_parallel.models.moe_layer``) in
-place of the dense MLP, after ``first_k_dense`` dense blocks.
+"""A Qwen3-MoE-shaped model: the decoder (``hyper_parallel.models.decoder``; its attention
+optionally with Qwen3's per-head q/k norm) with a mixture of experts
+(``hyper_parallel.models.moe_layer``) in place of the dense SwiGLU, after ``first_k_dense``
+dense blocks; its config (:class:`MoEConfig`), named sizes (:data:`MOE_CONFIGS`,
+:func:`build_moe`), parameter counts and memory per rank.
 
 Like :class:`~hyper_parallel.models.llama.Transformer` it can be created on the meta device,
 wrapped with ``fully_shard`` and materialised with ``to_empty`` + ``init_weights``; ``layers``
@@ -21,8 +23,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hyper_parallel.chunked_loss import ChunkedLoss
-from hyper_parallel.models.llama import Attention, FeedForward, RMSNorm, init_normal_, rope_tables
+from hyper_parallel.models.decoder import Decoder, DecoderBlock, DecoderSizes
+from hyper_parallel.models.layers import FeedForward
 from hyper_parallel.models.moe_layer import MoE, checked_aux_loss_scale
 
 __all__ = ["MOE_CONFIGS", "MemoryPerRank", "MoEBlock", "MoEConfig", "MoETransformer", "ParamCounts",
@@ -30,14 +32,10 @@ __all__ = ["MOE_CONFIGS", "MemoryPerRank", "MoEBlock", "MoEConfig", "MoETransfor
 
 
 @dataclass
-class MoEConfig:
+class MoEConfig(DecoderSizes):
     """The shape of a :class:`MoETransformer`. Fields shared with ``LlamaConfig`` mean the same."""
 
-    vocab_size: int = 256
     dim: int = 32
-    n_layers: int = 2
-    n_heads: int = 4
-    n_kv_heads: Optional[int] = None   # None: n_heads
     head_dim: Optional[int] = None     # None: dim // n_heads (Qwen3 sets it explicitly)
     qk_norm: bool = True               # Qwen3's RMSNorm over each query/key head
     norm_eps: float = 1e-6
@@ -93,18 +91,15 @@ class MoEConfig:
         return found
 
 
-class MoEBlock(nn.Module):
-    """Attention then either a dense SwiGLU (``feed_forward``, the first ``first_k_dense``
-    blocks) or a mixture of experts (``moe``), each behind an RMSNorm and a residual."""
+class MoEBlock(DecoderBlock):
+    """The decoder block with either a dense SwiGLU (``feed_forward``, the first
+    ``first_k_dense`` blocks) or a mixture of experts (``moe``)."""
 
     feed_forward: Optional[FeedForward]
     moe: Optional[MoE]
 
     def __init__(self, cfg: MoEConfig, layer: int):
-        super().__init__()
-        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.attention = Attention(cfg, qk_norm=cfg.qk_norm)
-        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        super().__init__(cfg, qk_norm=cfg.qk_norm)
         dense = layer < cfg.first_k_dense
         self.feed_forward = FeedForward(cfg.dim, cfg.ffn_hidden_dim) if dense else None
         self.moe = None if dense else MoE(
@@ -112,82 +107,28 @@ class MoEBlock(nn.Module):
             shared_hidden_dim=cfg.shared_experts * cfg.moe_ffn_dim, router_bias=cfg.router_bias,
             expert_bias=cfg.expert_bias_update_rate > 0, aux_loss_weight=cfg.aux_loss_weight)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
-        ffn = self.feed_forward if self.moe is None else self.moe
-        return x + ffn(self.ffn_norm(x))
+    def feed_forward_layer(self) -> nn.Module:
+        return self.feed_forward if self.moe is None else self.moe
+
+    def reset_buffers(self) -> None:
+        if self.moe is not None:
+            self.moe.reset_buffers()
 
 
-class MoETransformer(nn.Module):
-    """Token ids (batch, seq) -> logits (batch, seq, vocab), with the module names of
-    :class:`~hyper_parallel.models.llama.Transformer` outside the blocks."""
+class MoETransformer(Decoder):
+    """The mixture-of-experts decoder: token ids (batch, seq) -> logits (batch, seq, vocab), with
+    the module names of :class:`~hyper_parallel.models.llama.Transformer` outside the blocks
+    (see :class:`~hyper_parallel.models.decoder.Decoder`: pipeline stages, ``init_weights``,
+    which gives the experts the dense SwiGLU's values scheme and the routers' gates std 0.02)."""
 
-    tok_embeddings: Optional[nn.Embedding]
-    norm: Optional[RMSNorm]
-    output: Optional[nn.Linear]
+    cfg: MoEConfig
 
     def __init__(self, cfg: MoEConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleDict({str(i): MoEBlock(cfg, i) for i in range(cfg.n_layers)})
-        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
-        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        if cfg.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.tok_embeddings.weight.device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        super().__init__(cfg, lambda layer: MoEBlock(cfg, layer))
 
     def moe_layers(self) -> Dict[str, MoE]:
         """The MoE layers by block name (the dense blocks have none)."""
         return {name: block.moe for name, block in self.layers.items() if block.moe is not None}
-
-    @torch.no_grad()
-    def init_weights(self, seed: Optional[int] = None) -> None:
-        """(Re)initialise every parameter and buffer, e.g. after ``to_empty``: as Llama's
-        ``init_weights`` (values depend only on ``seed`` and the parameter's name, not on the mesh;
-        each rank fills only its shard), the experts like the dense MLP (``w2`` with the output
-        std), the routers' gates with std 0.02, the expert biases and token counts with zeros."""
-        seed = 0 if seed is None else seed
-        cfg = self.cfg
-        if cfg.tie_embeddings and self.tok_embeddings is not None and self.output is not None:
-            self.output.weight = self.tok_embeddings.weight
-        std, out_std = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
-        if self.tok_embeddings is not None:
-            init_normal_(self.tok_embeddings.weight, seed, "tok_embeddings.weight", std if cfg.tie_embeddings else 1.0,
-                         truncated=False)
-        for name, block in self.layers.items():
-            for path, param in block.named_parameters():
-                fqn = f"layers.{name}.{path}"
-                if path.endswith("norm.weight"):
-                    nn.init.ones_(param)
-                elif path.endswith("bias"):
-                    nn.init.zeros_(param)
-                else:
-                    wide = path.endswith(("wo.weight", "w2.weight", ".w2"))
-                    init_normal_(param, seed, fqn, out_std if wide else std)
-        for moe in self.moe_layers().values():
-            moe.tokens_per_expert.zero_()
-            moe.pending_tokens_per_expert.zero_()
-            if moe.router.expert_bias is not None:
-                moe.router.expert_bias.zero_()
-        if self.norm is not None:
-            self.norm.reset_parameters()
-        if self.output is not None and not cfg.tie_embeddings:
-            init_normal_(self.output.weight, seed, "output.weight", cfg.dim ** -0.5)
-        self.rope_cos, self.rope_sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta, self.rope_cos.device)
-
-    def forward(self, tokens: torch.Tensor, loss: Optional[ChunkedLoss] = None) -> torch.Tensor:
-        """Logits (batch, seq, vocab) of ``tokens`` (or, for a pipeline stage without the output
-        layer, the hidden states); with ``loss``, the loss it computes from the last hidden
-        states instead, in chunks (the logits never whole)."""
-        h = tokens if self.tok_embeddings is None else self.tok_embeddings(tokens)
-        for layer in self.layers.values():
-            h = layer(h, self.rope_cos, self.rope_sin)
-        if self.output is None:
-            return h
-        return self.output(self.norm(h)) if loss is None else loss(h, lambda x: self.output(self.norm(x)))
 
     def aux_loss(self) -> torch.Tensor:
         """``aux_loss_weight`` times the sum over the MoE layers of their load-balancing loss in
@@ -245,10 +186,6 @@ class MoETransformer(nn.Module):
             group = dist.group.WORLD
         for moe in self.moe_layers().values():
             moe.update_expert_bias(rate, group)
-
-    def num_params(self) -> int:
-        return sum(p.numel() for p in {id(p): p for p in self.parameters()}.values())
-
 
 class ParamCounts(NamedTuple):
     """Parameter counts of a model shape."""

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hyper_parallel.models.grouped_experts import ExpertMatmul, GroupedExperts, expert_matmul
-from hyper_parallel.models.llama import FeedForward, _upcast
+from hyper_parallel.models.layers import FeedForward, upcast
 
 __all__ = ["ExpertMatmul", "GroupedExperts", "MoE", "Routing", "RoutingReplay", "TopKRouter", "attach_aux_loss",
            "checked_aux_loss_scale", "expert_matmul", "group_token_counts", "load_balance_loss",
@@ -73,7 +73,7 @@ class TopKRouter(nn.Module):
             self.expert_bias = None
 
     def forward(self, x: torch.Tensor) -> Routing:
-        probs = F.softmax(_upcast(self.gate(x)), dim=-1)
+        probs = F.softmax(upcast(self.gate(x)), dim=-1)
         scores = probs if self.expert_bias is None else probs + self.expert_bias.to(probs.dtype)
         experts = _chosen_experts(scores, self.top_k)
         weights = probs.gather(-1, experts)
@@ -284,6 +284,14 @@ class MoE(nn.Module):
             if training:
                 out = attach_aux_loss(out, balance * (self.aux_loss_weight * self.aux_loss_scale))
         return out
+
+    @torch.no_grad()
+    def reset_buffers(self) -> None:
+        """Zero the token counts and the router's expert bias (a new model's state)."""
+        self.tokens_per_expert.zero_()
+        self.pending_tokens_per_expert.zero_()
+        if self.router.expert_bias is not None:
+            self.router.expert_bias.zero_()
 
     def set_aux_loss_scale(self, scale: float) -> None:
         """The factor the training loss is multiplied by before ``backward`` (e.g. ``1 /

@@ -33,7 +33,7 @@ from hyper_parallel._torch_compat import flatten_mesh, unflatten_mesh
 from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.context_parallel import (ContextParallel, Rotate, context_parallel, mean_token_loss,
                                              token_loss_scale)
-from hyper_parallel.models.llama import Attention
+from hyper_parallel.models.attention import Attention
 from hyper_parallel.parallel import loss_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 
@@ -120,5 +120,5 @@ def check_attention(model: nn.Module) -> None:
     """
     for name, block in model.layers.items():
         if not any(isinstance(module, Attention) for module in block.modules()):
-            raise ConfigError(f"parallel.cp needs the project's attention (hyper_parallel.models.llama.Attention) "
+            raise ConfigError(f"parallel.cp needs the project's attention (hyper_parallel.models.attention.Attention) "
                               f"in every block; block {name} ({type(block).__name__}) has none")

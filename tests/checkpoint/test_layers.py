@@ -5,12 +5,12 @@ this order. Imports are read with ``ast`` (function-level ones too); nothing is 
 
 from __future__ import annotations
 
-import ast
-import importlib.util
 import os
-from typing import Dict, Iterator, List, Set, Tuple
+from typing import Dict, List, Set, Tuple
 
 import pytest
+
+from tests.import_graph import imported_names
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "hyper_parallel.core.distributed_checkpoint"
@@ -41,21 +41,6 @@ def _unit(module: str) -> str:
     return module[len(PACKAGE) + 1:].split(".")[0]
 
 
-def _imports(path: str, module: str) -> Iterator[str]:
-    """Every module of the package that ``path`` (module ``module``) imports."""
-    tree = ast.parse(open(path).read(), path)
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            yield from (alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            base = node.module or ""
-            if node.level:  # relative to the module's package
-                package = module if path.endswith("__init__.py") else module.rpartition(".")[0]
-                base = importlib.util.resolve_name("." * node.level + base, package)
-            yield base
-            yield from (f"{base}.{alias.name}" for alias in node.names)
-
-
 def import_graph(package_dir: str = PACKAGE_DIR) -> Dict[str, Set[Tuple[str, str]]]:
     """unit -> {(imported unit, importing file)} over the package's files (not its face)."""
     graph: Dict[str, Set[Tuple[str, str]]] = {}
@@ -68,7 +53,7 @@ def import_graph(package_dir: str = PACKAGE_DIR) -> Dict[str, Set[Tuple[str, str
             module = f"{PACKAGE}.{relative}"
             unit = _unit(module)
             graph.setdefault(unit, set())
-            for imported in _imports(path, module):
+            for imported in imported_names(path, module):
                 if imported.startswith(PACKAGE + ".") and _unit(imported) != unit:
                     graph[unit].add((_unit(imported), os.path.relpath(path, package_dir)))
     return graph

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hyper_parallel.context_parallel import cp_attention, current_context
-from hyper_parallel.models import llama
+from hyper_parallel.models import attention
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import ConfigError, compose_config, run_training, validate_config
 from hyper_parallel.trainer.reporting import layout
@@ -48,7 +48,7 @@ def _train_float64(overrides: List[str]) -> None:
 
     try:
         cfg = compose_config([*TINY, *STEPS, *overrides])
-        with mock.patch.object(llama, "cp_attention", recording):
+        with mock.patch.object(attention, "cp_attention", recording):
             run_training(validate_config(cfg, dist.get_world_size()), get_platform())
     finally:
         torch.set_default_dtype(default)

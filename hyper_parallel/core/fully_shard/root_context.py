@@ -1,28 +1,58 @@
 """RootContext: the step state one root module's fully_shard modules share (forward and
 post-forward orders, implicit prefetch targets, reductions in flight, end-of-backward callback)
 and the root-only steps (ordering the step's all-gathers, finishing the reductions at the end
-of backward, resetting an aborted step)."""
+of backward, resetting an aborted step). What it needs of each module's state is declared here
+(:class:`ModuleState`, which ``state.HSDPState`` implements), so this module does not import
+``state.py``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Set, Tuple
+
+from torch import nn
 
 from hyper_parallel._torch_compat import queue_autograd_callback
 from hyper_parallel.core.fully_shard.hooks import eager
 from hyper_parallel.core.fully_shard.offload import finish_offloads
 from hyper_parallel.core.fully_shard.param_group import HSDPParamGroup
-from hyper_parallel.core.fully_shard.step_phase import StepPhase
+from hyper_parallel.core.fully_shard.step_phase import GroupBackward, StepPhase
 from hyper_parallel.platform import get_platform
 
-if TYPE_CHECKING:
-    from hyper_parallel.core.fully_shard.state import HSDPState
+
+class ModuleState(Protocol):
+    """What the root context needs of one fully_shard module's state (``HSDPState``)."""
+
+    modules: Tuple[nn.Module, ...]  # the module(s) of one fully_shard call
+    group: HSDPParamGroup
+    borrowed: Sequence["ModuleState"]  # owners of the groups whose parameters it shares
+    ctx: Optional["RootContext"]
+    is_root: bool
+    phase: StepPhase
+    backward: GroupBackward
+    to_run: Set[nn.Module]  # modules of the group yet to run in this forward
+    # Settings made on the root before its first forward, copied to the context by attach.
+    is_last_backward: bool
+    manual_finalization: bool
+    post_optim_event: Optional[Any]
+
+    def reset_forward(self) -> None:
+        ...
+
+    def reset_backward(self) -> None:
+        ...
+
+    def finish_forward(self, grad_enabled: bool) -> None:
+        ...
+
+    def post_backward(self) -> None:
+        ...
 
 
 class RootContext:
     """Step state shared by every fully_shard module under one root module."""
 
     @classmethod
-    def attach(cls, root: "HSDPState") -> "RootContext":
+    def attach(cls, root: ModuleState) -> "RootContext":
         """Make ``root`` the root of every fully_shard module in its subtree: one context for
         them all (taking the settings made on ``root`` before), the root's
         ``reshard_after_forward`` default (False; True for the others), and every group's lazy
@@ -52,17 +82,17 @@ class RootContext:
                 owner.group.lazy_init()
         return ctx
 
-    def __init__(self, states: List["HSDPState"]):
+    def __init__(self, states: List[ModuleState]):
         self.states = states
-        self.forward_order: List[HSDPState] = []  # pre-forward order: implicit forward prefetch
-        self.next_in_forward: Dict[HSDPState, HSDPState] = {}  # previous step's forward order
+        self.forward_order: List[ModuleState] = []  # pre-forward order: implicit forward prefetch
+        self.next_in_forward: Dict[ModuleState, ModuleState] = {}  # previous step's forward order
         # [Note: backward prefetch order] The order in which the groups' forwards finished (one
         # entry per finished forward, as FSDP2's post_forward_order): backward runs it in
         # reverse. The pre-forward order differs where groups nest (an experts group inside a
         # block: pre-forward block, experts; post-forward experts, block), so backward
         # prefetches the group before the one in the post-forward order.
-        self.post_forward_order: List[HSDPState] = []
-        self.prev_in_backward: Dict[HSDPState, HSDPState] = {}  # this backward: implicit prefetch
+        self.post_forward_order: List[ModuleState] = []
+        self.prev_in_backward: Dict[ModuleState, ModuleState] = {}  # this backward: implicit prefetch
         self.reducing: List[HSDPParamGroup] = []  # reduce-scatters in flight
         self.all_reducing: List[HSDPParamGroup] = []  # HSDP all-reduces in flight
         self.callback_queued = False  # the end-of-backward callback, queued once per backward
@@ -104,12 +134,12 @@ class RootContext:
                 streams.wait_event(event)
         self.all_gathers_ordered = True
 
-    def record_forward(self, state: "HSDPState") -> None:
+    def record_forward(self, state: ModuleState) -> None:
         if state.phase is StepPhase.IDLE:
             state.phase = StepPhase.FORWARD
             self.forward_order.append(state)
 
-    def record_post_forward(self, state: "HSDPState") -> None:
+    def record_post_forward(self, state: ModuleState) -> None:
         """``state``'s group finished a forward with grad (see [Note: backward prefetch order])."""
         self.post_forward_order.append(state)
 

@@ -1,0 +1,53 @@
+"""No two modules of hyper_parallel import each other, directly or round a loop: a module can
+then always be read (and imported) after the ones it uses. Imports are read with ``ast``,
+including those inside functions and under ``TYPE_CHECKING``; nothing is imported. A needed
+back-reference is declared as a contract in the lower module (e.g. a Protocol) instead."""
+
+from __future__ import annotations
+
+import os
+from typing import Dict, Set
+
+import pytest
+
+from tests.import_graph import cycles, module_graph
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def library_graph() -> Dict[str, Set[str]]:
+    return module_graph(ROOT, "hyper_parallel")
+
+
+def test_no_import_cycle_in_the_library(library_graph):
+    graph = library_graph
+    assert {"hyper_parallel.core.fully_shard.state", "hyper_parallel.models"} <= set(graph)
+    assert cycles(graph) == []
+
+
+def test_a_lazy_import_closing_a_circle_is_found(tmp_path):
+    package = tmp_path / "pkg"
+    (package / "sub").mkdir(parents=True)
+    (package / "__init__.py").write_text("")
+    (package / "sub" / "__init__.py").write_text("")
+    (package / "a.py").write_text("from pkg.sub import b\n")
+    (package / "sub" / "b.py").write_text("from typing import TYPE_CHECKING\n"
+                                          "if TYPE_CHECKING:\n    from ..c import C\n")
+    (package / "c.py").write_text("def f():\n    from pkg import a\n    return a\n")
+    (package / "d.py").write_text("import pkg.a\nfrom pkg.sub.b import x\n")  # outside the circle
+    graph = module_graph(str(tmp_path), "pkg")
+    assert graph["pkg.d"] == {"pkg.a", "pkg.sub.b"}
+    assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
+
+
+# What hyper_parallel/models/__init__.py's docstring says the models may import.
+MODELS_MAY_IMPORT = ("hyper_parallel.models", "hyper_parallel._torch_compat", "hyper_parallel.core",
+                     "hyper_parallel.checkpoint", "hyper_parallel.context_parallel", "hyper_parallel.chunked_loss")
+
+
+def test_the_models_import_only_what_their_package_docstring_allows(library_graph):
+    outside = sorted(f"{module} imports {imported}" for module, imports in library_graph.items()
+                     if module.startswith("hyper_parallel.models") for imported in imports
+                     if not imported.startswith(MODELS_MAY_IMPORT))
+    assert outside == []
