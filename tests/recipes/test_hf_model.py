@@ -66,13 +66,13 @@ def trained(tmp_path_factory):
     2-rank checkpoint of step 2."""
     root = tmp_path_factory.mktemp("hf")
     paths = {family: _write_folder(root / family, family) for family in FAMILIES}
-    out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("two", "one", "resumed")} for family in FAMILIES}
-    run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['two']}", *LAYOUTS[f]] for f in FAMILIES],
-                 timeout=300)
-    run_on_ranks(1, _train, [run for f in FAMILIES for run in (
-        [f"model.path={paths[f]}", f"output_dir={out[f]['one']}"],
-        [f"model.path={paths[f]}", f"output_dir={out[f]['resumed']}",
-         f"checkpoint.load_from={out[f]['two']}/checkpoints/step-2"])], timeout=300)
+    paths["init"] = _write_folder(root / "init", "llama", weights=False)  # the model's own initialisation
+    out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("two", "one", "resumed")} for family in paths}
+    run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['two']}", *LAYOUTS.get(f, [])]
+                             for f in paths], timeout=300)
+    run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}"] for f in paths]
+                 + [[f"model.path={paths[f]}", f"output_dir={out[f]['resumed']}",
+                     f"checkpoint.load_from={out[f]['two']}/checkpoints/step-2"] for f in FAMILIES], timeout=300)
     return paths, out
 
 
@@ -89,6 +89,14 @@ def test_steps_match_transformers_one_process_and_resume(trained, family):
     assert one[3] < one[1]
     assert_losses_match(one, two, rel=1e-5)        # 2 ranks (FSDP2 or HSDP): reduction order only
     assert_losses_match(one, resumed, range(3, 4), rel=1e-5)
+
+
+def test_without_weights_the_models_own_init_is_the_same_on_every_mesh(trained):
+    paths, out = trained
+    one, two = (last_loss_per_step(out["init"][kind]) for kind in ("one", "two"))
+    assert_losses_match(one, two, rel=1e-5)
+    # Not the weights of the llama folder: its own initialisation, seeded by training.seed.
+    assert abs(one[1] - last_loss_per_step(out["llama"]["one"])[1]) > 1e-3
 
 
 def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path):
