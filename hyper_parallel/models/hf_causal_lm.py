@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import re
+import zlib
 from functools import lru_cache
 from typing import Any, Dict, List, Mapping, Tuple
 
@@ -26,7 +27,6 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.core.layout import local_part
 from hyper_parallel.models.hf_llama import CONFIG_FILE
-from hyper_parallel.models.llama import param_generator
 
 # The transformers versions the tests ran on (pyproject.toml's "hf" extra says the same).
 TESTED_TRANSFORMERS = ("5.3", "6.0")  # [lower, upper)
@@ -171,6 +171,12 @@ def has_weights(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in (INDEX_FILE, SINGLE_FILE))
 
 
+def module_seed(seed: int, name: str) -> int:
+    """The seed of the module named ``name``: a 32-bit hash of both (torch's CPU generator keeps
+    only the low 32 bits of a seed, so ``seed`` cannot go in the high ones)."""
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
 def _owners(model: nn.Module) -> Mapping[str, nn.Module]:
     from transformers import PreTrainedModel
 
@@ -197,7 +203,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
             store[key] = full[key]
         try:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(param_generator(seed, name).initial_seed())
+                torch.manual_seed(module_seed(seed, name))
                 owner._init_weights(module)
         finally:
             for store, key, tensor in slots:

@@ -55,12 +55,13 @@ def _train(runs: List[List[str]]) -> None:
         run_training(validate_config(compose_config([*RUN, *overrides]), dist.get_world_size()), get_platform())
 
 
-def _initial_state(path: str) -> Dict[str, torch.Tensor]:
-    """The model ``path`` builds on this world's mesh, before training, gathered whole (rank 0)."""
+def _initial_state(path: str, seed: int) -> Dict[str, torch.Tensor]:
+    """The model ``path`` builds on this world's mesh with ``seed``, before training, gathered
+    whole (rank 0)."""
     from hyper_parallel.trainer.parallelize import build_mesh, build_model
 
     config = validate_config(compose_config([*RUN, f"model.path={path}"]), dist.get_world_size())
-    model = build_model(config.cfg.model, mesh=build_mesh(config.dims, "cpu"), device=torch.device("cpu"), seed=0)
+    model = build_model(config.cfg.model, mesh=build_mesh(config.dims, "cpu"), device=torch.device("cpu"), seed=seed)
     state = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}
     return state if dist.get_rank() == 0 else {}
 
@@ -80,7 +81,8 @@ def trained(tmp_path_factory):
     out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("two", "one", "resumed")} for family in paths}
     run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['two']}", *LAYOUTS.get(f, [])]
                              for f in paths], timeout=300)
-    out["init"]["states"] = [run_on_ranks(n, _initial_state, paths["init"], timeout=120)[0] for n in (2, 1)]
+    out["init"]["states"] = [run_on_ranks(n, _initial_state, paths["init"], seed, timeout=120)[0]
+                             for n, seed in ((2, 0), (1, 0), (1, 1))]
     run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}"] for f in paths]
                  + [[f"model.path={paths[f]}", f"output_dir={out[f]['resumed']}",
                      f"checkpoint.load_from={out[f]['two']}/checkpoints/step-2"] for f in FAMILIES], timeout=300)
@@ -106,8 +108,9 @@ def test_without_weights_the_models_own_init_is_the_same_on_every_mesh(trained):
     paths, out = trained
     one, two = (last_loss_per_step(out["init"][kind]) for kind in ("one", "two"))
     assert_losses_match(one, two, rel=1e-5)
-    sharded, whole = out["init"]["states"]
+    sharded, whole, other_seed = out["init"]["states"]
     assert sorted(sharded) == sorted(whole) and all(torch.equal(sharded[k], whole[k]) for k in whole)
+    assert not torch.equal(whole["model.embed_tokens.weight"], other_seed["model.embed_tokens.weight"])
     # transformers' own initialisation (normal of initializer_range, norms at one), not the folder's
     # weights (it has none) nor the llama folder's.
     q = whole["model.layers.0.self_attn.q_proj.weight"]
