@@ -23,7 +23,9 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hyper_parallel.core.layout import local_part
 from hyper_parallel.models.hf_llama import CONFIG_FILE
@@ -125,6 +127,65 @@ def build_meta(config: Any) -> nn.Module:
         raise HFModelError(f"{type(model).__name__} has no list of decoder layers (base_model.layers) to "
                            "shard one by one")
     return model
+
+
+# transformers' tensor-parallel styles (``base_model_tp_plan``) that map to torch's, and the prefix
+# of the entries that plan each decoder layer.
+TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+_LAYER_ENTRY = "layers.*."
+
+
+def tensor_parallel_problems(config: Any, architecture: str) -> List[str]:
+    """Why ``config``'s model cannot run ``parallel.tp`` from its ``base_model_tp_plan``: no plan,
+    an entry outside the decoder layers, or a style without a torch equivalent here (empty: it can)."""
+    plan = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
+    if not plan:
+        return [f"parallel.tp: {architecture} has no tensor-parallel plan (base_model_tp_plan); use FSDP/HSDP"]
+    odd = [f"{name}: {style}" for name, style in plan.items()
+           if not name.startswith(_LAYER_ENTRY) or style not in TP_STYLES]
+    if odd:
+        return [f"parallel.tp: {architecture}'s tensor-parallel plan has entries without a torch style here "
+                f"({', '.join(odd[:3])}; supported: decoder-layer {' / '.join(TP_STYLES)}); use FSDP/HSDP"]
+    return []
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard each decoder layer of ``model`` over the 1-D ``tp_mesh`` as its config's
+    ``base_model_tp_plan`` says (``colwise`` -> ``ColwiseParallel``, ``rowwise`` ->
+    ``RowwiseParallel``: attention on this rank's heads, the MLP on its columns). Every other
+    parameter (embeddings, norms, the output layer) becomes a replicated DTensor over ``tp_mesh``
+    (its module takes and returns plain tensors), so a checkpoint stores it once and the gradient
+    norm counts it once. On the meta device too.
+
+    Raises:
+        ValueError: as :func:`tensor_parallel_problems`.
+    """
+    problems = tensor_parallel_problems(model.config, model.architecture)
+    if problems:
+        raise ValueError(problems[0])
+    plan = model.config.get_text_config().base_model_tp_plan
+    layer_plan = {name[len(_LAYER_ENTRY):]: TP_STYLES[style]() for name, style in plan.items()}
+    for layer in model.layers.values():
+        parallelize_module(layer, tp_mesh, layer_plan)
+    for module in model.modules():
+        if any(p is not None and not isinstance(p, DTensor) for p in module._parameters.values()):
+            distribute_module(module, tp_mesh, _replicate_parameters, _replicated_inputs, _local_outputs)
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for key, param in list(module._parameters.items()):
+        if param is not None and not isinstance(param, DTensor):
+            module._parameters[key] = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
+                                                   requires_grad=param.requires_grad)
+
+
+def _replicated_inputs(module: nn.Module, inputs: Tuple[Any, ...], mesh: DeviceMesh) -> Tuple[Any, ...]:
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _local_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
 
 
 def state_names(model: nn.Module) -> Dict[str, torch.Tensor]:

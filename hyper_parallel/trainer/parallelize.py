@@ -202,7 +202,9 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
     if isinstance(model, MoETransformer) and mesh is not None:  # balance each global micro-batch
         model.set_balance_group(data_parallel_group(mesh))
     tensor_parallel = mesh is not None and "tp" in mesh.mesh_dim_names
-    if tensor_parallel:
+    if tensor_parallel and isinstance(model, hf_causal_lm.CausalLMLogits):
+        hf_causal_lm.apply_tensor_parallel(model, mesh["tp"])
+    elif tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"])
     if float8_recipe is not None:
         convert_to_float8(model, float8_recipe)

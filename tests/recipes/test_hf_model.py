@@ -1,6 +1,7 @@
 """``model=hf model.path=DIR``: transformers' own Llama, Qwen3 and Mistral (tiny configs written
 here, no downloads) trained by the recipe. Step 1's loss is transformers' loss with DIR's weights;
-FSDP2 (activation checkpointing on one family) and HSDP on 2 ranks train the one-process losses; a
+FSDP2 (activation checkpointing on one family), HSDP and TP2 (Llama, from its own plan) on 2 ranks
+train the one-process losses; a
 2-rank checkpoint resumes on one process on the uninterrupted curve; the export loads in
 transformers with the checkpoint's weights; bad folders are refused in one line by ``--check``."""
 
@@ -36,6 +37,7 @@ FAMILIES = {
 RUN = ["model=hf", "training.seq_len=16", "training.global_batch_size=4", "training.steps=3", "optim.lr=1e-2",
        "optim.warmup_steps=1", "checkpoint.interval=2", "logging.log_every=1"]
 # The 2-rank runs of each family: FSDP2 (checkpointing activations on one), HSDP (2 replicas).
+TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]  # from the model's base_model_tp_plan
 LAYOUTS = {"llama": [], "qwen3": ["model.activation_checkpointing=true"], "mistral": ["parallel.dp_replicate=2"]}
 
 
@@ -79,8 +81,10 @@ def trained(tmp_path_factory):
     paths = {family: _write_folder(root / family, family) for family in FAMILIES}
     paths["init"] = _write_folder(root / "init", "llama", weights=False)  # the model's own initialisation
     out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("two", "one", "resumed")} for family in paths}
+    out["llama"]["tp"] = str(root / "llama-tp")
     run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['two']}", *LAYOUTS.get(f, [])]
-                             for f in paths], timeout=300)
+                             for f in paths]
+                 + [[f"model.path={paths['llama']}", f"output_dir={out['llama']['tp']}", *TP2]], timeout=300)
     out["init"]["states"] = [run_on_ranks(n, _initial_state, paths["init"], seed, timeout=120)[0]
                              for n, seed in ((2, 0), (1, 0), (1, 1))]
     run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}"] for f in paths]
@@ -102,6 +106,15 @@ def test_steps_match_transformers_one_process_and_resume(trained, family):
     assert one[3] < one[1]
     assert_losses_match(one, two, rel=1e-5)        # 2 ranks (FSDP2 or HSDP): reduction order only
     assert_losses_match(one, resumed, range(3, 4), rel=1e-5)
+
+
+def test_tensor_parallel_from_the_models_plan_trains_the_one_process_losses(trained):
+    _, out = trained
+    assert_losses_match(last_loss_per_step(out["llama"]["one"]), last_loss_per_step(out["llama"]["tp"]), rel=1e-5)
+    stored = read_checkpoint_metadata(f"{out['llama']['tp']}/checkpoints/step-3").state_dict_metadata
+    q_proj, lm_head = stored["model.model.layers.0.self_attn.q_proj.weight"], stored["model.lm_head.weight"]
+    assert tuple(q_proj.size) == (32, 32) and len(q_proj.chunks) == 2  # its heads split over the tp ranks
+    assert len(lm_head.chunks) == 1  # replicated over tp: stored once
 
 
 def test_without_weights_the_models_own_init_is_the_same_on_every_mesh(trained):
@@ -158,7 +171,8 @@ def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path)
     ("unknown_type", [], "is not a config this transformers"),
     ("wrong_shape", [], "weights do not match config.json: model.embed_tokens.weight (64, 32) (config.json: (32, 32))"),
     ("wrong_names", [], "the weights lack model.layers.2.self_attn.q_proj.weight"),
-    ("llama", ["parallel.tp=2"], "parallel.tp=2: model=hf (LlamaForCausalLM) does not support it yet"),
+    ("qwen3", ["parallel.tp=2"], "parallel.tp: Qwen3ForCausalLM's tensor-parallel plan has entries without a torch"),
+    ("llama", ["parallel.cp=2"], "parallel.cp=2: model=hf (LlamaForCausalLM) does not support it yet"),
     ("llama", ["model.dim=48"], "model.dim is read from"),
 ])
 def test_a_bad_folder_or_setting_is_one_line(tmp_path, check, case, overrides, expected):

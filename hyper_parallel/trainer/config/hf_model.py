@@ -2,8 +2,9 @@
 and the model keys the rest of the recipe reads (vocabulary, sizes) taken from its config.json.
 
 The model itself is :mod:`hyper_parallel.models.hf_causal_lm`'s; what the recipe cannot do with
-it yet (tensor, context, expert and pipeline parallelism, float8, a chunked loss) is refused
-here in one line naming the model and what to use instead.
+it yet (context, expert and pipeline parallelism, float8, compile, a chunked loss) is refused
+here in one line naming the model and what to use instead; tensor parallelism follows the
+model's own plan (``base_model_tp_plan``) where its styles map to torch's.
 """
 
 from __future__ import annotations
@@ -22,8 +23,8 @@ SHAPE_KEYS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num
               "tie_embeddings": "tie_word_embeddings"}
 
 
-def read_model_keys(path: str) -> Tuple[Dict[str, Any], List[str], Optional[str]]:
-    """``(model keys from path's config.json, problems, the model's class name)``: the installed
+def read_model_keys(path: str) -> Tuple[Dict[str, Any], List[str], Optional[Any]]:
+    """``(model keys from path's config.json, problems, the model on the meta device)``: the installed
     transformers' version, config.json (present, a causal LM this transformers has), and the
     weights, if any, against the model it describes (names and shapes, from the headers)."""
     from hyper_parallel._optional import available, install_hint
@@ -47,16 +48,20 @@ def read_model_keys(path: str) -> Tuple[Dict[str, Any], List[str], Optional[str]
     keys = {key: getattr(text, name, None) for key, name in SHAPE_KEYS.items()}
     keys["n_kv_heads"] = keys["n_kv_heads"] or keys["n_heads"]
     keys["tie_embeddings"] = bool(getattr(config, "tie_word_embeddings", False))
-    return keys, problems, type(model).__name__
+    return keys, problems, model
 
 
-def problems(cfg: "TrainConfig", architecture: str, set_keys: List[str]) -> List[str]:
-    """What the recipe cannot do with a ``transformers`` model (``architecture``), one line each;
-    ``set_keys``: model shape keys given although config.json decides them."""
-    p, t, m = cfg.parallel, cfg.training, cfg.model
+def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
+    """What the recipe cannot do with a ``transformers`` ``model`` (on the meta device), one line
+    each; ``set_keys``: model shape keys given although config.json decides them."""
+    from hyper_parallel.models.hf_causal_lm import tensor_parallel_problems
+
+    p, t, m, architecture = cfg.parallel, cfg.training, cfg.model, model.architecture
     found = [f"model.{key} is read from {m.path}/config.json with model=hf: remove the override" for key in set_keys]
     instead = "use FSDP/HSDP (parallel.dp_shard, parallel.dp_replicate)"
-    for name, degree in (("tp", p.tp), ("cp", p.cp), ("ep", p.ep), ("pp", p.pp)):
+    if p.tp > 1:
+        found += tensor_parallel_problems(model.config, architecture)
+    for name, degree in (("cp", p.cp), ("ep", p.ep), ("pp", p.pp)):
         if degree > 1:
             found.append(f"parallel.{name}={degree}: model=hf ({architecture}) does not support it yet; {instead}")
     for on, what, alternative in (
