@@ -89,7 +89,8 @@ def main(argv: list[str]) -> int:
             raise ValueError("--format native covers the Llama model only: export a mixture of experts with "
                              "--format transformers (transformers' Qwen3-MoE)")
         if args.format == "transformers":
-            config = layout.hf_config(cfg, dtype or hf_llama.exported_dtype(checkpoint))  # refuses what it cannot express
+            # refuses what it cannot express
+            config = layout.hf_config(cfg, dtype or hf_llama.exported_dtype(checkpoint))
         tokenizer = None
         if run_cfg is not None and not args.no_tokenizer:
             try:

@@ -10,7 +10,8 @@ the logits, as the project's models do, and its decoder layers are :attr:`Causal
 After sharding, :func:`init_weights` runs the model's own ``_init_weights`` one module at a time
 on full tensors seeded by ``(seed, module name)`` (each rank keeps its part: the same values on
 every mesh), and :func:`load_weights` fills the parameters from ``DIR``'s safetensors, each rank
-reading only its own slices.
+reading only its own slices. :func:`apply_tensor_parallel` shards the decoder layers as the
+model's own ``base_model_tp_plan`` says.
 """
 
 from __future__ import annotations

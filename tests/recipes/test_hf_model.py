@@ -130,7 +130,8 @@ def test_without_weights_the_models_own_init_is_the_same_on_every_mesh(trained):
     assert abs(float(q.std()) - 0.02) < 0.004 and torch.equal(whole["model.norm.weight"], torch.ones(32))
     from safetensors.torch import load_file
 
-    assert not torch.equal(q, load_file(f"{paths['llama']}/model.safetensors")["model.layers.0.self_attn.q_proj.weight"])
+    llama = load_file(f"{paths['llama']}/model.safetensors")
+    assert not torch.equal(q, llama["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path):
@@ -156,7 +157,8 @@ def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path)
     weights = exported["float32"].state_dict()
     assert sorted(weights) == sorted(trained_state)
     assert all(torch.equal(weights[k], v) for k, v in trained_state.items())
-    assert all(t.dtype == torch.bfloat16 for t in load_file(tmp_path / "bfloat16" / "model-00001-of-00001.safetensors").values())
+    bf16 = load_file(tmp_path / "bfloat16" / "model-00001-of-00001.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in bf16.values())
     # The same logits as the model of DIR's config holding the trained weights.
     reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(paths["qwen3"]))
     reference.load_state_dict(trained_state)
