@@ -79,15 +79,14 @@ def trained(tmp_path_factory):
     2-rank checkpoint of step 2."""
     root = tmp_path_factory.mktemp("hf")
     paths = {family: _write_folder(root / family, family) for family in FAMILIES}
-    paths["init"] = _write_folder(root / "init", "llama", weights=False)  # the model's own initialisation
     out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("two", "one", "resumed")} for family in paths}
     out["llama"]["tp"] = str(root / "llama-tp")
-    run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['two']}", *LAYOUTS.get(f, [])]
-                             for f in paths]
+    run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['two']}", *LAYOUTS[f]] for f in paths]
                  + [[f"model.path={paths['llama']}", f"output_dir={out['llama']['tp']}", *TP2]], timeout=300)
-    out["init"]["states"] = [run_on_ranks(n, _initial_state, paths["init"], seed, timeout=120)[0]
-                             for n, seed in ((2, 0), (1, 0), (1, 1))]
-    run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}"] for f in paths]
+    paths["init"] = _write_folder(root / "init", "llama", weights=False)  # the model's own initialisation
+    out["init"] = {"states": [run_on_ranks(n, _initial_state, paths["init"], seed, timeout=120)[0]
+                              for n, seed in ((2, 0), (1, 0), (1, 1))]}
+    run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}"] for f in FAMILIES]
                  + [[f"model.path={paths[f]}", f"output_dir={out[f]['resumed']}",
                      f"checkpoint.load_from={out[f]['two']}/checkpoints/step-2"] for f in FAMILIES], timeout=300)
     return paths, out
@@ -119,8 +118,6 @@ def test_tensor_parallel_from_the_models_plan_trains_the_one_process_losses(trai
 
 def test_without_weights_the_models_own_init_is_the_same_on_every_mesh(trained):
     paths, out = trained
-    one, two = (last_loss_per_step(out["init"][kind]) for kind in ("one", "two"))
-    assert_losses_match(one, two, rel=1e-5)
     sharded, whole, other_seed = out["init"]["states"]
     assert sorted(sharded) == sorted(whole) and all(torch.equal(sharded[k], whole[k]) for k in whole)
     assert not torch.equal(whole["model.embed_tokens.weight"], other_seed["model.embed_tokens.weight"])
