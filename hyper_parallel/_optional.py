@@ -9,7 +9,8 @@ from types import ModuleType
 
 # The extra of pyproject.toml's optional-dependencies that installs each optional package.
 EXTRAS = {"tokenizers": "recipes", "pyarrow": "recipes", "tqdm": "recipes", "matplotlib": "recipes",
-          "tensorboard": "tensorboard", "wandb": "wandb", "torchao": "float8", "fsspec": "s3"}
+          "tensorboard": "tensorboard", "wandb": "wandb", "torchao": "float8", "fsspec": "s3",
+          "transformers": "hf"}
 
 
 class MissingDependency(ImportError):

@@ -2,7 +2,7 @@
 """Export a training checkpoint's model as Hugging Face safetensors shards (+ index, config.json).
 
     scripts/export_hf.py CHECKPOINT OUT_DIR [--config RECIPE_CONFIG] [--format transformers|native]
-                         [--max-shard-bytes N] [--no-tokenizer]
+                         [--dtype float32|bfloat16|float16] [--max-shard-bytes N] [--no-tokenizer]
 
 CHECKPOINT is a ``step-N`` directory or a folder of them (the newest is used). The model's
 shape comes from the run's resolved config, ``${output_dir}/config.yaml`` next to the
@@ -18,6 +18,12 @@ the ``LlamaConfig`` fields, so ``Transformer(LlamaConfig(**config))`` (without
 ``architectures``) rebuilds the model. Either directory works as ``model.init_from``. Runs in a
 plain process, no GPU or process group.
 
+A ``model=hf`` run (``model.path=DIR``) exports its checkpoint's tensors under their own
+(``transformers``) names with ``DIR``'s ``config.json`` and tokenizer files: a folder
+``from_pretrained`` loads as the model ``DIR`` describes, with the trained weights.
+``--dtype`` writes the weights (and config.json's ``dtype``) in that dtype (default: the
+checkpoint's).
+
 When the run used a ``tokenizer.json`` (``data.tokenizer``, or the sidecar of its token file),
 it is copied next to the model with a ``tokenizer_config.json`` (bos = eos = the token that
 joined documents), and ``config.json`` gets ``bos_token_id`` / ``eos_token_id``, so
@@ -31,18 +37,24 @@ import dataclasses
 import json
 import os
 import sys
-from typing import Optional
+from typing import Callable, Optional
+
+import torch
 
 from _checkpoints import resolve_checkpoint
 from omegaconf import OmegaConf
 
 from hyper_parallel.checkpoint import DEFAULT_MAX_SHARD_BYTES, CheckpointError, export_hf
-from hyper_parallel.models import hf_llama, hf_moe
+from hyper_parallel.core.distributed_checkpoint.hf import Converted
+from hyper_parallel.models import hf_causal_lm, hf_llama, hf_moe
 from hyper_parallel.models.moe import MoEConfig
 from hyper_parallel.trainer.config import typed_config
 from hyper_parallel.trainer.config.schema import model_config
 from hyper_parallel.utils.fileio import write_file_atomically
 from hyper_parallel.trainer.hf_tokenizer import run_tokenizer, special_token_ids, write_tokenizer_files
+
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def _default_recipe_config(checkpoint: str) -> Optional[str]:
@@ -57,6 +69,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("out_dir")
     parser.add_argument("--config", help="the recipe's config.yaml (for config.json)")
     parser.add_argument("--format", choices=("transformers", "native"), default="transformers")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="the weights' dtype (default: the checkpoint's)")
     parser.add_argument("--max-shard-bytes", type=int, default=DEFAULT_MAX_SHARD_BYTES)
     parser.add_argument("--no-tokenizer", action="store_true", help="do not copy the run's tokenizer")
     args = parser.parse_args(argv)
@@ -67,13 +80,17 @@ def main(argv: list[str]) -> int:
             raise ValueError(f"no config.yaml next to {checkpoint}: pass the run's config with --config "
                              "(the transformers layout needs the model's shape), or use --format native")
         run_cfg = OmegaConf.load(config_path) if config_path else None
+        dtype = DTYPES[args.dtype] if args.dtype else None
+        if run_cfg is not None and run_cfg.model.get("path"):
+            return _export_hf_model(checkpoint, os.path.expanduser(str(run_cfg.model.path)), args, dtype)
         cfg = model_config(typed_config(run_cfg).model) if run_cfg is not None else None
         layout = hf_moe if isinstance(cfg, MoEConfig) else hf_llama
         if isinstance(cfg, MoEConfig) and args.format == "native":
             raise ValueError("--format native covers the Llama model only: export a mixture of experts with "
                              "--format transformers (transformers' Qwen3-MoE)")
         if args.format == "transformers":
-            config = layout.hf_config(cfg, hf_llama.exported_dtype(checkpoint))  # refuses what it cannot express
+            # refuses what it cannot express
+            config = layout.hf_config(cfg, dtype or hf_llama.exported_dtype(checkpoint))
         tokenizer = None
         if run_cfg is not None and not args.no_tokenizer:
             try:
@@ -81,6 +98,8 @@ def main(argv: list[str]) -> int:
             except (ValueError, OSError) as err:
                 raise ValueError(f"the run's tokenizer: {err} (pass --no-tokenizer to export without it)") from None
         convert = (lambda name, tensor: layout.to_hf(name, tensor, cfg)) if args.format == "transformers" else None
+        if dtype is not None:
+            convert = _casting(convert, dtype)
         index = export_hf(checkpoint, args.out_dir, max_shard_bytes=args.max_shard_bytes, convert=convert)
         if tokenizer is not None:
             write_tokenizer_files(tokenizer, args.out_dir, max_length=cfg.max_seq_len)
@@ -96,6 +115,41 @@ def main(argv: list[str]) -> int:
     print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']:,} bytes) "
           f"from {checkpoint} to {args.out_dir}" + (" with config.json" if config_path else "")
           + (f" and the tokenizer {tokenizer.path}" if tokenizer is not None else ""))
+    return 0
+
+
+def _casting(convert: Optional[Callable[[str, torch.Tensor], Converted]],
+             dtype: torch.dtype) -> Callable[[str, torch.Tensor], Converted]:
+    """``convert`` (None: keep the name) with every tensor it returns cast to ``dtype``."""
+    def cast(name: str, tensor: torch.Tensor) -> Converted:
+        out = (name, tensor) if convert is None else convert(name, tensor)
+        if out is None:
+            return None
+        if isinstance(out, tuple):
+            return out[0], out[1].to(dtype)
+        return {key: value.to(dtype) for key, value in out.items()}
+    return cast
+
+
+def _export_hf_model(checkpoint: str, path: str, args: argparse.Namespace, dtype: Optional[torch.dtype]) -> int:
+    """A ``model=hf`` run: its tensors as they are named, ``path``'s config.json (in the weights'
+    dtype) and tokenizer files."""
+    if args.format == "native":
+        print("error: --format native is for the project's Llama: a model=hf run exports in the transformers "
+              "layout (the default)", file=sys.stderr)
+        return 1
+    try:
+        dtype = dtype or hf_llama.exported_dtype(checkpoint)
+        config = hf_causal_lm.export_config(path, dtype)
+        index = export_hf(checkpoint, args.out_dir, max_shard_bytes=args.max_shard_bytes, convert=_casting(None, dtype))
+        copied = [] if args.no_tokenizer else hf_causal_lm.copy_tokenizer_files(path, args.out_dir)
+    except (CheckpointError, ValueError, OSError) as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+    write_file_atomically(os.path.join(args.out_dir, "config.json"), json.dumps(config, indent=2).encode())
+    print(f"exported {len(index['weight_map'])} tensors ({index['metadata']['total_size']:,} bytes) "
+          f"from {checkpoint} to {args.out_dir} with {path}'s config.json"
+          + (f" and {', '.join(copied)}" if copied else ""))
     return 0
 
 

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
 from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
-from hyper_parallel.models import hf_llama, hf_moe
+from hyper_parallel.models import hf_causal_lm, hf_llama, hf_moe
 from hyper_parallel.models.llama import LlamaConfig, Transformer
 from hyper_parallel.models.moe import MoEConfig, MoETransformer
 from hyper_parallel.models.moe_layer import RoutingReplay, replaying_routing
@@ -63,8 +63,8 @@ def apply_activation_checkpointing(model: Transformer, *, compiled: bool = False
 
 
 def _checkpointed(forward: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-    def checkpointed_forward(*args: Any) -> torch.Tensor:
-        return checkpoint(forward, *args, use_reentrant=False)
+    def checkpointed_forward(*args: Any, **kwargs: Any) -> torch.Tensor:  # transformers' layers take keywords
+        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
     return checkpointed_forward
 
 
@@ -177,8 +177,14 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
         ConfigError: ``model.init_from`` cannot be read, or it or its ``config.json`` does not
             fit the model.
     """
-    with torch.device("meta"):
-        model = build_transformer(model_config(model_cfg))
+    if model_cfg.path is not None:
+        try:
+            model = hf_causal_lm.build_meta(hf_causal_lm.read_config(os.path.expanduser(model_cfg.path)))
+        except hf_causal_lm.HFModelError as err:
+            raise ConfigError(str(err)) from None
+    else:
+        with torch.device("meta"):
+            model = build_transformer(model_config(model_cfg))
     return parallelize(model, model_cfg, mesh=mesh, device=device, seed=seed, mixed_precision=mixed_precision,
                        reshard_after_forward=reshard_after_forward, compile_backend=compile_backend,
                        float8_recipe=float8_recipe, ep=ep)
@@ -196,7 +202,9 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
     if isinstance(model, MoETransformer) and mesh is not None:  # balance each global micro-batch
         model.set_balance_group(data_parallel_group(mesh))
     tensor_parallel = mesh is not None and "tp" in mesh.mesh_dim_names
-    if tensor_parallel:
+    if tensor_parallel and isinstance(model, hf_causal_lm.CausalLMLogits):
+        hf_causal_lm.apply_tensor_parallel(model, mesh["tp"])
+    elif tensor_parallel:
         apply_tensor_parallel(model, mesh["tp"])
     if float8_recipe is not None:
         convert_to_float8(model, float8_recipe)
@@ -216,6 +224,9 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
     if mesh is not None:
         shard_model(model, dp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)
+    if isinstance(model, hf_causal_lm.CausalLMLogits):
+        _init_hf_model(model, os.path.expanduser(model_cfg.path), seed)
+        return model
     model.init_weights(seed)  # the same values on every mesh and world size
     if model_cfg.init_from:
         shape = model_config(model_cfg)
@@ -225,3 +236,14 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
         except (CheckpointError, KeyError, ValueError, OSError) as err:
             raise ConfigError(f"model.init_from={model_cfg.init_from}: {err}") from None
     return model
+
+
+def _init_hf_model(model: nn.Module, path: str, seed: int) -> None:
+    """A ``transformers`` model's own initialisation (the same values on every mesh), then the
+    weights of ``path`` if it holds any, each rank reading its own slices."""
+    hf_causal_lm.init_weights(model, seed)
+    if hf_causal_lm.has_weights(path):
+        try:
+            hf_causal_lm.load_weights(model, path)
+        except (CheckpointError, KeyError, ValueError, OSError) as err:
+            raise ConfigError(f"model.path={path}: {err}") from None

@@ -17,6 +17,7 @@ from hyper_parallel.trainer.job import RunSummary, TrainingJob
 from hyper_parallel.trainer.memory_snapshots import ranks_per_node, snapshot_memory
 from hyper_parallel.trainer.metrics import METRICS_FILE
 from hyper_parallel.trainer.parallelize import build_transformer
+from hyper_parallel.models.hf_causal_lm import has_weights
 from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER
 from hyper_parallel.utils.units import format_bytes
 
@@ -62,8 +63,10 @@ def describe(job: TrainingJob) -> str:
     """One line: model (its preset and any size overrides), :func:`layout`, data, loss floor."""
     cfg = job.cfg
     floor = f", loss floor {job.loss_floor:.4f}" if job.loss_floor is not None else ""
-    changed = model_overrides(cfg.model)
+    changed = model_overrides(cfg.model) if cfg.model.path is None else {}
     name = cfg.model.name + (f" with {', '.join(f'{k}={v}' for k, v in changed.items())}" if changed else "")
+    if cfg.model.path is not None:
+        name = f"{job.model_parts[0].architecture} from {cfg.model.path}"
     count = sum(p.numel() for m in job.model_parts for p in m.parameters())  # global sizes (DTensors)
     if job.pipeline is not None:  # this rank's stages: the whole model's count from its shapes
         with torch.device("meta"):
@@ -91,6 +94,8 @@ def starting_point(cfg: TrainConfig, plan: Optional[operations.LoadPlan]) -> str
         return plan.description
     if cfg.model.init_from:
         return f"starting at step 0 from the weights in {cfg.model.init_from} (model.init_from)"
+    if cfg.model.path is not None and has_weights(os.path.expanduser(cfg.model.path)):
+        return f"starting at step 0 from the weights in {cfg.model.path} (model.path)"
     return "starting from scratch"
 
 

@@ -12,9 +12,10 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from hydra import compose, initialize_config_dir
 from hydra.errors import HydraException
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict
 from omegaconf.errors import OmegaConfBaseException
 
+from hyper_parallel.trainer.config import hf_model
 from hyper_parallel.trainer.config.rules import Range, accepts, build, describe, field_rules, leaves
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import (DATA_KEYS, DATA_KINDS, DataConfig, ModelConfig, TrainConfig,
@@ -167,12 +168,35 @@ def validate_config(cfg: DictConfig, world_size: int) -> ValidConfig:
                           + " (pass them as overrides, e.g. " + missing[0] + "=...)")
     values = OmegaConf.to_container(cfg, resolve=True)
     problems = schema_problems(values)
+    hf_lines, hf_meta_model, set_keys = _read_hf_model(cfg, values, problems)
     typed = _typed(values)
     dims, relations = typed.problems(world_size, lambda name: name not in problems)
+    if hf_meta_model is not None:
+        relations += hf_model.problems(typed, hf_meta_model, set_keys)
+    relations = hf_lines + relations
     listing = list(problems.values()) + relations
     if listing:
         raise ConfigError(problems_message("invalid configuration", listing))
     return ValidConfig(typed, dims, cfg)
+
+
+def _read_hf_model(cfg: DictConfig, values: Dict[str, Any],
+                   problems: Dict[str, str]) -> Tuple[List[str], Optional[Any], List[str]]:
+    """``model.path`` set (``model=hf``): the shape keys of its config.json written into ``values``
+    and ``cfg`` (so config.yaml records them); returns (its problems, the model on the meta device
+    or None, the shape keys the command line set although config.json decides them)."""
+    model = values.get("model")
+    path = model.get("path") if isinstance(model, dict) else None
+    if path is None or "model.path" in problems:
+        return [], None, []
+    keys, lines, meta_model = hf_model.read_model_keys(os.path.expanduser(path))
+    defaults = shape(ModelConfig())
+    set_keys = [k for k in keys if model.get(k, defaults[k]) != defaults[k]]
+    model.update(keys)
+    with open_dict(cfg):
+        for key, value in keys.items():
+            cfg.model[key] = value
+    return lines, meta_model, set_keys
 
 
 def problems_message(header: str, problems: Sequence[str]) -> str:

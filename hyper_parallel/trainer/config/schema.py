@@ -129,10 +129,11 @@ class ModelConfig:
     rope_scaling: Optional[RopeScaling] = key(None)
     activation_checkpointing: bool = key(False)          # recompute each block's activations in backward
     init_from: Optional[str] = key(None, path=True)      # HF-style safetensors directory to initialise from
+    path: Optional[str] = key(None, path=True)           # model=hf: a transformers folder (config.json, weights); its config sets the shape
     moe: Optional[MoEOptions] = key(None)                # null: a Llama; set: a mixture of experts in each block
 
     # The keys that are recipe options, not LlamaConfig fields.
-    RECIPE_KEYS: ClassVar[Tuple[str, ...]] = ("name", "activation_checkpointing", "init_from")
+    RECIPE_KEYS: ClassVar[Tuple[str, ...]] = ("name", "activation_checkpointing", "init_from", "path")
 
     def problems(self, ok: Ok) -> List[str]:
         if not all(ok(name) for name in field_rules(ModelConfig)):

@@ -1,0 +1,324 @@
+"""Any ``transformers`` causal LM as the recipe's model (``model=hf model.path=DIR``).
+
+The model is the one ``transformers`` builds from ``DIR/config.json``
+(``AutoModelForCausalLM.from_config``, its own modeling code), on the meta device, as an instance
+of a subclass of its class that adds :class:`CausalLMLogits`: called with token ids it returns
+the logits, as the project's models do, and its decoder layers are :attr:`CausalLMLogits.layers`
+(what the recipe checkpoints, compiles and shards one by one). Parameter names are
+``transformers``' own, so checkpoints hold them and an export is a ``from_pretrained`` folder.
+
+After sharding, :func:`init_weights` runs the model's own ``_init_weights`` one module at a time
+on full tensors seeded by ``(seed, module name)`` (each rank keeps its part: the same values on
+every mesh), and :func:`load_weights` fills the parameters from ``DIR``'s safetensors, each rank
+reading only its own slices. :func:`apply_tensor_parallel` shards the decoder layers as the
+model's own ``base_model_tp_plan`` says.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import zlib
+from functools import lru_cache
+from typing import Any, Dict, List, Mapping, Tuple
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+from hyper_parallel.core.layout import local_part
+from hyper_parallel.models.hf_llama import CONFIG_FILE
+
+# The transformers versions the tests ran on (pyproject.toml's "hf" extra says the same).
+TESTED_TRANSFORMERS = ("5.3", "6.0")  # [lower, upper)
+ATTENTION = "sdpa"
+
+
+class HFModelError(ValueError):
+    """``model.path`` cannot be trained: the message names the folder and the problem."""
+
+
+def _version_tuple(version: str) -> Tuple[int, ...]:
+    """``"5.24.0.dev0"`` -> ``(5, 24, 0)``: the leading numbers."""
+    return tuple(int(n) for n in re.findall(r"\d+", re.match(r"[\d.]*", version).group())[:3])
+
+
+def transformers_problem(version: str) -> List[str]:
+    """A line when the transformers ``version`` is outside :data:`TESTED_TRANSFORMERS` (else empty)."""
+    low, high = TESTED_TRANSFORMERS
+    if _version_tuple(low) <= _version_tuple(version) < _version_tuple(high):
+        return []
+    return [f"model=hf is tested with transformers >={low},<{high}; this environment has {version}: "
+            f"pip install 'hyper_parallel[hf]'"]
+
+
+def _transformers() -> Any:
+    from hyper_parallel._optional import require
+
+    return require("transformers", "model=hf")
+
+
+class CausalLMLogits:
+    """What the recipe needs of a ``transformers`` causal LM, mixed into its class (first base):
+    ``model(input_ids)`` is the logits ``(batch, seq, vocab)``, ``layers`` the decoder layers."""
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return super().forward(input_ids=input_ids, use_cache=False).logits  # type: ignore[misc]
+
+    @property
+    def architecture(self) -> str:
+        """The transformers class name (e.g. ``Qwen3ForCausalLM``), also once ``fully_shard`` wrapped it."""
+        return next(c for c in type(self).__mro__ if CausalLMLogits in c.__bases__).__name__
+
+    @property
+    def layers(self) -> Dict[str, nn.Module]:
+        """The decoder layers by index (``"0"``, ``"1"``, ...), in order."""
+        return {str(i): layer for i, layer in enumerate(self.base_model.layers)}  # type: ignore[attr-defined]
+
+
+@lru_cache(maxsize=None)
+def _with_logits(cls: type) -> type:
+    return type(cls.__name__, (CausalLMLogits, cls), {"__module__": cls.__module__})
+
+
+def read_config(path: str) -> Any:
+    """The ``transformers`` config of ``path/config.json``, after checking that the installed
+    transformers has a causal LM for it.
+
+    Raises:
+        HFModelError: no ``config.json``, unreadable, not a causal LM, or an architecture the
+            installed transformers lacks (one line each).
+    """
+    file = os.path.join(path, CONFIG_FILE)
+    if not os.path.isfile(file):
+        raise HFModelError(f"model.path={path} has no {CONFIG_FILE} (a transformers model folder has one)")
+    transformers = _transformers()
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    try:
+        config = transformers.AutoConfig.from_pretrained(path)
+    except (ValueError, KeyError, OSError) as err:
+        line = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise HFModelError(f"model.path={path}: {CONFIG_FILE} is not a config this transformers "
+                           f"({transformers.__version__}) knows: {line}") from None
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise HFModelError(f"model.path={path}: model_type {model_type!r} is not a causal language model in "
+                           f"transformers {transformers.__version__} (model=hf trains AutoModelForCausalLM models)")
+    return config
+
+
+def model_class(config: Any) -> type:
+    """The ``transformers`` causal LM class of ``config`` with :class:`CausalLMLogits` mixed in."""
+    transformers = _transformers()
+    return _with_logits(transformers.AutoModelForCausalLM._model_mapping[type(config)])
+
+
+def build_meta(config: Any) -> nn.Module:
+    """The model of ``config`` on the meta device, float32, SDPA attention.
+
+    Raises:
+        HFModelError: it has no list of decoder layers (``base_model.layers``).
+    """
+    with torch.device("meta"):
+        model = model_class(config)._from_config(config, dtype=torch.float32, attn_implementation=ATTENTION)
+    if not isinstance(getattr(model.base_model, "layers", None), nn.ModuleList):
+        raise HFModelError(f"{type(model).__name__} has no list of decoder layers (base_model.layers) to "
+                           "shard one by one")
+    return model
+
+
+# transformers' tensor-parallel styles (``base_model_tp_plan``) that map to torch's, and the prefix
+# of the entries that plan each decoder layer.
+TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+_LAYER_ENTRY = "layers.*."
+
+
+def tensor_parallel_problems(config: Any, architecture: str) -> List[str]:
+    """Why ``config``'s model cannot run ``parallel.tp`` from its ``base_model_tp_plan``: no plan,
+    an entry outside the decoder layers, or a style without a torch equivalent here (empty: it can)."""
+    plan = getattr(config.get_text_config(), "base_model_tp_plan", None) or {}
+    if not plan:
+        return [f"parallel.tp: {architecture} has no tensor-parallel plan (base_model_tp_plan); use FSDP/HSDP"]
+    odd = [f"{name}: {style}" for name, style in plan.items()
+           if not name.startswith(_LAYER_ENTRY) or style not in TP_STYLES]
+    if odd:
+        return [f"parallel.tp: {architecture}'s tensor-parallel plan has entries without a torch style here "
+                f"({', '.join(odd[:3])}; supported: decoder-layer {' / '.join(TP_STYLES)}); use FSDP/HSDP"]
+    return []
+
+
+def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
+    """Shard each decoder layer of ``model`` over the 1-D ``tp_mesh`` as its config's
+    ``base_model_tp_plan`` says (``colwise`` -> ``ColwiseParallel``, ``rowwise`` ->
+    ``RowwiseParallel``: attention on this rank's heads, the MLP on its columns). Every other
+    parameter (embeddings, norms, the output layer) becomes a replicated DTensor over ``tp_mesh``
+    (its module takes and returns plain tensors), so a checkpoint stores it once and the gradient
+    norm counts it once. On the meta device too.
+
+    Raises:
+        ValueError: as :func:`tensor_parallel_problems`.
+    """
+    problems = tensor_parallel_problems(model.config, model.architecture)
+    if problems:
+        raise ValueError(problems[0])
+    plan = model.config.get_text_config().base_model_tp_plan
+    layer_plan = {name[len(_LAYER_ENTRY):]: TP_STYLES[style]() for name, style in plan.items()}
+    for layer in model.layers.values():
+        parallelize_module(layer, tp_mesh, layer_plan)
+    for module in model.modules():
+        if any(p is not None and not isinstance(p, DTensor) for p in module._parameters.values()):
+            distribute_module(module, tp_mesh, _replicate_parameters, _replicated_inputs, _local_outputs)
+
+
+def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    for key, param in list(module._parameters.items()):
+        if param is not None and not isinstance(param, DTensor):
+            module._parameters[key] = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
+                                                   requires_grad=param.requires_grad)
+
+
+def _replicated_inputs(module: nn.Module, inputs: Tuple[Any, ...], mesh: DeviceMesh) -> Tuple[Any, ...]:
+    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+
+
+def _local_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def state_names(model: nn.Module) -> Dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers by name, a tied tensor under its first name
+    only (the name a ``transformers`` save keeps)."""
+    from hyper_parallel.checkpoint import get_model_state_dict
+
+    seen, names = set(), {}
+    for name, tensor in get_model_state_dict(model).items():
+        if id(tensor) not in seen:
+            seen.add(id(tensor))
+            names[name] = tensor
+    return names
+
+
+def weight_problems(path: str, model: nn.Module) -> List[str]:
+    """The safetensors of ``path`` against ``model`` (meta is fine): missing names, shapes
+    (reads the headers only). Empty when ``path`` holds no weights or they fit.
+
+    Raises:
+        CheckpointError: an unreadable index or header.
+    """
+    from hyper_parallel.core.distributed_checkpoint.hf import hf_metadata
+
+    if not has_weights(path):
+        return []
+    stored = hf_metadata(path).state_dict_metadata
+    wanted = state_names(model)
+    missing = [name for name in wanted if name not in stored]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        return [f"model.path={path}: the weights lack {', '.join(missing[:3])}{more} of {type(model).__name__}"]
+    shapes = [f"{name} {tuple(stored[name].size)} (config.json: {tuple(t.shape)})"
+              for name, t in wanted.items() if tuple(t.shape) != tuple(stored[name].size)]
+    if shapes:
+        return [f"model.path={path}: weights do not match config.json: {'; '.join(shapes[:3])}"]
+    return []
+
+
+def has_weights(path: str) -> bool:
+    """Whether ``path`` holds safetensors weights (``model.safetensors`` or an index)."""
+    from hyper_parallel.core.distributed_checkpoint.hf import INDEX_FILE, SINGLE_FILE
+
+    return any(os.path.isfile(os.path.join(path, f)) for f in (INDEX_FILE, SINGLE_FILE))
+
+
+def module_seed(seed: int, name: str) -> int:
+    """The seed of the module named ``name``: a 32-bit hash of both (torch's CPU generator keeps
+    only the low 32 bits of a seed, so ``seed`` cannot go in the high ones)."""
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
+def _owners(model: nn.Module) -> Mapping[str, nn.Module]:
+    from transformers import PreTrainedModel
+
+    return {name: m for name, m in model.named_modules() if isinstance(m, PreTrainedModel)}
+
+
+@torch.no_grad()
+def init_weights(model: nn.Module, seed: int) -> None:
+    """Initialise every parameter and buffer as the model's own ``_init_weights`` does (the one
+    of the nearest enclosing ``PreTrainedModel``), one module at a time on full CPU tensors drawn
+    from a generator seeded by ``(seed, module name)``; each rank keeps its part of a sharded one.
+    Re-ties tied weights (``to_empty`` unties them)."""
+    owners = _owners(model)
+    for name, module in model.named_modules():
+        slots = [(store, key, t) for store in (module._parameters, module._buffers)
+                 for key, t in store.items() if t is not None]
+        if not slots:
+            continue
+        owner = owners[max((o for o in owners if o == "" or name == o or name.startswith(o + ".")), key=len)]
+        full = {}
+        for store, key, tensor in slots:
+            value = torch.empty(tensor.shape, dtype=tensor.dtype)
+            full[key] = nn.Parameter(value, requires_grad=False) if store is module._parameters else value
+            store[key] = full[key]
+        try:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(module_seed(seed, name))
+                owner._init_weights(module)
+        finally:
+            for store, key, tensor in slots:
+                store[key] = tensor
+        for store, key, tensor in slots:
+            value = full[key].detach()
+            if isinstance(tensor, DTensor):
+                tensor.to_local().copy_(local_part(value, tensor))
+            else:
+                tensor.copy_(value)
+    model.tie_weights()
+
+
+def load_weights(model: nn.Module, path: str) -> None:
+    """Fill ``model`` (plain or sharded) from the safetensors of ``path``, each rank reading only
+    its own slices (collective under a process group).
+
+    Raises:
+        KeyError / ValueError / CheckpointError: as :func:`hyper_parallel.checkpoint.load_hf`.
+    """
+    from hyper_parallel.checkpoint import load_hf
+
+    load_hf(state_names(model), path)
+
+
+# The files of a transformers tokenizer (those a folder has are copied with the model).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
+                   "vocab.json", "merges.txt", "added_tokens.json", "generation_config.json", "chat_template.jinja")
+
+
+def export_config(path: str, dtype: torch.dtype) -> Dict[str, Any]:
+    """``path/config.json`` as a dict, naming ``dtype`` as the weights' dtype.
+
+    Raises:
+        ValueError: no readable config.json there, or a dtype config.json cannot name.
+    """
+    from hyper_parallel.models.hf_llama import hf_dtype_keys, read_config as read_json
+
+    config = read_json(path)
+    if config is None:
+        raise ValueError(f"{path} (the run's model.path) has no {CONFIG_FILE} any more")
+    return {**config, **hf_dtype_keys(dtype)}
+
+
+def copy_tokenizer_files(path: str, out_dir: str) -> List[str]:
+    """Copy the tokenizer files of ``path`` (:data:`TOKENIZER_FILES`) to ``out_dir``; their names."""
+    from hyper_parallel.utils.fileio import write_file_atomically
+
+    copied = []
+    for name in TOKENIZER_FILES:
+        source = os.path.join(path, name)
+        if os.path.isfile(source):
+            with open(source, "rb") as f:
+                write_file_atomically(os.path.join(out_dir, name), f.read())
+            copied.append(name)
+    return copied

@@ -1,0 +1,203 @@
+"""``model=hf model.path=DIR``: transformers' own Llama, Qwen3 and Mistral (tiny configs written
+here, no downloads) trained by the recipe. Step 1's loss is transformers' loss with DIR's weights;
+FSDP2 (activation checkpointing on one family), HSDP and TP2 (Llama, from its own plan) on 2 ranks
+train the one-process losses; a
+2-rank checkpoint resumes on one process on the uninterrupted curve; the export loads in
+transformers with the checkpoint's weights; bad folders are refused in one line by ``--check``."""
+
+from __future__ import annotations
+
+import json
+from typing import Dict, List
+
+import pytest
+import torch
+import torch.distributed as dist
+
+transformers = pytest.importorskip("transformers")
+transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar would go to the checked stderr
+
+from hyper_parallel.checkpoint import read_checkpoint_metadata  # noqa: E402
+from hyper_parallel.models.hf_causal_lm import transformers_problem  # noqa: E402
+from hyper_parallel.platform import get_platform  # noqa: E402
+from hyper_parallel.trainer import compose_config, run_training, validate_config  # noqa: E402
+from hyper_parallel.trainer.loop import build_loader  # noqa: E402
+from tests.multirank import run_on_ranks  # noqa: E402
+from tests.recipes.launch import assert_losses_match, last_loss_per_step  # noqa: E402
+from tests.recipes.script_main import script_main  # noqa: E402
+from tests.recipes.train_in_process import one_line_error  # noqa: E402
+
+SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+FAMILIES = {
+    "llama": lambda: transformers.LlamaConfig(**SHAPE),
+    "qwen3": lambda: transformers.Qwen3Config(**SHAPE, head_dim=8),
+    "mistral": lambda: transformers.MistralConfig(**SHAPE, sliding_window=None),
+}
+RUN = ["model=hf", "training.seq_len=16", "training.global_batch_size=4", "training.steps=3", "optim.lr=1e-2",
+       "optim.warmup_steps=1", "checkpoint.interval=2", "logging.log_every=1"]
+# The 2-rank runs of each family: FSDP2 (checkpointing activations on one), HSDP (2 replicas).
+TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]  # from the model's base_model_tp_plan
+LAYOUTS = {"llama": [], "qwen3": ["model.activation_checkpointing=true"], "mistral": ["parallel.dp_replicate=2"]}
+
+
+def _write_folder(folder, family: str, weights: bool = True) -> str:
+    """A tiny transformers model folder: config.json and (with ``weights``) model.safetensors."""
+    config = FAMILIES[family]()
+    if weights:
+        torch.manual_seed(7)
+        transformers.AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    else:
+        config.save_pretrained(folder)
+    return str(folder)
+
+
+def _train(runs: List[List[str]]) -> None:
+    for overrides in runs:
+        run_training(validate_config(compose_config([*RUN, *overrides]), dist.get_world_size()), get_platform())
+
+
+def _initial_state(path: str, seed: int) -> Dict[str, torch.Tensor]:
+    """The model ``path`` builds on this world's mesh with ``seed``, before training, gathered
+    whole (rank 0)."""
+    from hyper_parallel.trainer.parallelize import build_mesh, build_model
+
+    config = validate_config(compose_config([*RUN, f"model.path={path}"]), dist.get_world_size())
+    model = build_model(config.cfg.model, mesh=build_mesh(config.dims, "cpu"), device=torch.device("cpu"), seed=seed)
+    state = {name: tensor.full_tensor() for name, tensor in model.state_dict().items()}
+    return state if dist.get_rank() == 0 else {}
+
+
+def _first_batch(path: str) -> torch.Tensor:
+    cfg = validate_config(compose_config([*RUN, f"model.path={path}"]), 1).cfg
+    return build_loader(cfg, cfg.model.vocab_size, 0, 1).next_batch()
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """Each family's folder and its runs: 2 ranks, one process, and one process resumed from the
+    2-rank checkpoint of step 2."""
+    root = tmp_path_factory.mktemp("hf")
+    paths = {family: _write_folder(root / family, family) for family in FAMILIES}
+    out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("two", "one", "resumed")} for family in paths}
+    out["llama"]["tp"] = str(root / "llama-tp")
+    run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['two']}", *LAYOUTS[f]] for f in paths]
+                 + [[f"model.path={paths['llama']}", f"output_dir={out['llama']['tp']}", *TP2]], timeout=300)
+    paths["init"] = _write_folder(root / "init", "llama", weights=False)  # the model's own initialisation
+    out["init"] = {"states": [run_on_ranks(n, _initial_state, paths["init"], seed, timeout=120)[0]
+                              for n, seed in ((2, 0), (1, 0), (1, 1))]}
+    run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}"] for f in FAMILIES]
+                 + [[f"model.path={paths[f]}", f"output_dir={out[f]['resumed']}",
+                     f"checkpoint.load_from={out[f]['two']}/checkpoints/step-2"] for f in FAMILIES], timeout=300)
+    return paths, out
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_steps_match_transformers_one_process_and_resume(trained, family):
+    paths, out = trained
+    one, two, resumed = (last_loss_per_step(out[family][kind]) for kind in ("one", "two", "resumed"))
+    model = transformers.AutoModelForCausalLM.from_pretrained(paths[family], attn_implementation="sdpa")
+    batch = _first_batch(paths[family])
+    with torch.no_grad():
+        expected = float(model(input_ids=batch, labels=batch).loss)
+    assert abs(one[1] - expected) <= 1e-5 * expected, (one[1], expected)
+    assert sorted(one) == sorted(two) == [1, 2, 3] and sorted(resumed) == [3]
+    assert one[3] < one[1]
+    assert_losses_match(one, two, rel=1e-5)        # 2 ranks (FSDP2 or HSDP): reduction order only
+    assert_losses_match(one, resumed, range(3, 4), rel=1e-5)
+
+
+def test_tensor_parallel_from_the_models_plan_trains_the_one_process_losses(trained):
+    _, out = trained
+    assert_losses_match(last_loss_per_step(out["llama"]["one"]), last_loss_per_step(out["llama"]["tp"]), rel=1e-5)
+    stored = read_checkpoint_metadata(f"{out['llama']['tp']}/checkpoints/step-3").state_dict_metadata
+    q_proj, lm_head = stored["model.model.layers.0.self_attn.q_proj.weight"], stored["model.lm_head.weight"]
+    assert tuple(q_proj.size) == (32, 32) and len(q_proj.chunks) == 2  # its heads split over the tp ranks
+    assert len(lm_head.chunks) == 1  # replicated over tp: stored once
+
+
+def test_without_weights_the_models_own_init_is_the_same_on_every_mesh(trained):
+    paths, out = trained
+    sharded, whole, other_seed = out["init"]["states"]
+    assert sorted(sharded) == sorted(whole) and all(torch.equal(sharded[k], whole[k]) for k in whole)
+    assert not torch.equal(whole["model.embed_tokens.weight"], other_seed["model.embed_tokens.weight"])
+    # transformers' own initialisation (normal of initializer_range, norms at one), not the folder's
+    # weights (it has none) nor the llama folder's.
+    q = whole["model.layers.0.self_attn.q_proj.weight"]
+    assert abs(float(q.std()) - 0.02) < 0.004 and torch.equal(whole["model.norm.weight"], torch.ones(32))
+    from safetensors.torch import load_file
+
+    llama = load_file(f"{paths['llama']}/model.safetensors")
+    assert not torch.equal(q, llama["model.layers.0.self_attn.q_proj.weight"])
+
+
+def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path):
+    paths, out = trained
+    checkpoint = f"{out['qwen3']['two']}/checkpoints/step-3"
+    stored = read_checkpoint_metadata(checkpoint).state_dict_metadata
+    assert "model.model.layers.0.self_attn.q_norm.weight" in stored and "model.lm_head.weight" in stored
+    exported = {}
+    for dtype in ("float32", "bfloat16"):
+        folder = tmp_path / dtype
+        assert script_main("export_hf")([checkpoint, str(folder), "--dtype", dtype]) == 0
+        model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
+        assert not any(info.values()), info
+        assert json.loads((folder / "config.json").read_text())["dtype"] == dtype
+        exported[dtype] = model
+    from safetensors.torch import load_file
+
+    from hyper_parallel.checkpoint import load
+
+    trained_state = {name[len("model."):]: torch.empty(tuple(md.size), dtype=md.dtype)
+                     for name, md in stored.items() if name.startswith("model.")}
+    load({"model": trained_state}, checkpoint_id=checkpoint, no_dist=True)
+    weights = exported["float32"].state_dict()
+    assert sorted(weights) == sorted(trained_state)
+    assert all(torch.equal(weights[k], v) for k, v in trained_state.items())
+    bf16 = load_file(tmp_path / "bfloat16" / "model-00001-of-00001.safetensors")
+    assert all(t.dtype == torch.bfloat16 for t in bf16.values())
+    # The same logits as the model of DIR's config holding the trained weights.
+    reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(paths["qwen3"]))
+    reference.load_state_dict(trained_state)
+    batch = _first_batch(paths["qwen3"])
+    with torch.no_grad():
+        assert torch.equal(exported["float32"](batch).logits, reference(batch).logits)
+
+
+@pytest.mark.parametrize("case, overrides, expected", [
+    ("no_config", [], "has no config.json"),
+    ("not_causal", [], "is not a causal language model"),
+    ("unknown_type", [], "is not a config this transformers"),
+    ("wrong_shape", [], "weights do not match config.json: model.embed_tokens.weight (64, 32) (config.json: (32, 32))"),
+    ("wrong_names", [], "the weights lack model.layers.2.self_attn.q_proj.weight"),
+    ("qwen3", ["parallel.tp=2"], "parallel.tp: Qwen3ForCausalLM's tensor-parallel plan has entries without a torch"),
+    ("llama", ["parallel.cp=2"], "parallel.cp=2: model=hf (LlamaForCausalLM) does not support it yet"),
+    ("llama", ["model.dim=48"], "model.dim is read from"),
+])
+def test_a_bad_folder_or_setting_is_one_line(tmp_path, check, case, overrides, expected):
+    folder = tmp_path / "dir"
+    if case == "no_config":
+        folder.mkdir()
+    elif case == "not_causal":
+        transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                               intermediate_size=48).save_pretrained(folder)
+    elif case == "unknown_type":
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps({"model_type": "no_such_model", "vocab_size": 64}))
+    elif case == "wrong_shape":
+        _write_folder(folder, "llama")
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "vocab_size": 32}))
+    elif case == "wrong_names":
+        _write_folder(folder, "llama")
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
+    else:
+        _write_folder(folder, case, weights=False)
+    one_line_error(*check("model=hf", f"model.path={folder}", *overrides)[::2], expected)
+
+
+def test_a_transformers_version_outside_the_tested_range_is_named():
+    assert transformers_problem(transformers.__version__) == []
+    assert "tested with transformers >=5.3,<6.0; this environment has 4.57.1" in transformers_problem("4.57.1")[0]
+    assert transformers_problem("6.0.0.dev0")
