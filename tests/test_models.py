@@ -26,6 +26,20 @@ def test_forward_shape_and_tied_embeddings_survive_to_empty():
     assert logits.shape == (2, 16, 61) and torch.isfinite(logits).all()
 
 
+def test_the_seed_changes_every_initialised_parameter():
+    """Seeds 3 and 3 + 2**32 (which torch's generator alone could not tell apart) and 4 give
+    three different models; the same seed gives the same one."""
+    def init(seed):
+        model = build_llama("llama_debug", **TINY)
+        model.init_weights(seed=seed)
+        return {name: p.detach().clone() for name, p in model.named_parameters() if p.std() > 0}
+
+    base = init(3)
+    assert all(torch.equal(base[n], p) for n, p in init(3).items())
+    for other in (init(4), init(3 + 2**32)):
+        assert all(not torch.equal(base[n], p) for n, p in other.items())
+
+
 def _sharded_init_full_params(mesh_shape):
     mesh = hp.init_device_mesh("cpu", mesh_shape)
     with torch.device("meta"):

@@ -33,7 +33,8 @@ from hyper_parallel.models.attention import Attention, AttentionConfig
 from hyper_parallel.models.layers import RMSNorm
 from hyper_parallel.models.rotary import RopeScaling, rope_tables
 
-__all__ = ["Decoder", "DecoderBlock", "DecoderConfig", "DecoderSizes", "init_normal_", "init_tensor_", "param_generator"]
+__all__ = ["Decoder", "DecoderBlock", "DecoderConfig", "DecoderSizes", "init_normal_", "init_tensor_", "name_seed",
+           "param_generator"]
 
 
 def init_tensor_(param: torch.Tensor, fill: Callable[[torch.Tensor, torch.Generator], object],
@@ -51,11 +52,17 @@ def init_tensor_(param: torch.Tensor, fill: Callable[[torch.Tensor, torch.Genera
         param.copy_(full)
 
 
+def name_seed(seed: int, name: str) -> int:
+    """A stable 32-bit hash of ``seed`` and a parameter's or module's ``name`` (torch's CPU
+    generator keeps only the low 32 bits of a seed, so ``seed`` cannot sit in the high ones)."""
+    return zlib.crc32(f"{seed}:{name}".encode())
+
+
 def param_generator(seed: int, fqn: str) -> torch.Generator:
-    """The generator that initialises the parameter named ``fqn``: seeded from ``seed`` and a
-    stable hash of the name, so a parameter gets the same value whichever other parameters
+    """The generator that initialises the parameter named ``fqn``: seeded from ``seed`` and the
+    name (:func:`name_seed`), so a parameter gets the same value whichever other parameters
     the model holds (a pipeline stage has only some blocks)."""
-    return torch.Generator().manual_seed((seed % 2**32) << 32 | zlib.crc32(fqn.encode()))
+    return torch.Generator().manual_seed(name_seed(seed, fqn))
 
 
 def init_normal_(param: torch.Tensor, seed: int, fqn: str, std: float, *, truncated: bool = True) -> None:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import os
 import re
-import zlib
 from functools import lru_cache
 from typing import Any, Dict, List, Mapping, Tuple
 
@@ -29,6 +28,7 @@ from torch.distributed.tensor import DTensor, Replicate, distribute_module, dist
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hyper_parallel.core.layout import local_part
+from hyper_parallel.models.decoder import name_seed
 from hyper_parallel.models.hf_llama import CONFIG_FILE
 
 # The transformers versions the tests ran on (pyproject.toml's "hf" extra says the same).
@@ -233,12 +233,6 @@ def has_weights(path: str) -> bool:
     return any(os.path.isfile(os.path.join(path, f)) for f in (INDEX_FILE, SINGLE_FILE))
 
 
-def module_seed(seed: int, name: str) -> int:
-    """The seed of the module named ``name``: a 32-bit hash of both (torch's CPU generator keeps
-    only the low 32 bits of a seed, so ``seed`` cannot go in the high ones)."""
-    return zlib.crc32(f"{seed}:{name}".encode())
-
-
 def _owners(model: nn.Module) -> Mapping[str, nn.Module]:
     from transformers import PreTrainedModel
 
@@ -265,7 +259,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
             store[key] = full[key]
         try:
             with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(module_seed(seed, name))
+                torch.manual_seed(name_seed(seed, name))
                 owner._init_weights(module)
         finally:
             for store, key, tensor in slots:
