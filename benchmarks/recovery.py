@@ -196,7 +196,7 @@ def _report(args: argparse.Namespace, cases: Dict[str, List[str]]) -> None:
     print("|---|---|---|---|")
     for name, values in times.items():
         print(f"| {name} | {', '.join(f'{v:.3f}' for v in values)} | {statistics.median(values) / base:.3f} "
-              f"| {', '.join(counts[name]) or '-'} |")
+              f"| {', '.join(c for c in counts[name] if c) or '-'} |")
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import sys
@@ -193,6 +194,47 @@ def test_damaged_snapshots_fall_back_to_durable_and_another_jobs_are_ignored(ref
     assert f"rank-1/step-{newest}: refused, " in console and "checksum" in console, console
     assert_losses_match(reference, last_loss_per_step(out))
     assert os.listdir(memory) == []  # both jobs finished
+
+
+def _train_with_a_snapshot_in_flight(overrides):
+    """As _train, rank 1's snapshot of step 2 held in flight (its write done, not yet switched
+    in and replicated) until rank 1 is told to defer a due snapshot (20 s at most)."""
+    import threading
+
+    from hyper_parallel.trainer.memory_snapshots import MemorySnapshots
+
+    complete, take, deferred = MemorySnapshots._complete, MemorySnapshots.take, threading.Event()
+
+    def held(self, step, *args):
+        if step == 2 and self.rank == 1:
+            deferred.wait(20)
+        return complete(self, step, *args)
+
+    def noting(self, step, state, **kwargs):
+        if kwargs.get("busy_ranks"):
+            deferred.set()
+        return take(self, step, state, **kwargs)
+
+    MemorySnapshots._complete, MemorySnapshots.take = held, noting
+    try:
+        return _train(overrides), deferred.is_set()
+    finally:
+        MemorySnapshots._complete, MemorySnapshots.take = complete, take
+
+
+def test_a_snapshot_in_flight_defers_the_next_without_holding_the_steps(reference, tmp_path):
+    """The steps go on while a snapshot is in flight on one rank; every rank defers the due ones
+    (the vote rides on the step's all-reduce) until it is in place; training is unchanged."""
+    out, memory = str(tmp_path / "out"), tmp_path / "memory"
+    (console, _), (_, rank1_deferred) = run_on_ranks(
+        2, _train_with_a_snapshot_in_flight, [*SNAPSHOTS, f"output_dir={out}", f"checkpoint.memory_dir={memory}"],
+        timeout=300)
+    assert rank1_deferred, "rank 1 waited for its snapshot in flight instead of deferring the next one"
+    taken, deferred = map(int, re.search(r"memory snapshots: (\d+) taken, (\d+) due step\(s\) deferred",
+                                         console).groups())
+    assert deferred >= 1 and taken >= 2 and taken + deferred == STEPS - 1, console
+    assert_losses_match(reference, last_loss_per_step(out))
+    assert os.listdir(memory) == []
 
 
 def test_partners_and_the_agreed_step():
