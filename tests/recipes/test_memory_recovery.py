@@ -196,6 +196,22 @@ def test_damaged_snapshots_fall_back_to_durable_and_another_jobs_are_ignored(ref
     assert os.listdir(memory) == []  # both jobs finished
 
 
+def test_an_hsdp_job_resumes_from_memory_on_the_uninterrupted_losses(tmp_path):
+    """HSDP 2x2 (4 gloo ranks: replicated shards, each rank its own snapshot): a job that died
+    after step 5 resumes from its snapshots on the losses of a run that was not interrupted."""
+    layout = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "training.steps=8"]
+    reference = str(tmp_path / "reference")
+    run_on_ranks(4, _train, [*layout, f"output_dir={reference}"], timeout=300)
+    out, memory = str(tmp_path / "out"), str(tmp_path / "memory")
+    job = [*layout, *SNAPSHOTS, f"output_dir={out}", f"checkpoint.memory_dir={memory}"]
+    assert run_on_ranks(4, _crash_after, 5, job, timeout=300) == ["simulated crash"] * 4
+    console = run_on_ranks(4, _train, job, timeout=300)[0]
+    [event] = _recovered(out)
+    assert event["from"] == "memory" and 1 <= event["step"] <= 5, (event, console)
+    assert_losses_match(last_loss_per_step(reference), last_loss_per_step(out))
+    assert os.listdir(memory) == []
+
+
 def _train_with_a_snapshot_in_flight(overrides):
     """As _train, rank 1's snapshot of step 2 held in flight (its write done, not yet switched
     in and replicated) until rank 1 is told to defer a due snapshot (20 s at most)."""
