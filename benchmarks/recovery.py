@@ -10,11 +10,13 @@ polled every 10 ms); "steps lost" is the newest step logged before the kill minu
 job resumed at (the ``"recovered"`` row's step). The recovery itself (agreeing, fetching, loading) is the ``seconds`` of the
 ``"recovered"`` row. The step time is the training loop's wall time over its steps (the summary
 line: saves and snapshots included) of uninterrupted runs with and without snapshots, the modes
-alternating ``--rounds`` times.
+alternating ``--rounds`` times, with how many snapshots were taken and how many due steps were
+deferred (a snapshot due while the previous one is in flight waits for the next step);
+``--step-cost-only`` measures only that.
 
     python benchmarks/recovery.py [--model llama_50m] [--seq 128] [--batch 4] [--world 2]
         [--steps 16] [--kill-after 8] [--durable-interval 5] [--rounds 2] [--dir /tmp/hp_recovery]
-        [--memory-dir /dev/shm/hp_recovery] [--s3]
+        [--memory-dir /dev/shm/hp_recovery] [--s3] [--step-cost-only]
 
 ``--s3`` adds a case with the durable checkpoints on a moto S3 server started on 127.0.0.1 (needs
 ``moto[server]``, ``boto3`` and ``s3fs``; stopped by its pid at the end).
@@ -32,10 +34,12 @@ import statistics
 import subprocess
 import sys
 import time
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPE = os.path.join(REPO, "recipes", "train.py")
+sys.path.insert(0, REPO)
+from tests.recipes.launch import worker_pids  # noqa: E402  (the ranks a torchrun agent started)
 
 
 def _rows(output_dir: str) -> List[dict]:
@@ -44,23 +48,6 @@ def _rows(output_dir: str) -> List[dict]:
         return []
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip() and line.endswith("\n")]
-
-
-def _workers(agent: int) -> Dict[int, int]:
-    """RANK -> pid of the workers the torchrun agent ``agent`` started."""
-    found = {}
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                if int(f.read().rsplit(")", 1)[1].split()[1]) != agent:
-                    continue
-            with open(f"/proc/{entry}/environ", "rb") as f:
-                env = dict(kv.split(b"=", 1) for kv in f.read().split(b"\0") if b"=" in kv)
-        except (OSError, ValueError, IndexError):
-            continue
-        if b"RANK" in env:
-            found[int(env[b"RANK"])] = int(entry)
-    return found
 
 
 def _overrides(args: argparse.Namespace, output_dir: str, extra: List[str]) -> List[str]:
@@ -96,7 +83,7 @@ def recovery(args: argparse.Namespace, name: str, extra: List[str]) -> Dict[str,
             raise SystemExit(f"{name}: the job ended before step {args.kill_after}:\n{proc.stdout.read()}")
         time.sleep(0.01)
     before = len(_rows(out))
-    workers = _workers(proc.pid)
+    workers = worker_pids(proc.pid)
     killed_at = time.perf_counter()
     os.kill(workers[1], signal.SIGKILL)
     newest_before = max(r["step"] for r in _rows(out)[:before] if "event" not in r)
@@ -115,14 +102,16 @@ def recovery(args: argparse.Namespace, name: str, extra: List[str]) -> Dict[str,
             "recovery_s": event["seconds"], "from": event["from"]}
 
 
-def step_time(args: argparse.Namespace, name: str, extra: List[str]) -> float:
+def step_time(args: argparse.Namespace, name: str, extra: List[str]) -> Tuple[float, str]:
     """Seconds per step of an uninterrupted run: its training loop's wall time (the run's
-    summary line, saves and snapshots included) over its steps."""
+    summary line, saves and snapshots included) over its steps; and how many snapshots were
+    taken and deferred (its console line, "" without snapshots)."""
     out = os.path.join(args.dir, "steps_" + re.sub(r"\W+", "_", name))
     shutil.rmtree(out, ignore_errors=True)
     output = _finish(_start(args, _overrides(args, out, extra), 0), out + ".log")
     summary = re.search(r"done: steps 0 -> (\d+) in ([0-9.]+)s", output)
-    return float(summary.group(2)) / int(summary.group(1))
+    counts = re.search(r"memory snapshots: (\d+) taken, (\d+) due", output)
+    return float(summary.group(2)) / int(summary.group(1)), f"{counts.group(1)}/{counts.group(2)}" if counts else ""
 
 
 def main() -> None:
@@ -138,6 +127,7 @@ def main() -> None:
     parser.add_argument("--dir", default="/tmp/hp_recovery")
     parser.add_argument("--memory-dir", default="/dev/shm/hp_recovery", help="checkpoint.memory_dir (a tmpfs)")
     parser.add_argument("--s3", action="store_true", help="also durable checkpoints on a local moto S3 server")
+    parser.add_argument("--step-cost-only", action="store_true", help="only the step-time cost (no killed runs)")
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     memory = args.memory_dir
@@ -185,22 +175,28 @@ def _s3_server():
 def _report(args: argparse.Namespace, cases: Dict[str, List[str]]) -> None:
     print(f"# {args.model}, seq {args.seq}, {args.batch} sequences per rank, {args.world} CPU ranks, "
           f"kill -9 of rank 1 after step {args.kill_after}, durable checkpoints every {args.durable_interval} steps")
-    print("| case | kill -> first resumed step (s) | steps lost | recovery row (s) | from |")
-    print("|---|---|---|---|---|")
-    for name, extra in cases.items():
-        r = recovery(args, name, extra)
-        print(f"| {name} | {r['kill_to_first_step_s']:.2f} | {r['steps_lost']} | {r['recovery_s']:.3f} | {r['from']} |",
-              flush=True)
+    if not args.step_cost_only:
+        print("| case | kill -> first resumed step (s) | steps lost | recovery row (s) | from |")
+        print("|---|---|---|---|---|")
+        for name, extra in cases.items():
+            r = recovery(args, name, extra)
+            print(f"| {name} | {r['kill_to_first_step_s']:.2f} | {r['steps_lost']} | {r['recovery_s']:.3f} "
+                  f"| {r['from']} |", flush=True)
     local = ["durable only", "memory snapshots every step"]  # the step-time cost, durable checkpoints on disk
     times: Dict[str, List[float]] = {name: [] for name in local}
+    counts: Dict[str, List[str]] = {name: [] for name in local}
     for i in range(args.rounds):
         for name in (local if i % 2 == 0 else reversed(local)):
-            times[name].append(step_time(args, name, cases[name]))
+            seconds, taken = step_time(args, name, cases[name])
+            times[name].append(seconds)
+            counts[name].append(taken)
     base = statistics.median(times["durable only"])
-    print("\n| case | seconds per step (training loop wall time / steps), per round | ratio to durable only |")
-    print("|---|---|---|")
+    print("\n| case | seconds per step (training loop wall time / steps), per round | ratio to durable only "
+          "| snapshots taken / due steps deferred, per round |")
+    print("|---|---|---|---|")
     for name, values in times.items():
-        print(f"| {name} | {', '.join(f'{v:.3f}' for v in values)} | {statistics.median(values) / base:.3f} |")
+        print(f"| {name} | {', '.join(f'{v:.3f}' for v in values)} | {statistics.median(values) / base:.3f} "
+              f"| {', '.join(c for c in counts[name] if c) or '-'} |")
 
 
 if __name__ == "__main__":

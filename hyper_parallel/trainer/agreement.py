@@ -74,20 +74,22 @@ class StepVotes(NamedTuple):
     sigterm: int      # ranks that got SIGTERM: stop at this step
     out_of_time: int  # ranks whose next step would end past the time limit: stop at this step
     bad_batch: int    # ranks that cannot read their next batch: fail together
+    snapshot_busy: int = 0  # ranks whose last memory snapshot is still in flight: defer the next
     extra: Tuple[float, ...] = ()  # the ranks' ``extra`` values, summed (empty without)
 
 
 def step_votes(loss: torch.Tensor, *, sigterm: bool, out_of_time: bool, bad_batch: bool,
-               extra: Optional[torch.Tensor] = None) -> StepVotes:
+               snapshot_busy: bool = False, extra: Optional[torch.Tensor] = None) -> StepVotes:
     """This rank's ``loss`` (a 0-dim tensor), votes and ``extra`` step statistics (a 1-D float
     tensor, the same length on every rank), summed over all ranks in one all-reduce.
 
     Every rank calls it after each step, at the same point.
     """
-    flags = torch.tensor([float(sigterm), float(out_of_time), float(bad_batch)], device=loss.device)
+    flags = torch.tensor([float(sigterm), float(out_of_time), float(bad_batch), float(snapshot_busy)],
+                         device=loss.device)
     parts = [loss.reshape(1), flags] + ([extra.to(loss.device, loss.dtype)] if extra is not None else [])
     summed = all_reduce_sum(torch.cat(parts)).tolist()
-    return StepVotes(summed[0], *(int(votes) for votes in summed[1:4]), extra=tuple(summed[4:]))
+    return StepVotes(summed[0], *(int(votes) for votes in summed[1:5]), extra=tuple(summed[5:]))
 
 
 def together(device: torch.device, action: Callable[[], T]) -> T:

@@ -216,6 +216,7 @@ def run_training(config: ValidConfig, platform: Platform) -> RunSummary:
         summary = train_loop(job, step, stop)
         if job.snapshots is not None:  # a finished (or stopped and saved) job needs none
             job.snapshots.remove()
+            job.log.print(job.snapshots.counts_line())
         job.log.print(format_summary(summary, cfg))
     finally:
         stop.uninstall()
@@ -293,9 +294,11 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         step += 1
         batch, error = _peek_batch(job, step + 1) if step < t.steps else (None, None)
         # One collective per step: the global mean loss, whether any rank got SIGTERM or ran
-        # out of time, and how many ranks cannot read their next batch.
+        # out of time, how many ranks cannot read their next batch, and on how many the last
+        # memory snapshot is still in flight (the next one then waits, not the step).
         votes = step_votes(result["loss"], sigterm=stop.requested, bad_batch=error is not None,
                            out_of_time=limits.out_of_time(time.perf_counter() - step_start),
+                           snapshot_busy=job.snapshots is not None and job.snapshots.in_flight(),
                            extra=moe_statistics(result))
         # Each tensor-parallel rank of the last pipeline stage holds its data-parallel rank's loss
         # (each CP rank its share of it: their mean is the data-parallel rank's loss).
@@ -333,7 +336,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         saver.save(step, operations.final_state(job.cfg.checkpoint, job.state) if last else job.state,
                    force=last or reason is not None)
         if job.snapshots is not None and not last and reason is None and job.snapshots.due(step):
-            job.snapshots.take(step, job.state)
+            job.snapshots.take(step, job.state, busy_ranks=votes.snapshot_busy)
         if reason is not None:
             summary.stopped_by_signal, summary.stop_reason = reason == "SIGTERM", reason
             job.log.print(f"{reason}: saved a final checkpoint at step {step}, stopping")

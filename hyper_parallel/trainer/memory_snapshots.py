@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from hyper_parallel.checkpoint import CheckpointError, FileSystemWriter, OptimizerState
 from hyper_parallel.checkpoint import async_save
 from hyper_parallel.trainer.config.schema import TrainConfig
-from hyper_parallel.trainer.snapshot_transfer import all_ranks_agree, pack_folder, transfer, unpack_folder
+from hyper_parallel.trainer.snapshot_transfer import all_ranks_agree, mapped_or_nothing, transfer
 
 _log = logging.getLogger(__name__)
 
@@ -223,6 +223,10 @@ class MemorySnapshots:
     one all-reduce after each part so that the previous step is deleted only once every rank
     holds the new one. A failed part is logged (training goes on; the previous step stays).
 
+    The training step never waits for a snapshot's write or replica: a snapshot due while the
+    previous one is still in flight on some rank (:meth:`in_flight`, which the ranks vote on with
+    their step's other votes) is deferred to the next step, so one snapshot at most is in flight.
+
     Args:
         folder: where this rank's snapshots are.
         identity: :func:`job_identity`.
@@ -241,22 +245,38 @@ class MemorySnapshots:
         self.replica_step: Optional[int] = None  # the complete replica kept now
         self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="hyper_parallel-snapshot")
         self._pending: Optional[concurrent.futures.Future] = None
+        self.taken = self.deferred = 0  # snapshots started; due steps deferred (one still in flight)
+        self._overdue = False  # the last due snapshot was deferred
 
     def partner_for(self, rank: int) -> Optional[int]:
         """The partner of any ``rank`` of the job."""
         return partner_of(rank, self.world, self.ranks_per_node)
 
     def due(self, step: int) -> bool:
-        return step % self.interval == 0
+        """Whether a snapshot is due after ``step``: every ``interval`` steps, and at each step
+        after a deferred one until it is taken."""
+        return step % self.interval == 0 or self._overdue
+
+    def in_flight(self) -> bool:
+        """Whether this rank's last snapshot is still being written or replicated."""
+        return self._pending is not None and not self._pending.done()
 
     def info(self, step: int) -> Dict[str, Any]:
         """What ``snapshot.json`` holds for this rank's snapshot of ``step``."""
         return {**self.identity, "rank": self.rank, "step": step, "world_size": self.world}
 
-    def take(self, step: int, state: Dict[str, Any]) -> None:
+    def take(self, step: int, state: Dict[str, Any], *, busy_ranks: int = 0) -> None:
         """Snapshot ``state`` as ``step``: planned here (its non-tensor values read now), its
-        tensors staged before the next ``optimizer.step()``, the rest in the background."""
-        self.wait()
+        tensors staged before the next ``optimizer.step()``, the rest in the background. With
+        ``busy_ranks`` (the ranks whose :meth:`in_flight` was true at this step's vote, the same
+        number on every rank) the snapshot is deferred to the next step instead."""
+        if busy_ranks:
+            self._overdue = True
+            self.deferred += 1
+            return
+        self._overdue = False
+        self.taken += 1
+        self.wait()  # done already on every rank (none was in flight at the vote)
         scratch = self.folder.scratch(f"step-{step}")
         writer = FileSystemWriter(scratch, sync_files=False)  # host memory: nothing to sync
         future = async_save(local_shards(state), storage_writer=writer, no_dist=True, use_collectives=False,
@@ -268,6 +288,11 @@ class MemorySnapshots:
         if self._pending is not None:
             pending, self._pending = self._pending, None
             pending.result()
+
+    def counts_line(self) -> str:
+        """The console line of how many snapshots were taken and deferred."""
+        return (f"memory snapshots: {self.taken} taken, {self.deferred} due step(s) deferred "
+                "(the previous snapshot still in flight)")
 
     def remove(self) -> None:
         """Delete this rank's snapshots (the job has finished)."""
@@ -288,17 +313,9 @@ class MemorySnapshots:
                          self.rank, step, err, self.own_step)
             shutil.rmtree(scratch, ignore_errors=True)
             written = False
-        try:
-            everywhere = all_ranks_agree(written, self.group)
-        except RuntimeError as err:  # a rank is gone: the job is being restarted
-            _log.warning("rank %d: the memory snapshot of step %d was not confirmed: %s", self.rank, step, err)
+        previous = None if self.own_step is None else self.folder.own(self.own_step)
+        if not self._everywhere(written, f"the memory snapshot of step {step}", own, previous):
             return
-        if not everywhere:
-            if written:
-                shutil.rmtree(own, ignore_errors=True)
-            return
-        if self.own_step is not None and self.own_step != step:
-            shutil.rmtree(self.folder.own(self.own_step), ignore_errors=True)
         self.own_step = step
         if self.partner is not None:
             self._replicate(step, own)
@@ -308,28 +325,36 @@ class MemorySnapshots:
         final = self.folder.replica(self.source, step)
         received = False
         try:
-            payload = None
-            try:
-                payload = pack_folder(own)
-            except OSError as err:
-                _log.warning("rank %d: cannot send the snapshot of step %d: %s", self.rank, step, err)
-            data = transfer([(self.partner, payload)], self.source, self.group)
-            if data is not None:
-                scratch = self.folder.scratch(f"replica-{step}")
-                unpack_folder(data, scratch)
+            scratch = transfer([(self.partner, mapped_or_nothing(own))], self.source,
+                               lambda: self.folder.scratch(f"replica-{step}"), self.group)
+            if scratch is not None:
                 switch_into_place(scratch, final)
                 received = True
-            replicated = all_ranks_agree(received, self.group)
-        except (OSError, CheckpointError, RuntimeError) as err:
+        except (OSError, CheckpointError) as err:  # every byte was exchanged: the group is usable
             _log.warning("rank %d: the replica of step %d failed: %s", self.rank, step, err)
+        except RuntimeError as err:  # a rank is gone: the job is being restarted
+            _log.warning("rank %d: the replica of step %d was not exchanged: %s", self.rank, step, err)
             return
-        if not replicated:
-            if received:
-                shutil.rmtree(final, ignore_errors=True)
-            return
-        if self.replica_step is not None and self.replica_step != step:
-            shutil.rmtree(self.folder.replica(self.source, self.replica_step), ignore_errors=True)
-        self.replica_step = step
+        previous = None if self.replica_step is None else self.folder.replica(self.source, self.replica_step)
+        if self._everywhere(received, f"the replica of step {step}", final, previous):
+            self.replica_step = step
+
+    def _everywhere(self, done: bool, what: str, new: str, previous: Optional[str]) -> bool:
+        """Whether every rank has done its part (``done`` here: ``new`` is in place): then
+        ``previous`` is deleted; else ``new`` is, and the previous one stays. False also when
+        a rank is gone (logged)."""
+        try:
+            everywhere = all_ranks_agree(done, self.group)
+        except RuntimeError as err:  # a rank is gone: the job is being restarted
+            _log.warning("rank %d: %s was not confirmed: %s", self.rank, what, err)
+            return False
+        if not everywhere:
+            if done:
+                shutil.rmtree(new, ignore_errors=True)
+            return False
+        if previous is not None and previous != new:
+            shutil.rmtree(previous, ignore_errors=True)
+        return True
 
 
 class SnapshotPlan(NamedTuple):

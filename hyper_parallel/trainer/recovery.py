@@ -25,7 +25,7 @@ from hyper_parallel.trainer.agreement import together
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.job import TrainingJob
 from hyper_parallel.trainer.memory_snapshots import SNAPSHOT_INFO, MemorySnapshots, local_shards, switch_into_place
-from hyper_parallel.trainer.snapshot_transfer import pack_folder, transfer, unpack_folder
+from hyper_parallel.trainer.snapshot_transfer import mapped_or_nothing, transfer
 from hyper_parallel.trainer.operations import LoadPlan
 from hyper_parallel.trainer.state import SAVED_ONLY
 
@@ -185,17 +185,16 @@ def recover_from_memory(snapshots: MemorySnapshots, state: Dict[str, Any], keys:
         _clean_node(snapshots, local_ranks, keep=[])
         return Recovery(None, lines, found_any, [])
     given_by = holders(everyone, step)
-    sends = [(q, pack_folder(found[(q, step)])) for q in range(world) if given_by[q] == me and q != me]
-    received = transfer(sends, given_by[me] if given_by[me] != me else None, group)
     own = snapshots.folder.own(step)
     problem = None
     try:
+        sends = [(q, mapped_or_nothing(found[(q, step)])) for q in range(world) if given_by[q] == me and q != me]
+        received = transfer(sends, given_by[me] if given_by[me] != me else None,
+                            lambda: snapshots.folder.scratch(f"step-{step}"), group)
         if given_by[me] != me:
             if received is None:
                 raise CheckpointError(f"rank {given_by[me]} could not send it")
-            scratch = snapshots.folder.scratch(f"step-{step}")
-            unpack_folder(received, scratch)
-            switch_into_place(scratch, own)
+            switch_into_place(received, own)
         elif (me, step) not in found or found[(me, step)] != own:
             # a replica, or in the folder of the rank this node had before: as this rank's own
             held_here = node_snapshots(snapshots, snapshots.folder.ranks_here())[(me, step)]

@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import shutil
 import signal
 import sys
 import tempfile
+import time
 
 import pytest
 import torch.distributed as dist
@@ -90,11 +92,29 @@ def _steps_rerun(out):
     return max(r["step"] for r in rows[:at]) - rows[at]["step"]
 
 
+def _wait_for_replica_of_newest_steps(out, held_by, proc, timeout=240):
+    """Until step 5 is logged and the folder ``held_by`` (rank 0's) holds the replica of rank 1's
+    snapshot of the newest step logged or the one before: a snapshot due while the previous one
+    is in flight is deferred (on a loaded machine even the tiny model's can be), so the newest
+    complete snapshot trails the steps by a varying amount; the kill comes when it is recent."""
+    wait_for_step(out, 5, proc, timeout=timeout)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        logged = max(r["step"] for r in read_records(out) if "event" not in r)
+        names = list(held_by.glob("job-*/rank-0/replica-of-1-step-*"))
+        if any(int(n.name.rsplit("-", 1)[1]) >= logged - 1 for n in names):
+            return
+        if proc.poll() is not None:
+            raise AssertionError(f"the job ended first:\n{proc.stdout.read()}")
+        time.sleep(0.01)
+    raise AssertionError(f"no replica of a recent step within {timeout}s")
+
+
 def test_a_killed_worker_resumes_from_memory_on_the_uninterrupted_losses(reference, tmp_path):
     out, memory = str(tmp_path / "out"), tmp_path / "memory"
     proc = start(torchrun_cmd(2, [*TINY, *SNAPSHOTS, f"output_dir={out}", f"checkpoint.memory_dir={memory}"],
                               extra=["--standalone", "--max-restarts=1", "--monitor-interval=0.1"]))
-    wait_for_step(out, 5, proc, timeout=240)
+    _wait_for_replica_of_newest_steps(out, memory, proc)
     workers = worker_pids(proc.pid)
     assert 1 in workers, f"rank 1 not found among torchrun's children {workers}"
     os.kill(workers[1], signal.SIGKILL)
@@ -125,6 +145,7 @@ def test_a_lost_node_requeued_resumes_from_its_partners_replica(reference, tmp_p
     nodes = [node(0, endpoint), node(1, endpoint)]
     wait_for_step(out, 5, nodes[0], timeout=240)
     lost = next(i for i, n in enumerate(nodes) if 1 in worker_pids(n.pid))  # the node of rank 1
+    _wait_for_replica_of_newest_steps(out, memory[1 - lost], nodes[lost])
     end(nodes[lost])
     shutil.rmtree(memory[lost])
     for n in nodes:  # the other node's job fails without its peer: the scheduler's requeue
@@ -156,18 +177,80 @@ def test_damaged_snapshots_fall_back_to_durable_and_another_jobs_are_ignored(ref
     assert "starting from scratch" in console
     assert last_loss_per_step(other)[1] == reference[1]
 
-    # Rank 1's own snapshot and its replica on rank 0 damaged: the durable step 3 is the newest complete state.
-    for path in (f"{memory}/{job_folder}/rank-1/step-5", f"{memory}/{job_folder}/rank-0/replica-of-1-step-5"):
+    # Rank 1's newest own snapshot (step 5 unless deferred) and its replica on rank 0 damaged: the
+    # durable step 3 is the newest complete state.
+    newest = max(int(name.rsplit("-", 1)[1]) for name in os.listdir(f"{memory}/{job_folder}/rank-1")
+                 if name.startswith("step-"))
+    for path in (f"{memory}/{job_folder}/rank-1/step-{newest}", f"{memory}/{job_folder}/rank-0/replica-of-1-step-{newest}"):
         data = os.path.join(path, "__0_0.safetensors")
+        if not os.path.exists(data):
+            continue  # the replica of a snapshot still in flight at the crash
         corrupt = bytearray(open(data, "rb").read())
         corrupt[-1] ^= 0xFF
         open(data, "wb").write(bytes(corrupt))
     console = run_on_ranks(2, _train, job, timeout=300)[0]
     [event] = _recovered(out)
     assert event["from"] == "durable" and event["step"] == 3, event
-    assert "rank-1/step-5: refused, " in console and "checksum" in console, console
+    assert f"rank-1/step-{newest}: refused, " in console and "checksum" in console, console
     assert_losses_match(reference, last_loss_per_step(out))
     assert os.listdir(memory) == []  # both jobs finished
+
+
+def test_an_hsdp_job_resumes_from_memory_on_the_uninterrupted_losses(tmp_path):
+    """HSDP 2x2 (4 gloo ranks: replicated shards, each rank its own snapshot): a job that died
+    after step 5 resumes from its snapshots on the losses of a run that was not interrupted."""
+    layout = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "training.steps=8"]
+    reference = str(tmp_path / "reference")
+    run_on_ranks(4, _train, [*layout, f"output_dir={reference}"], timeout=300)
+    out, memory = str(tmp_path / "out"), str(tmp_path / "memory")
+    job = [*layout, *SNAPSHOTS, f"output_dir={out}", f"checkpoint.memory_dir={memory}"]
+    assert run_on_ranks(4, _crash_after, 5, job, timeout=300) == ["simulated crash"] * 4
+    console = run_on_ranks(4, _train, job, timeout=300)[0]
+    [event] = _recovered(out)
+    assert event["from"] == "memory" and 1 <= event["step"] <= 5, (event, console)
+    assert_losses_match(last_loss_per_step(reference), last_loss_per_step(out))
+    assert os.listdir(memory) == []
+
+
+def _train_with_a_snapshot_in_flight(overrides):
+    """As _train, rank 1's snapshot of step 2 held in flight (its write done, not yet switched
+    in and replicated) until rank 1 is told to defer a due snapshot (20 s at most)."""
+    import threading
+
+    from hyper_parallel.trainer.memory_snapshots import MemorySnapshots
+
+    complete, take, deferred = MemorySnapshots._complete, MemorySnapshots.take, threading.Event()
+
+    def held(self, step, *args):
+        if step == 2 and self.rank == 1:
+            deferred.wait(20)
+        return complete(self, step, *args)
+
+    def noting(self, step, state, **kwargs):
+        if kwargs.get("busy_ranks"):
+            deferred.set()
+        return take(self, step, state, **kwargs)
+
+    MemorySnapshots._complete, MemorySnapshots.take = held, noting
+    try:
+        return _train(overrides), deferred.is_set()
+    finally:
+        MemorySnapshots._complete, MemorySnapshots.take = complete, take
+
+
+def test_a_snapshot_in_flight_defers_the_next_without_holding_the_steps(reference, tmp_path):
+    """The steps go on while a snapshot is in flight on one rank; every rank defers the due ones
+    (the vote rides on the step's all-reduce) until it is in place; training is unchanged."""
+    out, memory = str(tmp_path / "out"), tmp_path / "memory"
+    (console, _), (_, rank1_deferred) = run_on_ranks(
+        2, _train_with_a_snapshot_in_flight, [*SNAPSHOTS, f"output_dir={out}", f"checkpoint.memory_dir={memory}"],
+        timeout=300)
+    assert rank1_deferred, "rank 1 waited for its snapshot in flight instead of deferring the next one"
+    taken, deferred = map(int, re.search(r"memory snapshots: (\d+) taken, (\d+) due step\(s\) deferred",
+                                         console).groups())
+    assert deferred >= 1 and taken >= 2 and taken + deferred == STEPS - 1, console
+    assert_losses_match(reference, last_loss_per_step(out))
+    assert os.listdir(memory) == []
 
 
 def test_partners_and_the_agreed_step():

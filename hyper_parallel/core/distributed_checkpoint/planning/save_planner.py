@@ -30,6 +30,9 @@ from hyper_parallel.core.distributed_checkpoint.format.values import encode_valu
 from hyper_parallel.core.distributed_checkpoint.planning.shards import local_chunk, local_data, mesh_slot
 
 
+_UNCHECKED = -1  # a plain tensor's entry in a rank-local plan's value_checksums (no crc32 is negative)
+
+
 def _crc_of_tensor(tensor: torch.Tensor) -> int:
     data = tensor.detach().contiguous().cpu()
     return crc32(data.reshape(-1).view(torch.uint8).numpy()) if data.numel() else 0
@@ -54,7 +57,8 @@ class StandardSavePlanner(SavePlanner):
     plain value in its plan (``value_checksums``) and ``save`` refuses, naming the key, a key
     whose value differs between ranks (:func:`check_values_agree`); per-rank data goes under
     rank-specific keys. With ``use_collectives=False`` every rank writes its plain values
-    and loading compares the copies instead.
+    and loading compares the copies instead (plain tensors are then checksummed by the
+    writer, not in planning).
 
     Replicated chunks are assigned without communication: every replica enumerates the
     same chunks in key order and gives each to the replica with the fewest bytes so far
@@ -105,7 +109,9 @@ class StandardSavePlanner(SavePlanner):
                     }
             elif isinstance(value, torch.Tensor):
                 _check_savable_tensor(key, value)
-                checksums[key] = _crc_of_tensor(value)
+                # Compared between ranks in a global plan; a rank-local one checksums as it writes
+                # (an async save then keeps the whole pass off the caller's thread).
+                checksums[key] = _crc_of_tensor(value) if self.global_view else _UNCHECKED
                 chunk = local_chunk(value)
                 items.append(WriteItem(MetadataIndex(key, chunk.offsets), WriteItemType.TENSOR,
                                        TensorWriteData(chunk, value.dtype, tuple(value.shape))))
@@ -115,7 +121,8 @@ class StandardSavePlanner(SavePlanner):
                 self._encoded[key] = data
                 items.append(WriteItem(MetadataIndex(key), WriteItemType.BYTE_IO,
                                        bytes_io_data=BytesIOWriteData(len(data), encoding)))
-        self._plain_tensor_checksums = {k: checksums[k] for k in checksums if k not in self._encoded}
+        self._plain_tensor_checksums = {k: crc for k, crc in checksums.items()
+                                        if k not in self._encoded and crc != _UNCHECKED}
         return SavePlan(items, layouts=layouts, value_checksums=checksums)
 
     def _dtensor_item(self, key: str, value: DTensor, replica_load) -> Optional[WriteItem]:
