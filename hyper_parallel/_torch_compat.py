@@ -77,8 +77,10 @@ __all__ = [
     "init_fake_process_group",
     "local_tensor",
     "lookup_compile_backend",
+    "module_buffers",
     "module_parameters",
     "preserve_version_counter",
+    "process_groups",
     "queue_autograd_callback",
     "record_cuda_memory_history",
     "reduce_scatter_single",
@@ -154,6 +156,12 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: dist.Re
     return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
 
 
+def process_groups() -> List[dist.ProcessGroup]:
+    """Every process group this process created and has not destroyed, the default one included
+    (torch lists them in no public API)."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
 def dtensor_spec(dtensor: torch.Tensor) -> DTensorSpec:
     """A DTensor's spec (mesh, placements, global shape and stride) as one object."""
     return dtensor._spec
@@ -163,6 +171,11 @@ def module_parameters(module: torch.nn.Module) -> Dict[str, Optional[torch.nn.Pa
     """The dict holding ``module``'s own parameters: fully_shard swaps its sharded and
     unsharded parameters in there directly (as FSDP2 does), without ``nn.Module.__setattr__``."""
     return module._parameters
+
+
+def module_buffers(module: torch.nn.Module) -> Dict[str, Optional[torch.Tensor]]:
+    """The dict holding ``module``'s own buffers (filled in place like :func:`module_parameters`)."""
+    return module._buffers
 
 
 def post_accumulate_grad_hooks(param: torch.Tensor) -> Dict[Any, Callable]:

@@ -43,7 +43,8 @@ def test_a_lazy_import_closing_a_circle_is_found(tmp_path):
 
 # What hyper_parallel/models/__init__.py's docstring says the models may import.
 MODELS_MAY_IMPORT = ("hyper_parallel.models", "hyper_parallel._torch_compat", "hyper_parallel.core",
-                     "hyper_parallel.checkpoint", "hyper_parallel.context_parallel", "hyper_parallel.chunked_loss")
+                     "hyper_parallel.checkpoint", "hyper_parallel.context_parallel", "hyper_parallel.chunked_loss",
+                     "hyper_parallel._optional", "hyper_parallel.utils")
 
 
 def test_the_models_import_only_what_their_package_docstring_allows(library_graph):

@@ -4,11 +4,12 @@
 initialisation) built from ``attention``, ``layers`` (RMSNorm, dense SwiGLU) and ``rotary``; a
 family chooses each block's feed-forward: ``llama`` (dense SwiGLU) and ``moe`` (a mixture of
 experts: ``moe_layer``, ``grouped_experts``). ``llama_parallel`` holds their tensor-parallel plan
-and pipeline stage split, ``hf_llama`` / ``hf_moe`` the Hugging Face name maps and configs.
+and pipeline stage split, ``hf_llama`` / ``hf_moe`` the Hugging Face name maps and configs;
+``hf_causal_lm`` builds any transformers causal LM for the recipes (``model=hf``).
 
 May import (beside torch): ``hyper_parallel._torch_compat``, ``core`` (fully_shard, layout, the
-checkpoint formats for the HF maps), ``checkpoint``, ``context_parallel`` (ring attention) and
-``chunked_loss``; never ``trainer``, ``data``, the other parallelisms or the recipes
+checkpoint formats for the HF maps), ``checkpoint``, ``context_parallel`` (ring attention),
+``chunked_loss``, ``_optional`` (the optional extras) and ``utils``; never ``trainer``, ``data``, the other parallelisms or the recipes
 (tests/test_import_cycles.py checks it).
 """
 

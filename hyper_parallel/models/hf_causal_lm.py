@@ -27,6 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
+from hyper_parallel._torch_compat import module_buffers, module_parameters
 from hyper_parallel.core.layout import local_part
 from hyper_parallel.models.decoder import name_seed
 from hyper_parallel.models.hf_llama import CONFIG_FILE
@@ -169,14 +170,15 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, layer_plan)
     for module in model.modules():
-        if any(p is not None and not isinstance(p, DTensor) for p in module._parameters.values()):
+        if any(p is not None and not isinstance(p, DTensor) for p in module_parameters(module).values()):
             distribute_module(module, tp_mesh, _replicate_parameters, _replicated_inputs, _local_outputs)
 
 
 def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
-    for key, param in list(module._parameters.items()):
+    params = module_parameters(module)
+    for key, param in list(params.items()):
         if param is not None and not isinstance(param, DTensor):
-            module._parameters[key] = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
+            params[key] = nn.Parameter(distribute_tensor(param, mesh, [Replicate()]),
                                                    requires_grad=param.requires_grad)
 
 
@@ -247,7 +249,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
     Re-ties tied weights (``to_empty`` unties them)."""
     owners = _owners(model)
     for name, module in model.named_modules():
-        slots = [(store, key, t) for store in (module._parameters, module._buffers)
+        slots = [(store, key, t) for store in (module_parameters(module), module_buffers(module))
                  for key, t in store.items() if t is not None]
         if not slots:
             continue
@@ -255,7 +257,7 @@ def init_weights(model: nn.Module, seed: int) -> None:
         full = {}
         for store, key, tensor in slots:
             value = torch.empty(tensor.shape, dtype=tensor.dtype)
-            full[key] = nn.Parameter(value, requires_grad=False) if store is module._parameters else value
+            full[key] = nn.Parameter(value, requires_grad=False) if store is module_parameters(module) else value
             store[key] = full[key]
         try:
             with torch.random.fork_rng(devices=[]):

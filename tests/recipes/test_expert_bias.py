@@ -41,8 +41,14 @@ def test_expert_bias_moves_with_the_global_counts_and_resumes(tmp_path):
     run_on_ranks(1, _train, [f"output_dir={one}"], timeout=180)
     assert sorted(last_loss_per_step(two)) == [1, 2, 3, 4]
     assert_losses_match(last_loss_per_step(one), last_loss_per_step(two), rel=1e-5)
-    for a, b in zip(_biases(f"{one}/checkpoints/step-4"), _biases(f"{two}/checkpoints/step-4")):
-        assert a.abs().sum() > 0 and torch.allclose(a, b, rtol=0, atol=1e-6), (a, b)
+    # (A bias may come back to exactly 0 after an even number of updates: every step's biases
+    # are compared, and some must have moved.)
+    moved = False
+    for step in (2, 4):
+        for a, b in zip(_biases(f"{one}/checkpoints/step-{step}"), _biases(f"{two}/checkpoints/step-{step}")):
+            assert torch.allclose(a, b, rtol=0, atol=1e-6), (step, a, b)
+            moved |= bool(a.abs().sum() > 0)
+    assert moved, "the expert biases never moved"
     # The step-2 biases are in the checkpoint: a resumed run continues the uninterrupted losses.
     run_on_ranks(1, _train, [f"output_dir={resumed}", f"checkpoint.load_from={two}/checkpoints/step-2"],
                  timeout=180)
