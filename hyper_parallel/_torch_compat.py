@@ -80,7 +80,6 @@ __all__ = [
     "module_buffers",
     "module_parameters",
     "preserve_version_counter",
-    "process_groups",
     "queue_autograd_callback",
     "record_cuda_memory_history",
     "reduce_scatter_single",
@@ -154,12 +153,6 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: dist.Re
     if _SINGLE_COLLECTIVES:
         return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
     return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
-
-
-def process_groups() -> List[dist.ProcessGroup]:
-    """Every process group this process created and has not destroyed, the default one included
-    (torch lists them in no public API)."""
-    return list(dist.distributed_c10d._world.pg_map)
 
 
 def dtensor_spec(dtensor: torch.Tensor) -> DTensorSpec:

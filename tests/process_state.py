@@ -3,8 +3,8 @@
 The rank pool (``tests/multirank.py``) keeps its processes between tests, so without a reset a
 test could pass only because an earlier one warmed a cache (or fail only after one did). After
 every function a rank runs, :func:`reset_process_state` puts the caches back as a fresh process
-has them; the default process group is kept (rebuilding it is what the pool exists to avoid),
-the groups a test created (its meshes') are destroyed.
+has them; the process group and the meshes built on it are kept (rebuilding them is what the
+pool exists to avoid, and they hold no test's data).
 """
 
 from __future__ import annotations
@@ -24,26 +24,6 @@ def reset_process_state() -> None:
     checkpoint_api.staging_buffers().release()
     collectives.reset_collective_counts()
     reset_platform()
-    destroy_test_process_groups()
-
-
-def destroy_test_process_groups() -> None:
-    """Destroy every process group but the default one (each gloo group keeps two threads per
-    peer; left over from hundreds of tests they crowded the CPU), and the library's caches of
-    groups and meshes built on them."""
-    import torch.distributed as dist
-
-    from hyper_parallel import _torch_compat as compat
-    from hyper_parallel.core.fully_shard import mesh
-
-    if not dist.is_initialized():
-        return
-    default = dist.distributed_c10d._get_default_group()
-    for group in compat.process_groups():
-        if group is not default:
-            dist.destroy_process_group(group)
-    mesh._SUBGROUPS.clear()
-    mesh._WORLD_MESH.clear()
 
 
 def process_state() -> Dict[str, int]:

@@ -355,15 +355,6 @@ def test_all_gather_single_and_reduce_scatter_single(rank_2_of_4):
     assert compat.reduce_scatter_single(shard, gathered, group=group, async_op=True).wait()
 
 
-def test_process_groups_lists_the_default_group_and_a_new_one_until_destroyed(rank_2_of_4):
-    default = dist.distributed_c10d._get_default_group()
-    assert compat.process_groups() == [default]
-    group = dist.new_group([0, 1, 2, 3])
-    assert compat.process_groups() == [default, group]
-    dist.destroy_process_group(group)
-    assert compat.process_groups() == [default]
-
-
 def test_module_buffers():
     norm = torch.nn.BatchNorm1d(3)
     assert compat.module_buffers(norm) is norm._buffers
