@@ -177,17 +177,20 @@ def test_damaged_snapshots_fall_back_to_durable_and_another_jobs_are_ignored(ref
     assert "starting from scratch" in console
     assert last_loss_per_step(other)[1] == reference[1]
 
-    # Rank 1's newest own snapshot (step 5 unless deferred) and its replica on rank 0 damaged: the
-    # durable step 3 is the newest complete state.
-    newest = max(int(name.rsplit("-", 1)[1]) for name in os.listdir(f"{memory}/{job_folder}/rank-1")
-                 if name.startswith("step-"))
-    for path in (f"{memory}/{job_folder}/rank-1/step-{newest}", f"{memory}/{job_folder}/rank-0/replica-of-1-step-{newest}"):
-        data = os.path.join(path, "__0_0.safetensors")
-        if not os.path.exists(data):
-            continue  # the replica of a snapshot still in flight at the crash
-        corrupt = bytearray(open(data, "rb").read())
-        corrupt[-1] ^= 0xFF
-        open(data, "wb").write(bytes(corrupt))
+    # Rank 1's own snapshots after the durable step 3 (the newest, and the one before it when a
+    # deferral kept it) and their replicas on rank 0 damaged: step 3 is the newest complete state.
+    steps = [int(name.rsplit("-", 1)[1]) for name in os.listdir(f"{memory}/{job_folder}/rank-1")
+             if name.startswith("step-")]
+    newest = max(steps)
+    for step in (s for s in steps if s > 3):
+        for path in (f"{memory}/{job_folder}/rank-1/step-{step}",
+                     f"{memory}/{job_folder}/rank-0/replica-of-1-step-{step}"):
+            data = os.path.join(path, "__0_0.safetensors")
+            if not os.path.exists(data):
+                continue  # the replica of a snapshot still in flight at the crash
+            corrupt = bytearray(open(data, "rb").read())
+            corrupt[-1] ^= 0xFF
+            open(data, "wb").write(bytes(corrupt))
     console = run_on_ranks(2, _train, job, timeout=300)[0]
     [event] = _recovered(out)
     assert event["from"] == "durable" and event["step"] == 3, event
