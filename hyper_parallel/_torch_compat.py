@@ -52,6 +52,7 @@ __all__ = [
     "TensorMeta",
     "TorchDispatchMode",
     "chunk_cat",
+    "clear_dtensor_caches",
     "compute_local_shape_and_global_offset",
     "cpu_flash_attention",
     "cpu_flash_attention_backward",
@@ -80,6 +81,7 @@ __all__ = [
     "module_buffers",
     "module_parameters",
     "preserve_version_counter",
+    "process_groups",
     "queue_autograd_callback",
     "record_cuda_memory_history",
     "reduce_scatter_single",
@@ -153,6 +155,24 @@ def reduce_scatter_single(output: torch.Tensor, input: torch.Tensor, op: dist.Re
     if _SINGLE_COLLECTIVES:
         return dist.reduce_scatter_single(output, input, op=op, group=group, async_op=async_op)
     return dist.reduce_scatter_tensor(output, input, op=op, group=group, async_op=async_op)
+
+
+def process_groups() -> List[dist.ProcessGroup]:
+    """Every process group this process created and has not destroyed, the default one included
+    (torch lists them in no public API)."""
+    return list(dist.distributed_c10d._world.pg_map)
+
+
+def clear_dtensor_caches() -> None:
+    """Empty DTensor's sharding-propagation caches (Python and C++) and its redistribute planners.
+
+    They key on meshes by value (layout, ranks, names), not by their process groups, so after a
+    mesh's groups are destroyed an equal new mesh would be handed specs holding the old one."""
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
 
 
 def dtensor_spec(dtensor: torch.Tensor) -> DTensorSpec:

@@ -48,13 +48,17 @@ def test_timeout_kills_and_recovers():
 
 
 def _fill_process_state():
-    """Leave behind what tests do: counted collectives, a cached save plan, staging buffers."""
+    """Leave behind what tests do: counted collectives, a cached save plan, staging buffers, a
+    mesh's process groups."""
     import tempfile
 
     import hyper_parallel as hp
     from hyper_parallel.checkpoint import save
     from torch import nn
 
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
     model = hp.fully_shard(nn.Linear(4, 4))
     model(torch.ones(2, 4)).sum().backward()
     with tempfile.TemporaryDirectory() as folder:
@@ -68,4 +72,5 @@ def _fill_process_state():
 def test_each_call_starts_from_a_reset_process_state():
     filled = run_on_ranks(2, _fill_process_state)[0]
     assert filled["collective_counts"] > 0 and filled["cached_save_plans"] == 1, filled
+    assert filled["test_process_groups"] >= 2, filled
     assert run_on_ranks(2, process_state) == [dict.fromkeys(filled, 0)] * 2

@@ -360,3 +360,26 @@ def test_module_buffers():
     assert compat.module_buffers(norm) is norm._buffers
     compat.module_buffers(norm)["running_mean"] = torch.ones(3)
     assert torch.equal(norm.running_mean, torch.ones(3))
+
+
+def test_process_groups_lists_the_default_group_and_a_new_one_until_destroyed(rank_2_of_4):
+    default = dist.distributed_c10d._get_default_group()
+    assert compat.process_groups() == [default]
+    group = dist.new_group([0, 1, 2, 3])
+    assert compat.process_groups() == [default, group]
+    dist.destroy_process_group(group)
+    assert compat.process_groups() == [default]
+
+
+def test_clear_dtensor_caches_stops_an_equal_mesh_getting_specs_of_a_destroyed_one(rank_2_of_4):
+    def mesh_and_sum():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        x = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0), Shard(0)], run_check=False)
+        return mesh, (x + x).device_mesh
+
+    first, _ = mesh_and_sum()
+    for group in compat.process_groups()[1:]:
+        dist.destroy_process_group(group)
+    compat.clear_dtensor_caches()
+    second, result_mesh = mesh_and_sum()
+    assert second == first and result_mesh is second
