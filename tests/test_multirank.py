@@ -72,5 +72,5 @@ def _fill_process_state():
 def test_each_call_starts_from_a_reset_process_state():
     filled = run_on_ranks(2, _fill_process_state)[0]
     assert filled["collective_counts"] > 0 and filled["cached_save_plans"] == 1, filled
-    assert filled["test_process_groups"] >= 2, filled
+    assert filled["test_process_groups"] >= 1, filled
     assert run_on_ranks(2, process_state) == [dict.fromkeys(filled, 0)] * 2
