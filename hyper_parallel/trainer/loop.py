@@ -21,7 +21,8 @@ from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, count_ranks, fail_together, step_votes, together
 from hyper_parallel.trainer.config.compose import ConfigError, ValidConfig
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import TrainConfig, model_config
+from hyper_parallel.trainer.config.model import model_config
+from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.context import split_sequences
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.job import RunSummary, TrainingJob

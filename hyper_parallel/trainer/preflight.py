@@ -27,8 +27,9 @@ from hyper_parallel.models.moe import MoEConfig
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.config.compose import ConfigError, problems_message
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import (SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig,
-                                                  model_config)
+from hyper_parallel.trainer.config.data import SyntheticDataConfig, TextDataConfig, TokensDataConfig
+from hyper_parallel.trainer.config.model import model_config
+from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
 from hyper_parallel.trainer.output_files import output_file_problems
 from hyper_parallel.trainer.parallelize import build_transformer
