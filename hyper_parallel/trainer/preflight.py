@@ -123,7 +123,8 @@ def data_problems(cfg: TrainConfig) -> List[str]:
     d, t, evaluating = cfg.data, cfg.training, cfg.eval.every > 0
     try:
         if isinstance(d, TokensDataConfig):
-            sources = build_sources(cfg, cfg.model.vocab_size, with_val=evaluating)
+            sources = build_sources(d, seq_len=t.seq_len, seed=t.seed, vocab_size=cfg.model.vocab_size,
+                                    with_val=evaluating)
             if sources.val is not None:
                 check_eval_steps(sources.val, t.global_batch_size, cfg.eval.steps)
         elif isinstance(d, TextDataConfig):
