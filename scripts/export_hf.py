@@ -49,7 +49,7 @@ from hyper_parallel.core.distributed_checkpoint.hf import Converted
 from hyper_parallel.models import hf_causal_lm, hf_llama, hf_moe
 from hyper_parallel.models.moe import MoEConfig
 from hyper_parallel.trainer.config import typed_config
-from hyper_parallel.trainer.config.schema import model_config
+from hyper_parallel.trainer.config.model import model_config
 from hyper_parallel.utils.fileio import write_file_atomically
 from hyper_parallel.trainer.hf_tokenizer import run_tokenizer, special_token_ids, write_tokenizer_files
 

@@ -19,7 +19,7 @@ from torch import nn
 from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindows, build_source, split_windows
 from hyper_parallel.parallel import loss_parallel
 from hyper_parallel.trainer.agreement import all_reduce_sum
-from hyper_parallel.trainer.config.schema import TrainConfig
+from hyper_parallel.trainer.config.data import DataConfig
 from hyper_parallel.trainer.context import SequenceSplit
 from hyper_parallel.trainer.pipeline_parallel import Pipeline
 from hyper_parallel.trainer.step import next_token_loss
@@ -33,27 +33,26 @@ class DataSources(NamedTuple):
     val: Optional[TokenSource]
 
 
-def build_sources(cfg: TrainConfig, vocab_size: int, *, with_val: bool) -> DataSources:
+def build_sources(data: DataConfig, *, seq_len: int, seed: int, vocab_size: int, with_val: bool) -> DataSources:
     """The training source and (when ``with_val``) the validation source, from a validated
-    ``data`` (a corpus with evaluation on has ``val_fraction`` or ``val_path``: see
-    ``TrainConfig.problems``).
+    ``data`` group (a corpus with evaluation on has ``val_fraction`` or ``val_path``: see
+    ``TrainConfig.problems``), in samples of ``seq_len`` tokens, ``seed`` the training seed.
 
     Raises:
         ValueError / FileNotFoundError: unreadable data.
     """
-    options = dataclasses.asdict(cfg.data)
+    options = dataclasses.asdict(data)
     kind = options.pop("kind")
     options.pop("shuffle", None)
     val_fraction = float(options.pop("val_fraction", 0.0) or 0.0)
     val_path = options.pop("val_path", None)
-    t = cfg.training
     if kind == "synthetic":
-        options.setdefault("chain_seed", t.seed)
-        train = build_source(kind, seq_len=t.seq_len, vocab_size=vocab_size, seed=t.seed, **options)
-        val = (build_source(kind, seq_len=t.seq_len, vocab_size=vocab_size,
-                            seed=t.seed + SYNTHETIC_VAL_SEED_OFFSET, **options) if with_val else None)
+        options.setdefault("chain_seed", seed)
+        train = build_source(kind, seq_len=seq_len, vocab_size=vocab_size, seed=seed, **options)
+        val = (build_source(kind, seq_len=seq_len, vocab_size=vocab_size,
+                            seed=seed + SYNTHETIC_VAL_SEED_OFFSET, **options) if with_val else None)
         return DataSources(train, val)
-    train = build_source(kind, seq_len=t.seq_len, vocab_size=vocab_size, seed=t.seed, **options)
+    train = build_source(kind, seq_len=seq_len, vocab_size=vocab_size, seed=seed, **options)
     if val_fraction:
         if not isinstance(train, TokenWindows):
             raise ValueError(f"data.val_fraction needs a finite corpus, not data={kind}")
@@ -62,8 +61,7 @@ def build_sources(cfg: TrainConfig, vocab_size: int, *, with_val: bool) -> DataS
     if not with_val:
         return DataSources(train, None)
     path_key = "paths" if kind == "text" else "path"
-    val = build_source(kind, seq_len=t.seq_len, vocab_size=vocab_size, seed=t.seed,
-                       **{**options, path_key: val_path})
+    val = build_source(kind, seq_len=seq_len, vocab_size=vocab_size, seed=seed, **{**options, path_key: val_path})
     return DataSources(train, val)
 
 

@@ -21,7 +21,8 @@ from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.agreement import JobFailed, count_ranks, fail_together, step_votes, together
 from hyper_parallel.trainer.config.compose import ConfigError, ValidConfig
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import TrainConfig, model_config
+from hyper_parallel.trainer.config.model import model_config
+from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.context import split_sequences
 from hyper_parallel.trainer.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
@@ -49,7 +50,8 @@ def build_loader(cfg: TrainConfig, vocab_size: int, dp_rank: int, dp_size: int,
     each global batch cut into the global micro-batches of the steps' forwards first (gradient
     accumulation x pipeline micro-batches), so those hold the same rows on every layout."""
     if source is None:
-        source = build_sources(cfg, vocab_size, with_val=False).train
+        source = build_sources(cfg.data, seq_len=cfg.training.seq_len, seed=cfg.training.seed,
+                               vocab_size=vocab_size, with_val=False).train
     pipeline = cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1
     return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
                                   seed=cfg.training.seed, shuffle=cfg.data.shuffles(),
@@ -63,7 +65,8 @@ def _load_data(cfg: TrainConfig, dims: ParallelDims, rank: int,
     evaluator of the held-out split, if evaluation is on."""
     t, dp_rank = cfg.training, dims.dp_rank(rank)
     try:
-        sources = build_sources(cfg, cfg.model.vocab_size, with_val=cfg.eval.every > 0)
+        sources = build_sources(cfg.data, seq_len=t.seq_len, seed=t.seed, vocab_size=cfg.model.vocab_size,
+                                with_val=cfg.eval.every > 0)
         loader = build_loader(cfg, cfg.model.vocab_size, dp_rank, dims.dp_size, source=sources.train)
         loader.source.validate(dp_rank, dims.dp_size)
         evaluator = None if sources.val is None else Evaluator(

@@ -22,7 +22,7 @@ from hyper_parallel.models.moe_layer import RoutingReplay, replaying_routing
 from hyper_parallel.parallel import apply_tensor_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import ModelConfig, model_config
+from hyper_parallel.trainer.config.model import ModelConfig, model_config
 from hyper_parallel.trainer.context import check_attention, data_parallel_group, dp_cp_mesh
 from hyper_parallel.trainer.float8 import convert_to_float8
 

@@ -19,7 +19,7 @@ from hyper_parallel.parallel import cross_entropy, loss_parallel
 from hyper_parallel.pipeline import (Schedule, ShardedPipelineStage, build_schedule, split_stage, stage_indices,
                                      stage_layers)
 from hyper_parallel.trainer.config.parallel import ParallelConfig
-from hyper_parallel.trainer.config.schema import ModelConfig, model_config
+from hyper_parallel.trainer.config.model import ModelConfig, model_config
 from hyper_parallel.trainer.context import SequenceSplit, split_sequences
 from hyper_parallel.trainer.metrics import MoEStepStatistics
 from hyper_parallel.trainer.parallelize import build_transformer, parallelize

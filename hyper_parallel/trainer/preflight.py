@@ -27,8 +27,9 @@ from hyper_parallel.models.moe import MoEConfig
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.config.compose import ConfigError, problems_message
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import (SyntheticDataConfig, TextDataConfig, TokensDataConfig, TrainConfig,
-                                                  model_config)
+from hyper_parallel.trainer.config.data import SyntheticDataConfig, TextDataConfig, TokensDataConfig
+from hyper_parallel.trainer.config.model import model_config
+from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
 from hyper_parallel.trainer.output_files import output_file_problems
 from hyper_parallel.trainer.parallelize import build_transformer
@@ -122,7 +123,8 @@ def data_problems(cfg: TrainConfig) -> List[str]:
     d, t, evaluating = cfg.data, cfg.training, cfg.eval.every > 0
     try:
         if isinstance(d, TokensDataConfig):
-            sources = build_sources(cfg, cfg.model.vocab_size, with_val=evaluating)
+            sources = build_sources(d, seq_len=t.seq_len, seed=t.seed, vocab_size=cfg.model.vocab_size,
+                                    with_val=evaluating)
             if sources.val is not None:
                 check_eval_steps(sources.val, t.global_batch_size, cfg.eval.steps)
         elif isinstance(d, TextDataConfig):

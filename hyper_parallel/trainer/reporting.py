@@ -12,7 +12,8 @@ from omegaconf import OmegaConf
 from hyper_parallel.trainer import operations
 from hyper_parallel.trainer.config.compose import model_overrides
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import TrainConfig, model_config, shape
+from hyper_parallel.trainer.config.model import model_config, shape
+from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
 from hyper_parallel.trainer.memory_snapshots import ranks_per_node, snapshot_memory
 from hyper_parallel.trainer.metrics import METRICS_FILE

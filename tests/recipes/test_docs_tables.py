@@ -21,7 +21,8 @@ import yaml
 
 from hyper_parallel.trainer.config.compose import all_keys
 from hyper_parallel.trainer.config.rules import leaves
-from hyper_parallel.trainer.config.schema import DATA_KEYS, GROUPS, TrainConfig
+from hyper_parallel.trainer.config.data import DATA_KEYS
+from hyper_parallel.trainer.config.schema import GROUPS, TrainConfig
 
 DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "recipes.md")
 _BACKTICKED = re.compile(r"`([^`]+)`")

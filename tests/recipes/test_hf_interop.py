@@ -209,7 +209,7 @@ MOE = ["model=moe_debug", "training.seq_len=32", "training.global_batch_size=8",
 def _moe_run_folder(root, dtype):
     """A run's output folder of ``model=moe_debug``: config.yaml and a ``dtype`` checkpoint at step 1."""
     from hyper_parallel.models.moe import MoETransformer
-    from hyper_parallel.trainer.config.schema import model_config
+    from hyper_parallel.trainer.config.model import model_config
 
     cfg = compose_config([*MOE, f"output_dir={root}/run"])
     os.makedirs(f"{root}/run")

@@ -87,7 +87,7 @@ def test_the_typed_config_holds_the_composed_values_in_the_data_kinds_class():
     from omegaconf import OmegaConf
 
     from hyper_parallel.trainer import TrainConfig, typed_config
-    from hyper_parallel.trainer.config.schema import DATA_KINDS
+    from hyper_parallel.trainer.config.data import DATA_KINDS
 
     for kind, extra in (("synthetic", []), ("text", ["data.paths=[a,b]"]), ("tokens", ["data.path=x"])):
         cfg = compose_config([f"data={kind}", *extra, "training.steps=7", "optim.betas=[0.8,0.9]"])
@@ -98,12 +98,13 @@ def test_the_typed_config_holds_the_composed_values_in_the_data_kinds_class():
 
 
 def test_presets_hold_only_what_differs_from_the_schema():
-    """Defaults live in config/schema.py alone: a preset restating one would drift from it."""
+    """Defaults live in the config schema alone: a preset restating one would drift from it."""
     from omegaconf import OmegaConf
 
     from hyper_parallel.trainer.config.compose import CONFIG_DIR
     from hyper_parallel.trainer.config.rules import defaults
-    from hyper_parallel.trainer.config.schema import DATA_KINDS, GROUPS, TrainConfig
+    from hyper_parallel.trainer.config.data import DATA_KINDS
+    from hyper_parallel.trainer.config.schema import GROUPS, TrainConfig
 
     schemas = {**GROUPS, **{f"data/{kind}": cls for kind, cls in DATA_KINDS.items()}}
     for group, cls in schemas.items():

@@ -2,7 +2,8 @@
 
 - ``rules.py``: what one value may be (``key(default, range)`` beside its dataclass field).
 - ``parallel.py``: the ``parallel`` group and the world's layout (:class:`ParallelDims`).
-- ``schema.py``: one dataclass per config group (one per ``data`` kind) and the checks between keys.
+- ``model.py``, ``data.py``: the ``model`` group and the ``data`` kinds (one dataclass per kind).
+- ``schema.py``: the other groups, the whole config and the checks between keys across groups.
 - ``compose.py``: the Hydra composition, its validation against the schema, the typed config.
 
 Where a check lives (each check in one place only; code that runs later trusts it):
@@ -23,7 +24,8 @@ fit the model) is checked where it is met, by all ranks together (``agreement.py
 from hyper_parallel.trainer.config.compose import (ConfigError, ValidConfig, compose_config, typed_config,
                                                    validate_config)
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import TrainConfig, llama_config
+from hyper_parallel.trainer.config.model import llama_config
+from hyper_parallel.trainer.config.schema import TrainConfig
 
 __all__ = ["ConfigError", "ParallelDims", "TrainConfig", "ValidConfig", "compose_config", "llama_config",
            "typed_config", "validate_config"]

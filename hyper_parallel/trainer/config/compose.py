@@ -18,8 +18,9 @@ from omegaconf.errors import OmegaConfBaseException
 from hyper_parallel.trainer.config import hf_model
 from hyper_parallel.trainer.config.rules import Range, accepts, build, describe, field_rules, leaves
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.config.schema import (DATA_KEYS, DATA_KINDS, DataConfig, ModelConfig, TrainConfig,
-                                                  register_schemas, shape)
+from hyper_parallel.trainer.config.data import DATA_KEYS, DATA_KINDS, DataConfig
+from hyper_parallel.trainer.config.model import ModelConfig, shape
+from hyper_parallel.trainer.config.schema import TrainConfig, register_schemas
 
 CONFIG_DIR = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..", "configs"))
 # Hydra's message for an override of a key the config lacks.

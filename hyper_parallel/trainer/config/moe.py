@@ -35,7 +35,7 @@ class MoEOptions:
 
 
 class ModelKeys(Protocol):
-    """What this module reads of the ``model`` group (``schema.ModelConfig``, which imports this
+    """What this module reads of the ``model`` group (``model.ModelConfig``, which imports this
     module: a declared shape instead of an import back)."""
 
     vocab_size: int

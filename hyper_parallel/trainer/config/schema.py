@@ -4,10 +4,11 @@ with its type, default, range and meaning in one place.
 The defaults are registered in Hydra's ConfigStore (:func:`register_schemas`); the YAML files
 under ``configs/`` extend them (``defaults: [schema, _self_]``) and hold only what a preset
 changes. Consumers read the typed :class:`TrainConfig` that validation makes
-(``compose.validate_config``). Adding a key is one line in its class, e.g.
+(``compose.validate_config``). The ``model`` group's schema is in ``model.py``, the ``data``
+kinds' in ``data.py``. Adding a key is one line in its class, e.g.
 ``eval_every: int = key(0, min=0)  # ...``, plus its row in docs/recipes.md; a check between keys
 goes in the class's ``problems`` (what is checked where: the package's docstring). A new data
-kind is one :class:`DataConfig` subclass in ``DATA_KINDS`` plus its ``configs/data/<kind>.yaml``.
+kind is one :class:`DataConfig` subclass in ``data.py``.
 
 Each ``problems(ok)`` lists what is wrong between the class's keys; ``ok(name)`` says whether a
 key passed its own type and range check (a check reads only keys that did).
@@ -15,22 +16,22 @@ key passed its own type and range check (a check reads only keys that did).
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, fields, is_dataclass
-from typing import Callable, ClassVar, Dict, List, Optional, Tuple, Type, Union
+from dataclasses import dataclass, field, fields
+from typing import Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
 
-from hyper_parallel.models.llama import LlamaConfig, RopeScaling
+from hyper_parallel.models.llama import LlamaConfig
 from hyper_parallel.models.moe import MoEConfig
+from hyper_parallel.trainer.config.data import DATA_KINDS, SEED_MAX, DataConfig, SyntheticDataConfig
 from hyper_parallel.trainer.config.memory import MemorySnapshotKeys
-from hyper_parallel.trainer.config.moe import MoEOptions, moe_config, moe_problems
+from hyper_parallel.trainer.config.model import ModelConfig, llama_config
+from hyper_parallel.trainer.config.moe import moe_config
 from hyper_parallel.trainer.config.parallel import ParallelConfig, ParallelDims
 from hyper_parallel.trainer.config.rules import defaults, field_rules, key
 from hyper_parallel.trainer.float8 import RECIPES as FLOAT8_RECIPES, float8_layer_problems
 
-SEED_MAX = 2**32 - 1  # numpy's and the loader's seed range
 # Training-state entries that checkpoint.exclude may name (the model is always loaded).
 EXCLUDABLE = ("optim", "lr_schedule", "data", "rng")
 # dtypes a model-only last checkpoint may be written in (checkpoint.export_dtype).
@@ -108,151 +109,6 @@ class ProfilingConfig:
     steps: int = key(2, min=1)
     folder: str = key("${output_dir}/profiles", path=True)
     memory_snapshot: bool = key(False)       # also a CUDA memory snapshot over the window (CUDA only)
-
-
-@dataclass
-class ModelConfig:
-    """A Llama-style shape (the defaults: ``llama_debug``) and the recipe's model options."""
-
-    name: str = key("llama_debug")
-    vocab_size: int = key(256, min=1)
-    dim: int = key(64, min=1)
-    n_layers: int = key(2, min=1)
-    n_heads: int = key(4, min=1)
-    n_kv_heads: Optional[int] = key(2, min=1)            # null: n_heads (no grouped-query attention)
-    ffn_hidden_dim: Optional[int] = key(None, min=1)     # null: the Llama rule from dim
-    max_seq_len: int = key(256, min=1)
-    rope_theta: float = key(10000.0, min=0, min_open=True)
-    tie_embeddings: bool = key(False)
-    # null: plain RoPE. Llama 3.1/3.2's scaling: {factor, low_freq_factor, high_freq_factor,
-    # original_max_position_embeddings} (a key left out takes Llama 3.1's value, see RopeScaling).
-    rope_scaling: Optional[RopeScaling] = key(None)
-    activation_checkpointing: bool = key(False)          # recompute each block's activations in backward
-    init_from: Optional[str] = key(None, path=True)      # HF-style safetensors directory to initialise from
-    path: Optional[str] = key(None, path=True)           # model=hf: a transformers folder (config.json, weights); its config sets the shape
-    moe: Optional[MoEOptions] = key(None)                # null: a Llama; set: a mixture of experts in each block
-
-    # The keys that are recipe options, not LlamaConfig fields.
-    RECIPE_KEYS: ClassVar[Tuple[str, ...]] = ("name", "activation_checkpointing", "init_from", "path")
-
-    def problems(self, ok: Ok) -> List[str]:
-        if not all(ok(name) for name in field_rules(ModelConfig)):
-            return []
-        if self.moe is not None:
-            return moe_problems(self)
-        try:
-            llama = llama_config(self)
-        except (ValueError, TypeError) as err:
-            return [f"model: {err}"]
-        return [f"model: dim/n_heads = {llama.head_dim} must be even (RoPE rotates pairs)"] if llama.head_dim % 2 else []
-
-
-def llama_config(model: ModelConfig) -> LlamaConfig:
-    """The ``LlamaConfig`` described by the ``model`` config group.
-
-    Raises:
-        ValueError: inconsistent sizes (e.g. ``dim`` not divisible by ``n_heads``), or
-            ``model.moe`` is set (use :func:`model_config`).
-    """
-    values = shape(model)
-    if values.pop("moe") is not None:
-        raise ValueError("model.moe is set: a mixture of experts has no LlamaConfig (a Llama export or "
-                         "Llama-only tool does not cover MoE models yet)")
-    return LlamaConfig(**values)
-
-
-def model_config(model: ModelConfig) -> Union[LlamaConfig, MoEConfig]:
-    """The model's shape: an ``MoEConfig`` when ``model.moe`` is set, else a ``LlamaConfig``.
-
-    Raises:
-        ValueError: inconsistent sizes.
-    """
-    return llama_config(model) if model.moe is None else moe_config(model)
-
-
-def shape(model: ModelConfig) -> Dict[str, object]:
-    """The model keys that are ``LlamaConfig`` fields, with their values as plain data (a nested
-    key as a dict; a key the (saved) config lacks at the schema's default). ``model`` may also
-    be the ``model`` node of a composed or saved config."""
-    def plain(value: object) -> object:
-        if is_dataclass(value):
-            return asdict(value)
-        return OmegaConf.to_container(value) if isinstance(value, DictConfig) else value
-
-    return {f.name: plain(getattr(model, f.name, f.default)) for f in fields(ModelConfig)
-            if f.name not in ModelConfig.RECIPE_KEYS}
-
-
-@dataclass
-class DataConfig:
-    """Base of the ``data`` group's schemas: one subclass per ``data.kind`` (``DATA_KINDS``)."""
-
-    kind: str = ""
-
-    def shuffles(self) -> bool:
-        """Whether the loader shuffles samples each epoch."""
-        return False
-
-    def held_out(self) -> Tuple[float, Optional[str]]:
-        """``(val_fraction, val_path)`` of a corpus: the share of its last samples held out for
-        evaluation, or a separate validation corpus."""
-        return 0.0, None
-
-
-@dataclass
-class SyntheticDataConfig(DataConfig):
-    """Seeded sparse Markov chain over the model's vocabulary; the best achievable loss is exact."""
-
-    kind: str = "synthetic"
-    chain_seed: int = key(1234, min=0, max=SEED_MAX)  # the chain itself (fixed across runs); samples follow training.seed
-    branching: int = key(4, min=1)                     # successors per token
-    concentration: float = key(0.5, min=0, min_open=True)  # Dirichlet concentration of the transition probabilities
-
-
-@dataclass
-class TextDataConfig(DataConfig):
-    """Local text corpora: .txt (a file is a document), .jsonl (a "text" field per line), .parquet
-    (a "text" column); files, folders or glob patterns, joined by the tokenizer's EOS."""
-
-    kind: str = "text"
-    paths: Union[str, List[str]] = key(path=True)          # a file, folder, glob pattern, or a list of them
-    tokenizer: str = key("bytes", path=True)               # bytes (UTF-8 bytes, vocabulary 256) | a tokenizer.json
-    eos_token: Optional[str] = key(None)                   # the token joining documents (null: the tokenizer's)
-    shuffle: bool = key(True)                              # shuffle samples each epoch (seeded by training.seed)
-    val_fraction: float = key(0.0, min=0, max=1, max_open=True)  # hold out the corpus's last samples for eval
-    val_path: Optional[str] = key(None, path=True)         # or a separate validation corpus
-
-    def shuffles(self) -> bool:
-        return self.shuffle
-
-    def held_out(self) -> Tuple[float, Optional[str]]:
-        return self.val_fraction, self.val_path
-
-
-@dataclass
-class TokensDataConfig(DataConfig):
-    """A flat binary file of token ids, read by memory map, with a ``<path>.json`` sidecar
-    (scripts/prepare_data.py writes both) checked against these settings and the model."""
-
-    kind: str = "tokens"
-    path: str = key(path=True)
-    dtype: str = key("uint16", choices=("uint16", "uint32"))  # native byte order
-    tokenizer: Optional[str] = key(None, path=True)        # if set, must be the tokenizer the sidecar names
-    shuffle: bool = key(True)
-    val_fraction: float = key(0.0, min=0, max=1, max_open=True)  # hold out the file's last samples for eval
-    val_path: Optional[str] = key(None, path=True)         # or a separate token file
-
-    def shuffles(self) -> bool:
-        return self.shuffle
-
-    def held_out(self) -> Tuple[float, Optional[str]]:
-        return self.val_fraction, self.val_path
-
-
-DATA_KINDS: Dict[str, Type[DataConfig]] = {
-    "synthetic": SyntheticDataConfig, "text": TextDataConfig, "tokens": TokensDataConfig}
-# data.<key> names of each kind (``kind`` itself included).
-DATA_KEYS: Dict[str, Tuple[str, ...]] = {kind: tuple(f.name for f in fields(cls)) for kind, cls in DATA_KINDS.items()}
 
 
 @dataclass
