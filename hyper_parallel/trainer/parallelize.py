@@ -149,7 +149,8 @@ def build_transformer(shape: Union[LlamaConfig, MoEConfig]) -> Union[Transformer
 
 def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device, seed: int,
                 mixed_precision: str = "fp32", reshard_after_forward: bool = True,
-                compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None, ep: int = 1) -> nn.Module:
+                compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None, ep: int = 1,
+                meta_model: Optional[RecipeModel] = None) -> nn.Module:
     """Build the configured model without allocating full weights, shard it, initialise it.
 
     A mixture of experts (``model.moe``) with ``ep > 1`` gets expert parallelism over the
@@ -174,11 +175,21 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
     A ``config.json`` there must describe this model (heads, sizes, rope_theta, tied
     embeddings; for Qwen3-MoE also the experts).
 
+    ``meta_model``: the model of ``model_cfg`` already built on the meta device (with
+    ``model.path``, the one :func:`~hyper_parallel.trainer.config.validate_config` built to check
+    the folder: ``ValidConfig.meta_model``), parallelised in place of a new one.
+
     Raises:
         ConfigError: ``model.init_from`` cannot be read, or it or its ``config.json`` does not
             fit the model.
+        ValueError: ``meta_model`` is not on the meta device any more (built already).
     """
-    if model_cfg.path is not None:
+    if meta_model is not None:
+        if any(not p.is_meta for p in meta_model.parameters()):
+            raise ValueError("meta_model holds materialised parameters: it was built already (a ValidConfig "
+                             "trains once; validate the config again for another run)")
+        model = meta_model
+    elif model_cfg.path is not None:
         try:
             model = hf_causal_lm.build_meta(hf_causal_lm.read_config(os.path.expanduser(model_cfg.path)))
         except hf_causal_lm.HFModelError as err:
