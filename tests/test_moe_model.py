@@ -262,6 +262,8 @@ def test_tensor_parallelism_refuses_the_moe_model_in_one_line():
 
     with pytest.raises(ValueError, match="not MoETransformer; the MoE model has no tensor-parallel plan"):
         apply_tensor_parallel(build_moe("moe_debug"), None)
+    with pytest.raises(ValueError, match="MoETransformer: the MoE model has no tensor-parallel plan"):
+        build_moe("moe_debug").apply_tensor_parallel(None)  # what the recipe calls
 
 
 def test_pipeline_stages_of_the_moe_model_compute_the_whole_model():

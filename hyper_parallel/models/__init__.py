@@ -5,7 +5,8 @@ initialisation) built from ``attention``, ``layers`` (RMSNorm, dense SwiGLU) and
 family chooses each block's feed-forward: ``llama`` (dense SwiGLU) and ``moe`` (a mixture of
 experts: ``moe_layer``, ``grouped_experts``). ``llama_parallel`` holds their tensor-parallel plan
 and pipeline stage split, ``hf_llama`` / ``hf_moe`` the Hugging Face name maps and configs;
-``hf_causal_lm`` builds any transformers causal LM for the recipes (``model=hf``).
+``hf_causal_lm`` builds any transformers causal LM for the recipes (``model=hf``); ``contract``
+declares what the recipe needs of every one of these models (:class:`RecipeModel`).
 
 May import (beside torch): ``hyper_parallel._torch_compat``, ``core`` (fully_shard, layout, the
 checkpoint formats for the HF maps), ``checkpoint``, ``context_parallel`` (ring attention),
@@ -13,8 +14,9 @@ checkpoint formats for the HF maps), ``checkpoint``, ``context_parallel`` (ring 
 (tests/test_import_cycles.py checks it).
 """
 
+from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.llama import CONFIGS, LlamaConfig, Transformer, TransformerBlock, build_llama
 from hyper_parallel.models.moe import MOE_CONFIGS, MoEConfig, MoETransformer, build_moe, param_counts
 
-__all__ = ["CONFIGS", "LlamaConfig", "MOE_CONFIGS", "MoEConfig", "MoETransformer", "Transformer", "TransformerBlock",
-           "build_llama", "build_moe", "param_counts"]
+__all__ = ["CONFIGS", "LlamaConfig", "MOE_CONFIGS", "MoEConfig", "MoETransformer", "RecipeModel", "Transformer",
+           "TransformerBlock", "build_llama", "build_moe", "param_counts"]

@@ -30,6 +30,7 @@ from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.core.distributed_checkpoint.state_dict import canonical_fqn
 from hyper_parallel.core.layout import local_part
 from hyper_parallel.models.attention import Attention, AttentionConfig
+from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.layers import RMSNorm
 from hyper_parallel.models.rotary import RopeScaling, rope_tables
 
@@ -120,8 +121,9 @@ class DecoderBlock(nn.Module):
         return x + self.feed_forward_layer()(self.ffn_norm(x))
 
 
-class Decoder(nn.Module):
-    """Token ids (batch, seq) -> logits (batch, seq, vocab).
+class Decoder(nn.Module, RecipeModel):
+    """Token ids (batch, seq) -> logits (batch, seq, vocab); a
+    :class:`~hyper_parallel.models.contract.RecipeModel` (a family supplies its tensor-parallel plan).
 
     Args:
         cfg: the model's shape.
@@ -193,6 +195,10 @@ class Decoder(nn.Module):
         if self.output is not None and not cfg.tie_embeddings:
             init_normal_(self.output.weight, seed, "output.weight", cfg.dim ** -0.5)
         self.rope_cos, self.rope_sin = self._rope_tables(self.rope_cos.device)
+
+    def init_from_seed(self, seed: int) -> None:
+        """:meth:`init_weights` (the recipe's contract)."""
+        self.init_weights(seed)
 
     def forward(self, tokens: torch.Tensor, loss: Optional[ChunkedLoss] = None) -> torch.Tensor:
         """Logits (batch, seq, vocab) of ``tokens`` (or, for a pipeline stage without the output

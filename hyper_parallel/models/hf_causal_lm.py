@@ -11,7 +11,8 @@ After sharding, :func:`init_weights` runs the model's own ``_init_weights`` one 
 on full tensors seeded by ``(seed, module name)`` (each rank keeps its part: the same values on
 every mesh), and :func:`load_weights` fills the parameters from ``DIR``'s safetensors, each rank
 reading only its own slices. :func:`apply_tensor_parallel` shards the decoder layers as the
-model's own ``base_model_tp_plan`` says.
+model's own ``base_model_tp_plan`` says. The recipe reaches both through the model's
+:class:`~hyper_parallel.models.contract.RecipeModel` methods.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from hyper_parallel._torch_compat import module_buffers, module_parameters
 from hyper_parallel.core.layout import local_part
+from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.decoder import name_seed
 from hyper_parallel.models.hf_llama import CONFIG_FILE
 
@@ -61,9 +63,11 @@ def _transformers() -> Any:
     return require("transformers", "model=hf")
 
 
-class CausalLMLogits:
-    """What the recipe needs of a ``transformers`` causal LM, mixed into its class (first base):
-    ``model(input_ids)`` is the logits ``(batch, seq, vocab)``, ``layers`` the decoder layers."""
+class CausalLMLogits(RecipeModel):
+    """What the recipe needs of a ``transformers`` causal LM (:class:`RecipeModel`), mixed into
+    its class (first base): ``model(input_ids)`` is the logits ``(batch, seq, vocab)``, ``layers``
+    the decoder layers, the tensor-parallel plan the model's own (:func:`apply_tensor_parallel`),
+    the seeded initialisation the model's own ``_init_weights`` (:func:`init_weights`)."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         return super().forward(input_ids=input_ids, use_cache=False).logits  # type: ignore[misc]
@@ -77,6 +81,15 @@ class CausalLMLogits:
     def layers(self) -> Dict[str, nn.Module]:
         """The decoder layers by index (``"0"``, ``"1"``, ...), in order."""
         return {str(i): layer for i, layer in enumerate(self.base_model.layers)}  # type: ignore[attr-defined]
+
+    def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
+        """:func:`apply_tensor_parallel` (the model's ``base_model_tp_plan``)."""
+        apply_tensor_parallel(self, tp_mesh)  # type: ignore[arg-type]
+
+    def init_from_seed(self, seed: int) -> None:
+        """:func:`init_weights` (the model's own ``_init_weights``; transformers' ``init_weights``
+        takes no seed)."""
+        init_weights(self, seed)  # type: ignore[arg-type]
 
 
 @lru_cache(maxsize=None)

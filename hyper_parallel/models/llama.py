@@ -9,6 +9,9 @@ import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Union
 
+from torch.distributed.device_mesh import DeviceMesh
+
+from hyper_parallel.models import llama_parallel
 from hyper_parallel.models.decoder import Decoder, DecoderBlock, DecoderSizes
 from hyper_parallel.models.layers import FeedForward
 from hyper_parallel.models.rotary import RopeScaling, apply_rope, rope_tables
@@ -72,6 +75,11 @@ class Transformer(Decoder):
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__(cfg, lambda layer: TransformerBlock(cfg), rope_scaling=cfg.rope_scaling)
+
+    def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
+        """The Megatron-style plan, logits sharded over the vocabulary
+        (:func:`hyper_parallel.models.llama_parallel.apply_tensor_parallel`)."""
+        llama_parallel.apply_tensor_parallel(self, tp_mesh)
 
 
 # Named sizes. llama_debug runs on CPU in well under a second per step.

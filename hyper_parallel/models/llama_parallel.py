@@ -42,7 +42,7 @@ from torch.distributed.tensor.parallel import (ColwiseParallel, ParallelStyle, P
 
 from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.models.decoder import Decoder
-from hyper_parallel.models.llama import Transformer
+from hyper_parallel.models.moe import NO_TENSOR_PARALLEL_PLAN, MoETransformer
 
 __all__ = ["apply_tensor_parallel", "block_plan", "root_plan", "split_stage"]
 
@@ -98,10 +98,9 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh, *, vocab_parall
         ValueError: ``model`` is not a Llama ``Transformer`` (the MoE model has no plan), or
             ``tp_mesh`` is not 1-D.
     """
-    if not isinstance(model, Transformer):
+    if not isinstance(model, Decoder) or isinstance(model, MoETransformer):
         raise ValueError(f"apply_tensor_parallel plans hyper_parallel.models.llama.Transformer (or a stage of it), "
-                         f"not {type(model).__name__}; the MoE model has no tensor-parallel plan: shard its experts "
-                         "with expert parallelism")
+                         f"not {type(model).__name__}; {NO_TENSOR_PARALLEL_PLAN}")
     if tp_mesh.ndim != 1:
         raise ValueError(f"tensor parallelism needs a 1-D mesh, got mesh dims {tp_mesh.mesh_dim_names}")
     tied = model.output is not None and model.tok_embeddings is not None and \

@@ -22,6 +22,7 @@ from typing import Dict, List, NamedTuple, Optional
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.models.decoder import Decoder, DecoderBlock, DecoderSizes
 from hyper_parallel.models.layers import FeedForward
@@ -115,6 +116,10 @@ class MoEBlock(DecoderBlock):
             self.moe.reset_buffers()
 
 
+# Why a mixture of experts refuses tensor parallelism (here and in llama_parallel.apply_tensor_parallel).
+NO_TENSOR_PARALLEL_PLAN = "the MoE model has no tensor-parallel plan: shard its experts with expert parallelism"
+
+
 class MoETransformer(Decoder):
     """The mixture-of-experts decoder: token ids (batch, seq) -> logits (batch, seq, vocab), with
     the module names of :class:`~hyper_parallel.models.llama.Transformer` outside the blocks
@@ -122,9 +127,20 @@ class MoETransformer(Decoder):
     which gives the experts the dense SwiGLU's values scheme and the routers' gates std 0.02)."""
 
     cfg: MoEConfig
+    replays_routing = True
+    blocks_compile_fullgraph = False  # the experts' split of the tokens has data-dependent sizes
+    balances_load_over_ranks = True
 
     def __init__(self, cfg: MoEConfig):
         super().__init__(cfg, lambda layer: MoEBlock(cfg, layer))
+
+    def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
+        """Refused (see :data:`NO_TENSOR_PARALLEL_PLAN`).
+
+        Raises:
+            ValueError: always.
+        """
+        raise ValueError(f"{type(self).__name__}: {NO_TENSOR_PARALLEL_PLAN}")
 
     def moe_layers(self) -> Dict[str, MoE]:
         """The MoE layers by block name (the dense blocks have none)."""

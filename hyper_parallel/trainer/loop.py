@@ -87,9 +87,11 @@ def _as_config_error(make: Callable[[], T]) -> T:
 
 
 def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
-              wandb: Optional[WandbSettings] = None) -> TrainingJob:
+              wandb: Optional[WandbSettings] = None,
+              meta_model: Optional[torch.nn.Module] = None) -> TrainingJob:
     """Data, mesh, sharded model, optimizer, schedule, checkpoint manager and logger (and the
-    W&B run of ``wandb``, when given).
+    W&B run of ``wandb``, when given). ``meta_model``: the model validation already built on the
+    meta device (``ValidConfig.meta_model``), sharded and initialised instead of a new one.
 
     Requires an initialised default process group of ``dims.world_size`` ranks.
 
@@ -116,7 +118,8 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
         pipeline = together(device, lambda: build_pipeline(cfg.model, cfg.parallel,
                                                            grad_accum_steps=t.grad_accum_steps, **options))
     parts = (pipeline.parts if pipeline is not None
-             else [together(device, lambda: build_model(cfg.model, ep=cfg.parallel.ep, **options))])
+             else [together(device, lambda: build_model(cfg.model, ep=cfg.parallel.ep,
+                                                               meta_model=meta_model, **options))])
     # Every rank starts training from the same global generator state (the checkpoint stores it).
     torch.manual_seed(t.seed + 1)
     optimizer = build_optimizer(parts, cfg.optim)
@@ -188,7 +191,7 @@ def run_training(config: ValidConfig, platform: Platform) -> RunSummary:
             ``model.init_from``, a checkpoint that does not fit, or a non-finite loss.
     """
     cfg = config.cfg
-    job = build_job(cfg, config.dims, platform, wandb=wandb_settings(config.composed))
+    job = build_job(cfg, config.dims, platform, wandb=wandb_settings(config.composed), meta_model=config.meta_model)
     plan, recovery_lines, recovered = start_from(job, lambda: resume(job))
     step = plan.start_step if plan is not None else 0
     if platform.rank == 0:

@@ -16,10 +16,10 @@ from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
 from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
 from hyper_parallel.models import hf_causal_lm, hf_llama, hf_moe
+from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.llama import LlamaConfig, Transformer
 from hyper_parallel.models.moe import MoEConfig, MoETransformer
 from hyper_parallel.models.moe_layer import RoutingReplay, replaying_routing
-from hyper_parallel.parallel import apply_tensor_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.model import ModelConfig, model_config
@@ -46,18 +46,19 @@ def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     return mesh if names == mesh.mesh_dim_names else mesh[names]
 
 
-def apply_activation_checkpointing(model: Transformer, *, compiled: bool = False) -> None:
+def apply_activation_checkpointing(model: RecipeModel, *, compiled: bool = False) -> None:
     """Recompute each block's activations during backward.
 
     The block's ``forward`` is wrapped in place (no wrapper module), so parameter names and
     checkpoints are the same with and without it. The wrapper is a plain Python function (not a
     ``functools.partial`` of ``checkpoint``): a compiled block then has a frame for dynamo to
-    trace, which captures the checkpointed region in the block's graph. A mixture of experts'
-    routing is recorded in the forward and replayed by the recomputation
+    trace, which captures the checkpointed region in the block's graph. A model that
+    :attr:`~hyper_parallel.models.contract.RecipeModel.replays_routing` (a mixture of experts)
+    has its routing recorded in the forward and replayed by the recomputation
     (:class:`~hyper_parallel.models.moe_layer.RoutingReplay`), unless the blocks are ``compiled``
     (there it is recomputed).
     """
-    replay = isinstance(model, MoETransformer) and not compiled
+    replay = model.replays_routing and not compiled
     for block in model.layers.values():
         block.forward = _checkpointed(block.forward) if not replay else _checkpointed_replaying_routing(block.forward)
 
@@ -81,8 +82,8 @@ def _checkpointed_replaying_routing(forward: Callable[..., torch.Tensor]) -> Cal
     return checkpointed_forward
 
 
-def shard_model(model: Transformer, mesh: DeviceMesh, *, mixed_precision: str,
-                reshard_after_forward: bool) -> Transformer:
+def shard_model(model: RecipeModel, mesh: DeviceMesh, *, mixed_precision: str,
+                reshard_after_forward: bool) -> RecipeModel:
     """``fully_shard`` every block, then the root (which keeps its parameters for backward), over
     ``mesh`` (a data-parallel mesh: see :func:`dp_mesh`)."""
     mp_policy = _mp_policy(mixed_precision)
@@ -117,7 +118,7 @@ def shard_experts(model: MoETransformer, data_mesh: DeviceMesh, ep: int, *, mixe
         moe.experts.set_gradient_divide_factor(data_mesh.size())
 
 
-def compile_blocks(model: Transformer, backend: str, *, fullgraph: bool = True) -> None:
+def compile_blocks(model: RecipeModel, backend: str, *, fullgraph: bool = True) -> None:
     """``torch.compile`` each block; fully_shard's hooks run eagerly around it. Call after
     activation checkpointing and before ``fully_shard`` (the torchtitan order).
 
@@ -130,7 +131,7 @@ def compile_blocks(model: Transformer, backend: str, *, fullgraph: bool = True) 
         block.compile(backend=backend, fullgraph=fullgraph)
 
 
-def compile_block_forwards(model: Transformer, backend: str, *, fullgraph: bool = True) -> None:
+def compile_block_forwards(model: RecipeModel, backend: str, *, fullgraph: bool = True) -> None:
     """``torch.compile`` each block's ``forward`` function rather than its module call, so that
     activation checkpointing applied afterwards runs around the compiled code (used with tensor
     parallelism: torch's AOT autograd cannot compile a checkpointed tensor-parallel block, it
@@ -148,7 +149,8 @@ def build_transformer(shape: Union[LlamaConfig, MoEConfig]) -> Union[Transformer
 
 def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device, seed: int,
                 mixed_precision: str = "fp32", reshard_after_forward: bool = True,
-                compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None, ep: int = 1) -> nn.Module:
+                compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None, ep: int = 1,
+                meta_model: Optional[RecipeModel] = None) -> nn.Module:
     """Build the configured model without allocating full weights, shard it, initialise it.
 
     A mixture of experts (``model.moe``) with ``ep > 1`` gets expert parallelism over the
@@ -173,11 +175,21 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
     A ``config.json`` there must describe this model (heads, sizes, rope_theta, tied
     embeddings; for Qwen3-MoE also the experts).
 
+    ``meta_model``: the model of ``model_cfg`` already built on the meta device (with
+    ``model.path``, the one :func:`~hyper_parallel.trainer.config.validate_config` built to check
+    the folder: ``ValidConfig.meta_model``), parallelised in place of a new one.
+
     Raises:
         ConfigError: ``model.init_from`` cannot be read, or it or its ``config.json`` does not
             fit the model.
+        ValueError: ``meta_model`` is not on the meta device any more (built already).
     """
-    if model_cfg.path is not None:
+    if meta_model is not None:
+        if any(not p.is_meta for p in meta_model.parameters()):
+            raise ValueError("meta_model holds materialised parameters: it was built already (a ValidConfig "
+                             "trains once; validate the config again for another run)")
+        model = meta_model
+    elif model_cfg.path is not None:
         try:
             model = hf_causal_lm.build_meta(hf_causal_lm.read_config(os.path.expanduser(model_cfg.path)))
         except hf_causal_lm.HFModelError as err:
@@ -190,26 +202,25 @@ def build_model(model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: t
                        float8_recipe=float8_recipe, ep=ep)
 
 
-def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device,
+def parallelize(model: RecipeModel, model_cfg: ModelConfig, *, mesh: Optional[DeviceMesh], device: torch.device,
                 seed: int, mixed_precision: str = "fp32", reshard_after_forward: bool = True,
                 compile_backend: Optional[str] = None, float8_recipe: Optional[str] = None,
-                ep: int = 1) -> Transformer:
+                ep: int = 1) -> RecipeModel:
     """:func:`build_model`'s steps after the meta model: parallelise, materialise and
-    initialise ``model`` (a whole model, or a pipeline stage of one with the same names)."""
+    initialise ``model`` (a whole model, or a pipeline stage of one with the same names), through
+    what it declares as a :class:`~hyper_parallel.models.contract.RecipeModel`."""
     context_parallel = mesh is not None and "cp" in mesh.mesh_dim_names
     if context_parallel:
         check_attention(model)
-    if isinstance(model, MoETransformer) and mesh is not None:  # balance each global micro-batch
+    if model.balances_load_over_ranks and mesh is not None:  # balance each global micro-batch
         model.set_balance_group(data_parallel_group(mesh))
     tensor_parallel = mesh is not None and "tp" in mesh.mesh_dim_names
-    if tensor_parallel and isinstance(model, hf_causal_lm.CausalLMLogits):
-        hf_causal_lm.apply_tensor_parallel(model, mesh["tp"])
-    elif tensor_parallel:
-        apply_tensor_parallel(model, mesh["tp"])
+    if tensor_parallel:
+        model.apply_tensor_parallel(mesh["tp"])
     if float8_recipe is not None:
         convert_to_float8(model, float8_recipe)
     # Graph breaks: CP's ring exchange, and an MoE's data-dependent split of the tokens by expert.
-    fullgraph = not (context_parallel or isinstance(model, MoETransformer))
+    fullgraph = model.blocks_compile_fullgraph and not context_parallel
     if (tensor_parallel or not fullgraph) and compile_backend is not None and model_cfg.activation_checkpointing:
         compile_block_forwards(model, compile_backend, fullgraph=fullgraph)  # checkpointing around the compiled code
         apply_activation_checkpointing(model, compiled=True)
@@ -224,26 +235,28 @@ def parallelize(model: Transformer, model_cfg: ModelConfig, *, mesh: Optional[De
     if mesh is not None:
         shard_model(model, dp_mesh(mesh), mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward)
     model.to_empty(device=device)
-    if isinstance(model, hf_causal_lm.CausalLMLogits):
-        _init_hf_model(model, os.path.expanduser(model_cfg.path), seed)
-        return model
-    model.init_weights(seed)  # the same values on every mesh and world size
-    if model_cfg.init_from:
-        shape = model_config(model_cfg)
-        load = hf_moe.load_pretrained if isinstance(shape, MoEConfig) else hf_llama.load_pretrained
-        try:
-            load(model, os.path.expanduser(model_cfg.init_from), shape)
-        except (CheckpointError, KeyError, ValueError, OSError) as err:
-            raise ConfigError(f"model.init_from={model_cfg.init_from}: {err}") from None
+    model.init_from_seed(seed)  # the same values on every mesh and world size
+    _load_pretrained(model, model_cfg)
     return model
 
 
-def _init_hf_model(model: nn.Module, path: str, seed: int) -> None:
-    """A ``transformers`` model's own initialisation (the same values on every mesh), then the
-    weights of ``path`` if it holds any, each rank reading its own slices."""
-    hf_causal_lm.init_weights(model, seed)
-    if hf_causal_lm.has_weights(path):
-        try:
-            hf_causal_lm.load_weights(model, path)
-        except (CheckpointError, KeyError, ValueError, OSError) as err:
-            raise ConfigError(f"model.path={path}: {err}") from None
+def _load_pretrained(model: nn.Module, model_cfg: ModelConfig) -> None:
+    """The weights the config names, each rank reading its own slices: ``model.path``'s
+    safetensors if that ``transformers`` folder holds any, else ``model.init_from`` (a
+    ``transformers`` Qwen3-MoE folder with ``model.moe``, else a Llama export or our names)."""
+    if model_cfg.path is not None:
+        path = os.path.expanduser(model_cfg.path)
+        if hf_causal_lm.has_weights(path):
+            _loading(f"model.path={path}", lambda: hf_causal_lm.load_weights(model, path))
+    elif model_cfg.init_from:
+        family, shape = (hf_llama if model_cfg.moe is None else hf_moe), model_config(model_cfg)
+        _loading(f"model.init_from={model_cfg.init_from}",
+                 lambda: family.load_pretrained(model, os.path.expanduser(model_cfg.init_from), shape))
+
+
+def _loading(key: str, load: Callable[[], Any]) -> None:
+    """``load()``, its refusal of the files as a ConfigError naming the config ``key``."""
+    try:
+        load()
+    except (CheckpointError, KeyError, ValueError, OSError) as err:
+        raise ConfigError(f"{key}: {err}") from None

@@ -3,12 +3,14 @@ here, no downloads) trained by the recipe. Step 1's loss is transformers' loss w
 FSDP2 (activation checkpointing on one family), HSDP and TP2 (Llama, from its own plan) on 2 ranks
 train the one-process losses; a
 2-rank checkpoint resumes on one process on the uninterrupted curve; the export loads in
-transformers with the checkpoint's weights; bad folders are refused in one line by ``--check``."""
+transformers with the checkpoint's weights; each process builds the model on meta once (the model
+validation built is the one trained); bad folders are refused in one line by ``--check``."""
 
 from __future__ import annotations
 
 import json
 from typing import Dict, List
+from unittest import mock
 
 import pytest
 import torch
@@ -18,6 +20,7 @@ transformers = pytest.importorskip("transformers")
 transformers.utils.logging.disable_progress_bar()  # save_pretrained's bar would go to the checked stderr
 
 from hyper_parallel.checkpoint import read_checkpoint_metadata  # noqa: E402
+from hyper_parallel.models import hf_causal_lm  # noqa: E402
 from hyper_parallel.models.hf_causal_lm import transformers_problem  # noqa: E402
 from hyper_parallel.platform import get_platform  # noqa: E402
 from hyper_parallel.trainer import compose_config, run_training, validate_config  # noqa: E402
@@ -52,9 +55,14 @@ def _write_folder(folder, family: str, weights: bool = True) -> str:
     return str(folder)
 
 
-def _train(runs: List[List[str]]) -> None:
+def _train(runs: List[List[str]]) -> List[int]:
+    """Each run's validation and training on this rank; how often each built the model on meta."""
+    builds = []
     for overrides in runs:
-        run_training(validate_config(compose_config([*RUN, *overrides]), dist.get_world_size()), get_platform())
+        with mock.patch.object(hf_causal_lm, "build_meta", wraps=hf_causal_lm.build_meta) as build_meta:
+            run_training(validate_config(compose_config([*RUN, *overrides]), dist.get_world_size()), get_platform())
+        builds.append(build_meta.call_count)
+    return builds
 
 
 def _initial_state(path: str, seed: int) -> Dict[str, torch.Tensor]:
@@ -81,14 +89,17 @@ def trained(tmp_path_factory):
     paths = {family: _write_folder(root / family, family) for family in FAMILIES}
     out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("two", "one", "resumed")} for family in paths}
     out["llama"]["tp"] = str(root / "llama-tp")
-    run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['two']}", *LAYOUTS[f]] for f in paths]
-                 + [[f"model.path={paths['llama']}", f"output_dir={out['llama']['tp']}", *TP2]], timeout=300)
+    builds = run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['two']}", *LAYOUTS[f]]
+                                      for f in paths]
+                          + [[f"model.path={paths['llama']}", f"output_dir={out['llama']['tp']}", *TP2]], timeout=300)
     paths["init"] = _write_folder(root / "init", "llama", weights=False)  # the model's own initialisation
     out["init"] = {"states": [run_on_ranks(n, _initial_state, paths["init"], seed, timeout=120)[0]
                               for n, seed in ((2, 0), (1, 0), (1, 1))]}
-    run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}"] for f in FAMILIES]
-                 + [[f"model.path={paths[f]}", f"output_dir={out[f]['resumed']}",
-                     f"checkpoint.load_from={out[f]['two']}/checkpoints/step-2"] for f in FAMILIES], timeout=300)
+    builds += run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}"] for f in FAMILIES]
+                           + [[f"model.path={paths[f]}", f"output_dir={out[f]['resumed']}",
+                               f"checkpoint.load_from={out[f]['two']}/checkpoints/step-2"] for f in FAMILIES],
+                           timeout=300)
+    out["builds"] = builds  # per rank, per run
     return paths, out
 
 
@@ -114,6 +125,11 @@ def test_tensor_parallel_from_the_models_plan_trains_the_one_process_losses(trai
     q_proj, lm_head = stored["model.model.layers.0.self_attn.q_proj.weight"], stored["model.lm_head.weight"]
     assert tuple(q_proj.size) == (32, 32) and len(q_proj.chunks) == 2  # its heads split over the tp ranks
     assert len(lm_head.chunks) == 1  # replicated over tp: stored once
+
+
+def test_each_process_builds_the_model_once_for_validation_and_training(trained):
+    _, out = trained
+    assert out["builds"] == [[1] * 4, [1] * 4, [1] * 6]  # 2 ranks x 4 runs, then 1 rank x 6 runs
 
 
 def test_without_weights_the_models_own_init_is_the_same_on_every_mesh(trained):

@@ -38,6 +38,9 @@ class ValidConfig:
     cfg: TrainConfig       # the typed config the code reads
     dims: ParallelDims     # the world's layout
     composed: DictConfig   # as composed and resolved: the run's config.yaml, its W&B run's config
+    # model=hf: the model validation built on the meta device from model.path, the one the run
+    # trains (built once per process); None otherwise.
+    meta_model: Optional[Any] = dataclasses.field(default=None, repr=False, compare=False)
 
 
 def _rules(data_cls: Optional[type]) -> Dict[str, Tuple[Any, Range]]:
@@ -178,7 +181,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> ValidConfig:
     listing = list(problems.values()) + relations
     if listing:
         raise ConfigError(problems_message("invalid configuration", listing))
-    return ValidConfig(typed, dims, cfg)
+    return ValidConfig(typed, dims, cfg, hf_meta_model)
 
 
 def _read_hf_model(cfg: DictConfig, values: Dict[str, Any],

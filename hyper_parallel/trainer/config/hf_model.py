@@ -26,7 +26,8 @@ SHAPE_KEYS = {"vocab_size": "vocab_size", "dim": "hidden_size", "n_layers": "num
 def read_model_keys(path: str) -> Tuple[Dict[str, Any], List[str], Optional[Any]]:
     """``(model keys from path's config.json, problems, the model on the meta device)``: the installed
     transformers' version, config.json (present, a causal LM this transformers has), and the
-    weights, if any, against the model it describes (names and shapes, from the headers)."""
+    weights, if any, against the model it describes (names and shapes, from the headers). The
+    model is the one the run trains (``ValidConfig.meta_model``): nothing builds it again."""
     from hyper_parallel._optional import available, install_hint
 
     if not available("transformers"):
