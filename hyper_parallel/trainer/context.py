@@ -31,10 +31,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel._torch_compat import flatten_mesh, unflatten_mesh
 from hyper_parallel.chunked_loss import ChunkedLoss
-from hyper_parallel.context_parallel import (ContextParallel, Rotate, context_parallel, mean_token_loss,
-                                             token_loss_scale)
 from hyper_parallel.models.attention import Attention
-from hyper_parallel.parallel import loss_parallel
+from hyper_parallel.parallel.context import (ContextParallel, Rotate, context_parallel, mean_token_loss,
+                                             token_loss_scale)
+from hyper_parallel.parallel.tensor import loss_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 
 _MODEL_PARALLEL_DIMS = ("pp", "tp")

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindows, build_source, split_windows
-from hyper_parallel.parallel import loss_parallel
+from hyper_parallel.parallel.tensor import loss_parallel
 from hyper_parallel.trainer.agreement import all_reduce_sum
 from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.context import SequenceSplit

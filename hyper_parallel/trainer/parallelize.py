@@ -14,12 +14,12 @@ from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
-from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
+from hyper_parallel.parallel.expert import ExpertParallel, expert_meshes
 from hyper_parallel.models import hf_causal_lm, hf_llama, hf_moe
 from hyper_parallel.models.llama import LlamaConfig, Transformer
 from hyper_parallel.models.moe import MoEConfig, MoETransformer
 from hyper_parallel.models.moe_layer import RoutingReplay, replaying_routing
-from hyper_parallel.parallel import apply_tensor_parallel
+from hyper_parallel.models.llama_parallel import apply_tensor_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import ModelConfig, model_config
@@ -102,7 +102,7 @@ def shard_experts(model: MoETransformer, data_mesh: DeviceMesh, ep: int, *, mixe
     """Expert parallelism: the ``dp_shard`` ranks of the data-parallel mesh ``data_mesh`` (1-D
     ``(shard,)``, or 2-D ``(replicate, shard)`` under HSDP; with context parallelism the
     flattened ``dp_shard_cp`` dim in place of ``shard``; see :func:`dp_mesh`) regrouped into
-    ``efsdp`` x ``ep`` (:func:`~hyper_parallel.expert_parallel.expert_meshes`); each MoE
+    ``efsdp`` x ``ep`` (:func:`~hyper_parallel.parallel.expert.expert_meshes`); each MoE
     block's routed experts split over ``ep`` (:class:`ExpertParallel`, their tokens sent by
     all-to-all) and ``fully_shard``-ed over ``efsdp`` (HSDP over ``(replicate, efsdp)`` when
     ``data_mesh`` has a replicate dim). An expert's gradient sums the tokens of its whole ep
@@ -124,7 +124,7 @@ def compile_blocks(model: Transformer, backend: str, *, fullgraph: bool = True) 
     ``fullgraph=True``: a block body compiles without graph breaks (an error otherwise).
     ``fullgraph=False``: dynamo compiles the block around its graph breaks: context
     parallelism's ring attention (``torch.compiler.disable`` at
-    :func:`~hyper_parallel.context_parallel.cp_attention`'s ring), a mixture of experts' split
+    :func:`~hyper_parallel.parallel.context.cp_attention`'s ring), a mixture of experts' split
     of the tokens by expert (data-dependent sizes)."""
     for block in model.layers.values():
         block.compile(backend=backend, fullgraph=fullgraph)

@@ -11,7 +11,7 @@ from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.core.grad_norm import clip_grad_norm_
 from hyper_parallel.models.moe import MoETransformer
-from hyper_parallel.parallel import cross_entropy, loss_parallel
+from hyper_parallel.parallel.tensor import cross_entropy, loss_parallel
 from hyper_parallel.trainer.context import SequenceSplit
 from hyper_parallel.trainer.float8 import precompute_scales
 from hyper_parallel.trainer.metrics import MoEStepStatistics

@@ -14,7 +14,7 @@ for packed sequences (each token attends within its document only).
 Memory: the ring saves only this rank's queries, keys, values, output and log-sum-exp for the
 backward, which recomputes the attention block by block and sends the K/V gradients round the
 ring back to their owners, so a rank's activation memory is ~1/cp of the whole sequence's. The
-block math is in ``hyper_parallel.block_attention``: torch's fused attention kernel where one
+block math is in ``hyper_parallel.parallel.block_attention``: torch's fused attention kernel where one
 applies (``block_kernel``: CPU flash attention, CUDA memory-efficient attention), which never
 materialises the scores; else plain torch ops, whose scores are computed in tiles of query rows
 (``_TILE_SCORES``), so their transient memory does not grow with the sequence.
@@ -36,9 +36,9 @@ from torch.autograd.function import once_differentiable
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel import _torch_compat as compat
-from hyper_parallel.block_attention import (BlockKernel, BlockMask, accumulation_dtype, block_attention,
-                                            block_attention_backward, block_kernel, merge_attention,
-                                            new_kernel_layout)
+from hyper_parallel.parallel.block_attention import (BlockKernel, BlockMask, accumulation_dtype, block_attention,
+                                                     block_attention_backward, block_kernel, merge_attention,
+                                                     new_kernel_layout)
 from hyper_parallel.chunked_loss import summed_token_loss
 
 __all__ = [
