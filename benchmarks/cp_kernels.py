@@ -19,9 +19,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.parallel import context as ring
+from hyper_parallel.parallel import ring_attention as ring
 from hyper_parallel.parallel.block_attention import BlockKernel
-from hyper_parallel.parallel.context import context_parallel, cp_attention
+from hyper_parallel.parallel.context import context_parallel
+from hyper_parallel.parallel.ring_attention import cp_attention
 
 from fsdp_step import _over_ranks
 from launch import launch_benchmark

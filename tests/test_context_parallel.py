@@ -21,9 +21,10 @@ import hyper_parallel as hp
 from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.models import build_llama
 from hyper_parallel.models.llama_parallel import apply_tensor_parallel
-from hyper_parallel.parallel.context import (Layout, context_parallel, cp_attention, current_context, document_ids,
+from hyper_parallel.parallel.context import (Layout, context_parallel, current_context, document_ids,
                                              mean_token_loss, rope_rows, sequence_positions, shard_sequence,
                                              token_loss_scale)
+from hyper_parallel.parallel.ring_attention import cp_attention
 from hyper_parallel.parallel.tensor import loss_parallel
 from tests.fully_shard._helpers import CountingBackend
 from tests.multirank import run_on_ranks

@@ -1,4 +1,4 @@
-"""Ring attention (hyper_parallel.parallel.context) and its block math: exact against
+"""Ring attention (hyper_parallel.parallel.ring_attention) and its block math: exact against
 attention over the whole sequence in one process, on gloo ranks.
 
 Float64 throughout (see tests/fully_shard/_helpers.py, [Note: parity in float64]): the sharded
@@ -15,10 +15,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hyper_parallel.parallel import context as ring
+from hyper_parallel.parallel import ring_attention as ring
 from hyper_parallel.parallel.block_attention import BlockKernel, BlockMask, block_attention, merge_attention
-from hyper_parallel.parallel.context import (_MIN_TILE_ROWS, Layout, Rotate, _plan, _tiles, context_parallel,
-                                             cp_attention, document_ids, sequence_positions, shard_sequence)
+from hyper_parallel.parallel.context import (Layout, Rotate, context_parallel, document_ids, sequence_positions,
+                                             shard_sequence)
+from hyper_parallel.parallel.ring_attention import _MIN_TILE_ROWS, _plan, _tiles, cp_attention
 from tests.multirank import run_on_ranks
 
 TOL = 1e-12

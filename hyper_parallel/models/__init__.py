@@ -8,8 +8,8 @@ and pipeline stage split, ``hf_llama`` / ``hf_moe`` the Hugging Face name maps a
 ``hf_causal_lm`` builds any transformers causal LM for the recipes (``model=hf``).
 
 May import (beside torch): ``hyper_parallel._torch_compat``, ``core`` (fully_shard, layout, the
-checkpoint formats for the HF maps), ``checkpoint``, ``parallel.context``
-(context parallelism: ring attention),
+checkpoint formats for the HF maps), ``checkpoint``, ``parallel.context`` and
+``parallel.ring_attention`` (context parallelism: the attention's context and ring),
 ``chunked_loss``, ``_optional`` (the optional extras) and ``utils``; never ``trainer``, ``data``,
 the other parallelisms or the recipes (tests/test_import_cycles.py checks it).
 """

@@ -11,7 +11,8 @@ from torch import nn
 
 from hyper_parallel.models.layers import RMSNorm
 from hyper_parallel.models.rotary import apply_rope
-from hyper_parallel.parallel.context import cp_attention, rope_rows
+from hyper_parallel.parallel.context import rope_rows
+from hyper_parallel.parallel.ring_attention import cp_attention
 
 __all__ = ["Attention", "AttentionConfig"]
 

@@ -124,7 +124,7 @@ def compile_blocks(model: Transformer, backend: str, *, fullgraph: bool = True) 
     ``fullgraph=True``: a block body compiles without graph breaks (an error otherwise).
     ``fullgraph=False``: dynamo compiles the block around its graph breaks: context
     parallelism's ring attention (``torch.compiler.disable`` at
-    :func:`~hyper_parallel.parallel.context.cp_attention`'s ring), a mixture of experts' split
+    :func:`~hyper_parallel.parallel.ring_attention.cp_attention`'s ring), a mixture of experts' split
     of the tokens by expert (data-dependent sizes)."""
     for block in model.layers.values():
         block.compile(backend=backend, fullgraph=fullgraph)
