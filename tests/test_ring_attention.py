@@ -17,8 +17,8 @@ import torch.nn.functional as F
 
 from hyper_parallel.parallel import ring_attention as ring
 from hyper_parallel.parallel.block_attention import BlockKernel, BlockMask, block_attention, merge_attention
-from hyper_parallel.parallel.context import (Layout, Rotate, context_parallel, document_ids, sequence_positions,
-                                             shard_sequence)
+from hyper_parallel.parallel.context import (Layout, Rotate, context_parallel, document_ids, document_masks,
+                                             sequence_positions, shard_sequence)
 from hyper_parallel.parallel.ring_attention import _MIN_TILE_ROWS, _plan, _tiles, cp_attention
 from tests.multirank import run_on_ranks
 
@@ -287,3 +287,21 @@ def test_document_masks_in_ring_attention_equal_per_document_attention():
         assert result["effect"] > 1e-2  # the masks change the result: the comparison is not vacuous
         assert result["error"] == ("context_parallel: documents of shape (2, 30) do not match the (batch, global "
                                    "sequence) (2, 32) of the attention's inputs")
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_document_masks_without_cp_equal_per_document_attention(causal):
+    """Without CP, attention under ``document_masks`` (SDPA with the documents' mask) is attention
+    run on each document alone, forward and backward (float64); a mismatched shape is named."""
+    q, k, v, dout = _qkv(22, seq=12)
+    tokens = torch.tensor([[3, 0, 5, 5, 0, 0, 7, 1, 2, 0, 4, 4], [1] * 6 + [0] + [2] * 5])
+    documents = document_ids(tokens, 0)
+    ref_out, ref_grads = _grads(lambda q, k, v: _per_document_attention(q, k, v, documents, causal), (q, k, v), dout)
+    with document_masks(documents):
+        out, grads = _grads(lambda q, k, v: cp_attention(q, k, v, is_causal=causal), (q, k, v), dout)
+    assert max((a - b).abs().max().item() for a, b in zip((out, *grads), (ref_out, *ref_grads))) < TOL
+    assert (ref_out - _sdpa(q, k, v, causal)).abs().max() > 1e-2  # the masks matter
+    with pytest.raises(ValueError, match=r"documents of shape \(2, 11\) do not match the \(batch, sequence\) "
+                                         r"\(2, 12\)"):
+        with document_masks(documents[:, 1:]):
+            cp_attention(q, k, v)

@@ -5,7 +5,8 @@ Each rank of the group holds a part of every sequence (:class:`Layout`: its chun
 positions, sharding and gathering whole sequences); :func:`context_parallel` declares the group
 (and how K/V blocks travel round it, :class:`Rotate`) to the model's attention, which then runs
 as ring attention (:mod:`hyper_parallel.parallel.ring_attention`). ``documents=`` adds document
-masks for packed sequences (each token attends within its document only; :func:`document_ids`).
+masks for packed sequences (each token attends within its document only; :func:`document_ids`);
+without CP, :func:`document_masks` does.
 The loss of a rank's tokens is its share of the global mean (:func:`mean_token_loss`).
 
     with context_parallel(mesh["cp"]) as cp:          # tells the model's attention it runs under CP
@@ -30,8 +31,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from hyper_parallel.chunked_loss import summed_token_loss
 
 __all__ = [
-    "ContextParallel", "Layout", "Rotate", "chunk_length", "context_parallel", "current_context", "document_ids",
-    "gather_sequence", "mean_token_loss", "rope_rows", "sequence_positions", "shard_sequence", "token_loss_scale",
+    "ContextParallel", "Layout", "Rotate", "chunk_length", "context_parallel", "current_context",
+    "current_documents", "document_ids", "document_masks", "gather_sequence", "mean_token_loss", "rope_rows", "sequence_positions", "shard_sequence", "token_loss_scale",
 ]
 
 
@@ -194,6 +195,36 @@ def context_parallel(mesh: Union[DeviceMesh, dist.ProcessGroup], *, layout: Unio
         yield cp
     finally:
         _ACTIVE.pop()
+
+
+_DOCUMENTS: List[torch.Tensor] = []  # a stack, as _ACTIVE
+
+
+def current_documents() -> Optional[torch.Tensor]:
+    """The document ids of the innermost active :func:`document_masks`, or None."""
+    return _DOCUMENTS[-1] if _DOCUMENTS else None
+
+
+@contextlib.contextmanager
+def document_masks(documents: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Document masks without context parallelism: inside, the models' attention
+    (:func:`~hyper_parallel.parallel.ring_attention.cp_attention`) lets each token attend only to
+    tokens of its own document. ``documents``: (batch, sequence) integer ids of the attention's
+    sequences (e.g. :func:`document_ids` of packed samples). Run the backward inside as well
+    (activation checkpointing recomputes attention there). Under :func:`context_parallel`, pass
+    them as its ``documents`` instead.
+
+    Raises:
+        ValueError: ``documents`` is not a (batch, sequence) integer tensor.
+    """
+    if documents.dim() != 2 or documents.is_floating_point():
+        raise ValueError(f"document_masks: documents must be (batch, sequence) integer ids, got "
+                         f"{documents.dtype} of shape {tuple(documents.shape)}")
+    _DOCUMENTS.append(documents)
+    try:
+        yield documents
+    finally:
+        _DOCUMENTS.pop()
 
 
 def rope_rows(cos: torch.Tensor, sin: torch.Tensor, local_len: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -30,7 +30,8 @@ from hyper_parallel import _torch_compat as compat
 from hyper_parallel.parallel.block_attention import (BlockKernel, BlockMask, accumulation_dtype, block_attention,
                                                      block_attention_backward, block_kernel, merge_attention,
                                                      new_kernel_layout)
-from hyper_parallel.parallel.context import ContextParallel, Layout, Rotate, chunk_length, current_context
+from hyper_parallel.parallel.context import (ContextParallel, Layout, Rotate, chunk_length, current_context,
+                                            current_documents)
 
 __all__ = ["cp_attention"]
 
@@ -224,10 +225,29 @@ def cp_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, is_causal
     Under CP (``cp``, default: the active :func:`context_parallel`), q, k and v hold this rank's
     part of each sequence in the context's layout and the result is this rank's rows of the
     attention over the whole sequence (ring attention; K/V travel with their Hkv heads). Without
-    CP: torch's ``scaled_dot_product_attention``.
+    CP: torch's ``scaled_dot_product_attention``, under an active
+    :func:`~hyper_parallel.parallel.context.document_masks` with each query's keys limited to its
+    document.
     """
     cp = cp if cp is not None else current_context()
-    if cp is None:
+    if cp is not None:
+        return _ring_attention(q, k, v, cp, is_causal, scale)
+    documents = current_documents()
+    if documents is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale,
                                               enable_gqa=q.shape[1] != k.shape[1])
-    return _ring_attention(q, k, v, cp, is_causal, scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_document_mask(documents, q, k, is_causal),
+                                          scale=scale, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def _document_mask(documents: torch.Tensor, q: torch.Tensor, k: torch.Tensor, causal: bool) -> torch.Tensor:
+    """(B, 1, S, S) bool: query i may attend key j (same document; and j <= i when causal)."""
+    if tuple(documents.shape) != (q.shape[0], q.shape[2]) or k.shape[2] != q.shape[2]:
+        raise ValueError(f"document_masks: documents of shape {tuple(documents.shape)} do not match the "
+                         f"(batch, sequence) {(q.shape[0], q.shape[2])} of the attention's queries "
+                         f"(and {k.shape[2]} keys)")
+    documents = documents.to(q.device)
+    allowed = documents.unsqueeze(-1) == documents.unsqueeze(-2)
+    if causal:
+        allowed &= torch.ones(q.shape[2], q.shape[2], dtype=torch.bool, device=q.device).tril()
+    return allowed.unsqueeze(1)
