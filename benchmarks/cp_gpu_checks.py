@@ -28,10 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from hyper_parallel import context_parallel as ring
-from hyper_parallel.block_attention import (BlockKernel, BlockMask, block_attention, block_attention_backward,
-                                            block_kernel, kernel_layout)
-from hyper_parallel.context_parallel import context_parallel, cp_attention
+from hyper_parallel.parallel import ring_attention as ring
+from hyper_parallel.parallel.block_attention import (BlockKernel, BlockMask, block_attention, block_attention_backward,
+                                                     block_kernel, kernel_layout)
+from hyper_parallel.parallel.context import context_parallel
+from hyper_parallel.parallel.ring_attention import cp_attention
 from hyper_parallel.platform import free_port
 
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)

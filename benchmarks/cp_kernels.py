@@ -19,9 +19,10 @@ from typing import Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from hyper_parallel import context_parallel as cp_module
-from hyper_parallel.block_attention import BlockKernel
-from hyper_parallel.context_parallel import context_parallel, cp_attention
+from hyper_parallel.parallel import ring_attention as ring
+from hyper_parallel.parallel.block_attention import BlockKernel
+from hyper_parallel.parallel.context import context_parallel
+from hyper_parallel.parallel.ring_attention import cp_attention
 
 from fsdp_step import _over_ranks
 from launch import launch_benchmark
@@ -42,13 +43,13 @@ def _parse_args(argv=None) -> argparse.Namespace:
 
 
 def _step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kernel: Optional[BlockKernel]) -> None:
-    cp_module._KERNEL = kernel
+    ring._KERNEL = kernel
     try:
         with context_parallel(dist.group.WORLD) as cp:
             leaves = [cp.shard(t, dim=2).requires_grad_() for t in (q, k, v)]
             cp_attention(*leaves, is_causal=True).sum().backward()
     finally:
-        cp_module._KERNEL = None
+        ring._KERNEL = None
 
 
 def run(args: argparse.Namespace) -> Dict[Tuple[int, str], dict]:

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 import hyper_parallel as hp
-from hyper_parallel.context_parallel import context_parallel, mean_token_loss
 from hyper_parallel.models import build_llama
+from hyper_parallel.parallel.context import context_parallel, mean_token_loss
 
 from fsdp_step import (_over_ranks, _reset_peak_rss, _rss_bytes, _trimmed_rss_bytes, _use_mmap_for_large_blocks)
 from launch import launch_benchmark

@@ -71,7 +71,7 @@ cp | tests | all)
     ;;&
 cp | tests | all)
     run context_parallel_tests "$PY" -m pytest -q -p no:cacheprovider tests/test_context_parallel.py \
-        tests/recipes/test_cp_recipe.py
+        tests/test_ring_attention.py tests/recipes/test_cp_recipe.py
     ;;&
 tests | all)
     nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1

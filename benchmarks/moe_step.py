@@ -31,8 +31,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import hyper_parallel as hp
 from hyper_parallel.core.fully_shard import shard_on
-from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
 from hyper_parallel.models import build_moe
+from hyper_parallel.parallel.expert import ExpertParallel, expert_meshes
 from hyper_parallel.platform import get_platform
 
 from fsdp_step import (IMPLS, ImplResult, _counted_all_gathers, _over_ranks, _reset_peak_rss, _rss_bytes, _step,

@@ -1,6 +1,6 @@
 """One training step on a (data-parallel x tensor-parallel) mesh: torch's composition vs ours.
 
-Both apply the same tensor-parallel plan (``hyper_parallel.parallel.apply_tensor_parallel``,
+Both apply the same tensor-parallel plan (``hyper_parallel.models.llama_parallel.apply_tensor_parallel``,
 i.e. torch's ``parallelize_module`` with the Megatron-style plan and sequence parallelism) to
 their own deep copy of one Llama model built from seed 0, then shard every block and the root
 over the data-parallel sub-mesh: torch's ``fully_shard`` (FSDP2) for "torch", ``hp.fully_shard``
@@ -18,7 +18,7 @@ code on nccl with the allocator's peak instead of RSS; it was not run (no GPU on
 that wrote it).
 
 ``--pp 2`` measures pipeline parallelism x FSDP instead (mesh (pp, shard), no TP): both split the
-model with ``hyper_parallel.pipeline.split_stage`` and run torch's schedule (``--schedule``,
+model with ``hyper_parallel.models.llama_parallel.split_stage`` and run torch's schedule (``--schedule``,
 ``--microbatches``) from ``build_schedule``; "torch" wraps each stage in torch's ``fully_shard``
 and torch's ``PipelineStage``, "ours" in ``hp.fully_shard`` and ``ShardedPipelineStage``.
 
@@ -41,9 +41,10 @@ from torch.distributed.pipelining import PipelineStage
 import hyper_parallel as hp
 from hyper_parallel.models import build_llama
 from hyper_parallel.models.llama import CONFIGS
-from hyper_parallel.parallel import apply_tensor_parallel, cross_entropy, loss_parallel
-from hyper_parallel.pipeline import (SCHEDULES, ShardedPipelineStage, build_schedule, split_stage, stage_indices,
-                                     stage_layers, stages_per_rank)
+from hyper_parallel.models.llama_parallel import apply_tensor_parallel, split_stage
+from hyper_parallel.parallel.pipeline import (SCHEDULES, ShardedPipelineStage, build_schedule, stage_indices,
+                                              stage_layers, stages_per_rank)
+from hyper_parallel.parallel.tensor import cross_entropy, loss_parallel
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.parallelize import dp_mesh
 

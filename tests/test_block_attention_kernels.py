@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from hyper_parallel import _torch_compat as compat
-from hyper_parallel.block_attention import (BlockKernel, BlockMask, _fused_backward, _fused_forward,
-                                            block_attention, block_attention_backward, block_kernel)
+from hyper_parallel.parallel.block_attention import (BlockKernel, BlockMask, _fused_backward, _fused_forward,
+                                                     block_attention, block_attention_backward, block_kernel)
 
 TOL = 1e-12
 

@@ -18,7 +18,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.parallel import parallelize_module
 
 import hyper_parallel as hp
-from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
+from hyper_parallel.parallel.expert import ExpertParallel, expert_meshes
 from tests.multirank import run_on_ranks
 
 DIM, HIDDEN = 6, 5

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hyper_parallel.expert_parallel import expert_meshes
 from hyper_parallel.models.moe import MoETransformer
+from hyper_parallel.parallel.expert import expert_meshes
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.parallelize import (
     apply_activation_checkpointing, build_mesh, dp_mesh, shard_experts, shard_model)

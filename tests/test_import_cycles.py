@@ -41,14 +41,22 @@ def test_a_lazy_import_closing_a_circle_is_found(tmp_path):
     assert cycles(graph) == [["pkg.a", "pkg.c", "pkg.sub.b"]]
 
 
-# What hyper_parallel/models/__init__.py's docstring says the models may import.
-MODELS_MAY_IMPORT = ("hyper_parallel.models", "hyper_parallel._torch_compat", "hyper_parallel.core",
-                     "hyper_parallel.checkpoint", "hyper_parallel.context_parallel", "hyper_parallel.chunked_loss",
-                     "hyper_parallel._optional", "hyper_parallel.utils")
+# What the package docstrings (hyper_parallel/<package>/__init__.py) say each package may import.
+MAY_IMPORT = {
+    "hyper_parallel.models": ("hyper_parallel.models", "hyper_parallel._torch_compat", "hyper_parallel.core",
+                              "hyper_parallel.checkpoint", "hyper_parallel.parallel.context",
+                              "hyper_parallel.parallel.ring_attention", "hyper_parallel.chunked_loss",
+                              "hyper_parallel._optional", "hyper_parallel.utils"),
+    "hyper_parallel.parallel": ("hyper_parallel.parallel", "hyper_parallel._torch_compat", "hyper_parallel.core",
+                                "hyper_parallel.chunked_loss", "hyper_parallel.utils"),
+}
 
 
-def test_the_models_import_only_what_their_package_docstring_allows(library_graph):
+@pytest.mark.parametrize("package", sorted(MAY_IMPORT))
+def test_a_package_imports_only_what_its_docstring_allows(library_graph, package):
+    allowed = MAY_IMPORT[package]
+    assert package in library_graph
     outside = sorted(f"{module} imports {imported}" for module, imports in library_graph.items()
-                     if module.startswith("hyper_parallel.models") for imported in imports
-                     if not imported.startswith(MODELS_MAY_IMPORT))
+                     if module == package or module.startswith(package + ".") for imported in imports
+                     if not (imported in allowed or imported.startswith(tuple(a + "." for a in allowed))))
     assert outside == []

@@ -258,7 +258,7 @@ def test_memory_per_rank_and_the_docs_table():
 
 
 def test_tensor_parallelism_refuses_the_moe_model_in_one_line():
-    from hyper_parallel.parallel import apply_tensor_parallel
+    from hyper_parallel.models.llama_parallel import apply_tensor_parallel
 
     with pytest.raises(ValueError, match="not MoETransformer; the MoE model has no tensor-parallel plan"):
         apply_tensor_parallel(build_moe("moe_debug"), None)
@@ -267,7 +267,7 @@ def test_tensor_parallelism_refuses_the_moe_model_in_one_line():
 
 
 def test_pipeline_stages_of_the_moe_model_compute_the_whole_model():
-    from hyper_parallel.pipeline import split_stage
+    from hyper_parallel.models.llama_parallel import split_stage
 
     model = build_moe("moe_debug", n_layers=3)
     model.init_weights(seed=1)

@@ -1,4 +1,4 @@
-"""Pipeline parallelism (hyper_parallel.pipeline): the split, and parity of PP x FSDP / PP x TP
+"""Pipeline parallelism (hyper_parallel.parallel.pipeline): the split, and parity of PP x FSDP / PP x TP
 training with single-process training on the global batch, for each schedule."""
 
 from typing import Optional
@@ -12,10 +12,11 @@ from hyper_parallel.checkpoint import (CheckpointManager, ModelState, OptimizerS
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.core.fully_shard.param_group import ShardState
 from hyper_parallel.models import build_llama
-from hyper_parallel.parallel import apply_tensor_parallel, cross_entropy, loss_parallel
+from hyper_parallel.models.llama_parallel import apply_tensor_parallel, split_stage
+from hyper_parallel.parallel.pipeline import (ShardedPipelineStage, build_schedule, stage_indices, stage_layers,
+                                              stages_per_rank)
+from hyper_parallel.parallel.tensor import cross_entropy, loss_parallel
 from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
-from hyper_parallel.pipeline import (ShardedPipelineStage, build_schedule, split_stage, stage_indices, stage_layers,
-                                     stages_per_rank)
 from tests.multirank import run_on_ranks
 
 STEPS, LR, SEED, MAX_NORM = 3, 1e-2, 5, 0.5  # the gradient norms are ~0.73: clipping acts

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from hyper_parallel.models import RecipeModel
-from hyper_parallel.trainer.config.schema import ModelConfig
+from hyper_parallel.trainer.config.model import ModelConfig
 from hyper_parallel.trainer.parallelize import parallelize
 
 

@@ -27,6 +27,8 @@ class TokenSource(Protocol):
     vocab_size: int
     # None: unbounded (every index is a fresh sample, no epochs).
     num_samples: Optional[int]
+    # The one token that ends each document of packed samples (document masks); None: unknown.
+    eos_id: Optional[int]
 
     def samples(self, indices: Sequence[int]) -> torch.Tensor: ...
 
@@ -58,6 +60,7 @@ class MarkovSource:
         self.vocab_size, self.seq_len = vocab_size, seq_len
         self.sample_seed = seed if sample_seed is None else sample_seed
         self.num_samples: Optional[int] = None
+        self.eos_id: Optional[int] = None  # no documents
         chain_rng = np.random.default_rng([seed, 0x6D61726B])  # the chain itself, not the samples
         self.successors = np.stack(
             [chain_rng.choice(vocab_size, size=branching, replace=False) for _ in range(vocab_size)]
@@ -109,8 +112,10 @@ class MarkovSource:
 class TokenWindows:
     """Non-overlapping ``seq_len + 1`` windows (sharing their boundary token) over a flat token array."""
 
-    def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: int, *, name: str = "tokens"):
+    def __init__(self, tokens: np.ndarray, seq_len: int, vocab_size: int, *, name: str = "tokens",
+                 eos_id: Optional[int] = None):
         self.tokens, self.seq_len, self.vocab_size, self.name = tokens, seq_len, vocab_size, name
+        self.eos_id = eos_id
         self.num_samples = (len(tokens) - 1) // seq_len
         if self.num_samples < 1:
             raise ValueError(
@@ -180,8 +185,10 @@ def split_windows(source: TokenWindows, val_fraction: float) -> tuple[TokenWindo
         raise ValueError(f"{source.name}: {n} samples cannot be split into train and validation "
                          f"with val_fraction={val_fraction}")
     cut = (n - n_val) * source.seq_len
-    return (TokenWindows(source.tokens[: cut + 1], source.seq_len, source.vocab_size, name=source.name),
-            TokenWindows(source.tokens[cut:], source.seq_len, source.vocab_size, name=f"{source.name} (validation split: its tokens {cut:,} to the end)"))
+    return (TokenWindows(source.tokens[: cut + 1], source.seq_len, source.vocab_size, name=source.name,
+                         eos_id=source.eos_id),
+            TokenWindows(source.tokens[cut:], source.seq_len, source.vocab_size,
+                         name=f"{source.name} (validation split: its tokens {cut:,} to the end)", eos_id=source.eos_id))
 
 
 def read_token_file(path: str, dtype: str) -> np.ndarray:
@@ -245,13 +252,16 @@ def build_source(kind: str, *, seq_len: int, vocab_size: int, seed: int, **optio
         check_vocab(tokenizer, vocab_size)
         tokens = read_text_tokens(options.pop("paths"), tokenizer)
         _reject_unknown(kind, options)
-        return TokenWindows(tokens, seq_len, vocab_size, name="text")
+        eos_id = int(tokenizer.separator[0]) if len(tokenizer.separator) == 1 else None
+        return TokenWindows(tokens, seq_len, vocab_size, name="text", eos_id=eos_id)
     if kind == "tokens":
         path, dtype = options.pop("path"), options.pop("dtype", "uint16")
         check_sidecar(path, dtype, vocab_size, options.pop("tokenizer", None))
         tokens = read_token_file(path, dtype)
         _reject_unknown(kind, options)
-        return TokenWindows(tokens, seq_len, vocab_size, name=str(path))
+        sidecar = read_sidecar(path)
+        return TokenWindows(tokens, seq_len, vocab_size, name=str(path),
+                            eos_id=sidecar["eos_id"] if sidecar is not None else None)
     raise ValueError(f"unknown data kind {kind!r}; expected synthetic, text or tokens")
 
 

@@ -9,9 +9,10 @@ and pipeline stage split, ``hf_llama`` / ``hf_moe`` the Hugging Face name maps a
 declares what the recipe needs of every one of these models (:class:`RecipeModel`).
 
 May import (beside torch): ``hyper_parallel._torch_compat``, ``core`` (fully_shard, layout, the
-checkpoint formats for the HF maps), ``checkpoint``, ``context_parallel`` (ring attention),
-``chunked_loss``, ``_optional`` (the optional extras) and ``utils``; never ``trainer``, ``data``, the other parallelisms or the recipes
-(tests/test_import_cycles.py checks it).
+checkpoint formats for the HF maps), ``checkpoint``, ``parallel.context`` and
+``parallel.ring_attention`` (context parallelism: the attention's context and ring),
+``chunked_loss``, ``_optional`` (the optional extras) and ``utils``; never ``trainer``, ``data``,
+the other parallelisms or the recipes (tests/test_import_cycles.py checks it).
 """
 
 from hyper_parallel.models.contract import RecipeModel

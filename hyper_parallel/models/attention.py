@@ -9,9 +9,10 @@ from typing import Optional, Protocol
 import torch
 from torch import nn
 
-from hyper_parallel.context_parallel import cp_attention, rope_rows
 from hyper_parallel.models.layers import RMSNorm
 from hyper_parallel.models.rotary import apply_rope
+from hyper_parallel.parallel.context import rope_rows
+from hyper_parallel.parallel.ring_attention import cp_attention
 
 __all__ = ["Attention", "AttentionConfig"]
 
@@ -52,7 +53,7 @@ class Attention(nn.Module):
         v = self.wv(x).view(bsz, seq, -1, self.head_dim).transpose(1, 2)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # Under context parallelism (hyper_parallel.context_parallel) x holds this rank's part of
+        # Under context parallelism (hyper_parallel.parallel.context) x holds this rank's part of
         # each sequence: RoPE takes the tokens' global positions and attention runs as ring attention.
         cos, sin = rope_rows(cos, sin, seq)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)

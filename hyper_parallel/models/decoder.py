@@ -11,8 +11,8 @@ is shared.
 
 Built so it can be created on the meta device, wrapped with ``fully_shard`` and then
 materialised with ``to_empty`` + ``init_weights``. ``layers`` is an ``nn.ModuleDict`` keyed
-``"0"``..``"n-1"``, so that a pipeline stage (``hyper_parallel.pipeline.split_stage``) keeps
-only its blocks under the full model's parameter names.
+``"0"``..``"n-1"``, so that a pipeline stage (``llama_parallel.split_stage``) keeps only its
+blocks under the full model's parameter names.
 """
 
 from __future__ import annotations
@@ -130,10 +130,10 @@ class Decoder(nn.Module, RecipeModel):
         block: the block of each layer index (the family's :class:`DecoderBlock`).
         rope_scaling: Llama 3.1's RoPE frequency scaling, if any.
 
-    A pipeline stage of it (see ``hyper_parallel.pipeline.split_stage``) holds only some of
-    ``layers``; ``tok_embeddings`` is None except on the first stage (the input is then the
-    hidden state, (batch, seq, dim)), ``norm`` and ``output`` are None except on the last
-    (the output is then the hidden state).
+    A pipeline stage of it (see ``llama_parallel.split_stage``) holds only some of ``layers``;
+    ``tok_embeddings`` is None except on the first stage (the input is then the hidden state,
+    (batch, seq, dim)), ``norm`` and ``output`` are None except on the last (the output is
+    then the hidden state).
     """
 
     tok_embeddings: Optional[nn.Embedding]

@@ -1,15 +1,14 @@
 """The decoder's parallel layouts: the Megatron-style tensor-parallel plan of the Llama
 (dense) decoder (applied with torch's own ``parallelize_module``) and the pipeline-stage
 split of every :class:`~hyper_parallel.models.decoder.Decoder` (Llama's and the mixtures of
-experts'). The generic pieces stay in ``hyper_parallel.parallel`` (``cross_entropy``,
-``loss_parallel``) and ``hyper_parallel.pipeline`` (the sharded stage, schedules, stage
-ranges), which re-export these names.
+experts'). The generic pieces are in ``hyper_parallel.parallel``: ``tensor`` (``cross_entropy``,
+``loss_parallel``) and ``pipeline`` (the sharded stage, schedules, stage ranges).
 
 Tensor parallelism: column-parallel ``wq``/``wk``/``wv`` and ``w1``/``w3``, row-parallel ``wo``
 and ``w2`` (each rank holds ``n_heads / tp`` query heads and ``n_kv_heads / tp`` key/value
 heads), sequence parallelism on the norms (activations between blocks are sharded over the
 sequence), a vocab-parallel embedding, and an output projection whose logits stay sharded over
-the vocabulary for ``hyper_parallel.parallel.cross_entropy`` (torch's ``loss_parallel``). Apply
+the vocabulary for ``hyper_parallel.parallel.tensor.cross_entropy`` (torch's ``loss_parallel``). Apply
 it before ``fully_shard``, which then shards the tensor-parallel parameters over the
 data-parallel mesh::
 
@@ -57,7 +56,7 @@ Model = TypeVar("Model", bound=Decoder)  # what split_stage splits
 def root_plan(*, vocab_parallel_loss: bool = True) -> Dict[str, ParallelStyle]:
     """The plan of the model outside its blocks: the embedding's output sharded over the
     sequence, the final norm sequence-parallel, and the logits sharded over the vocabulary (a
-    DTensor, for ``hyper_parallel.parallel.cross_entropy``) or, with ``vocab_parallel_loss=False``,
+    DTensor, for ``hyper_parallel.parallel.tensor.cross_entropy``) or, with ``vocab_parallel_loss=False``,
     gathered."""
     return {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1), use_local_output=False),

@@ -31,10 +31,10 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel._torch_compat import flatten_mesh, unflatten_mesh
 from hyper_parallel.chunked_loss import ChunkedLoss
-from hyper_parallel.context_parallel import (ContextParallel, Rotate, context_parallel, mean_token_loss,
-                                             token_loss_scale)
 from hyper_parallel.models.attention import Attention
-from hyper_parallel.parallel import loss_parallel
+from hyper_parallel.parallel.context import (ContextParallel, Rotate, context_parallel, document_ids,
+                                             document_masks, mean_token_loss, token_loss_scale)
+from hyper_parallel.parallel.tensor import loss_parallel
 from hyper_parallel.trainer.config.compose import ConfigError
 
 _MODEL_PARALLEL_DIMS = ("pp", "tp")
@@ -68,11 +68,12 @@ class SequenceSplit:
         return self.cp_mesh.size()
 
     @contextlib.contextmanager
-    def context(self) -> Iterator[ContextParallel]:
+    def context(self, documents: Optional[torch.Tensor] = None) -> Iterator[ContextParallel]:
         """The :func:`context_parallel` a step, a pipeline schedule call or an evaluation
         (forward and backward) runs in, with torch's ``loss_parallel`` (vocab-parallel logits
-        under tensor parallelism; nothing changes for plain logits)."""
-        with context_parallel(self.cp_mesh, rotate=self.rotate) as cp, loss_parallel():
+        under tensor parallelism; nothing changes for plain logits). ``documents``: the whole
+        sequences' document ids (document masks)."""
+        with context_parallel(self.cp_mesh, rotate=self.rotate, documents=documents) as cp, loss_parallel():
             yield cp
 
     def token_loss(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -90,6 +91,22 @@ class SequenceSplit:
             return self.token_loss(model(cp.shard(batch[:, :-1])), targets)
         summed = model(cp.shard(batch[:, :-1]), loss=ChunkedLoss(targets, loss_chunks))
         return summed * token_loss_scale(targets, self.loss_group)
+
+
+@contextlib.contextmanager
+def micro_batch_context(cp: Optional[SequenceSplit], batch: torch.Tensor,
+                        document_eos: Optional[int] = None) -> Iterator[Optional[ContextParallel]]:
+    """What the forward and backward of ``batch`` ``(samples, seq_len + 1)`` run in: under CP its
+    :meth:`SequenceSplit.context` (yielded), else torch's ``loss_parallel`` (None yielded); with
+    ``document_eos``, the document masks of the inputs' packed documents, each ending at that
+    token (``training.document_mask``)."""
+    documents = None if document_eos is None else document_ids(batch[:, :-1], document_eos)
+    if cp is not None:
+        with cp.context(documents) as context:
+            yield context
+        return
+    with loss_parallel(), (document_masks(documents) if documents is not None else contextlib.nullcontext()):
+        yield None
 
 
 def data_parallel_group(mesh: DeviceMesh) -> Optional[dist.ProcessGroup]:

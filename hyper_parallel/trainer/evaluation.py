@@ -17,10 +17,9 @@ import torch
 from torch import nn
 
 from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindows, build_source, split_windows
-from hyper_parallel.parallel import loss_parallel
 from hyper_parallel.trainer.agreement import all_reduce_sum
 from hyper_parallel.trainer.config.data import DataConfig
-from hyper_parallel.trainer.context import SequenceSplit
+from hyper_parallel.trainer.context import SequenceSplit, micro_batch_context
 from hyper_parallel.trainer.pipeline_parallel import Pipeline
 from hyper_parallel.trainer.step import next_token_loss
 
@@ -111,7 +110,7 @@ class Evaluator:
 
     @torch.no_grad()
     def evaluate(self, model: Union[nn.Module, Pipeline], cp: Optional[SequenceSplit] = None,
-                 loss_chunks: int = 1) -> Dict[str, float]:
+                 loss_chunks: int = 1, document_eos: Optional[int] = None) -> Dict[str, float]:
         """``val_loss`` (nats/token, averaged over every token of the data-parallel group) and
         ``val_ppl``. Collective: every rank calls.
 
@@ -121,6 +120,7 @@ class Evaluator:
         last stage's ranks hold it and the others add 0. ``cp``: context parallelism (each CP
         rank scores its part of the same samples' sequences, the same number of tokens).
         ``loss_chunks``: the logits computed that many pieces of each sequence at a time.
+        ``document_eos``: document masks, each packed document ending at this token.
         """
         loader = DistributedBatchLoader(self.source, self.global_batch_size, dp_rank=self.dp_rank,
                                         dp_size=self.dp_size, shuffle=False)
@@ -130,12 +130,11 @@ class Evaluator:
             if isinstance(model, Pipeline):
                 local += model.mean_loss(batch, train=False).item()
                 continue
-            if cp is not None:
-                with cp.context() as context:
+            with micro_batch_context(cp, batch, document_eos) as context:
+                if cp is not None:
                     local += cp.loss(model, batch, context, loss_chunks).item()
-                continue
-            with loss_parallel():
-                local += next_token_loss(model, batch, loss_chunks).item()
+                else:
+                    local += next_token_loss(model, batch, loss_chunks).item()
         mean = torch.tensor([local / self.steps], device=self.device)
         cp_size = cp.size if cp is not None else 1
         val_loss = all_reduce_sum(mean).item() / (self.dp_size * cp_size * self.tp_size)

@@ -280,6 +280,7 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
                                  time_limit_minutes=t.time_limit_minutes, started_at=job.started_at)
     saver = CheckpointSaver(job.manager, job.device)
     update_expert_bias = expert_bias_update(job)
+    document_eos = job.loader.source.eos_id if t.document_mask else None
     batch, error = _peek_batch(job, step + 1)
     fail_together(error, job.device)
     while step < t.steps:
@@ -293,7 +294,8 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
         else:
             result = train_step(job.model, batch, job.optimizer, grad_accum_steps=t.grad_accum_steps,
                                 max_grad_norm=t.max_grad_norm,
-                                float8_scales=t.float8_mode == "tensorwise", cp=job.cp, loss_chunks=t.loss_chunks)
+                                float8_scales=t.float8_mode == "tensorwise", cp=job.cp, loss_chunks=t.loss_chunks,
+                                document_eos=document_eos)
         if update_expert_bias is not None:
             update_expert_bias()
         job.loader.advance()
@@ -331,7 +333,8 @@ def train_loop(job: TrainingJob, step: int, stop: StopRequest) -> RunSummary:
                   else "stop_after_steps" if limits.steps_done(step) else None)
         # An agreed SIGTERM or time limit skips the evaluation: the save starts at this boundary.
         if reason in (None, "stop_after_steps") and job.evaluator is not None and job.evaluator.due(step, t.steps):
-            record.update(job.evaluator.evaluate(job.model, cp=job.cp, loss_chunks=t.loss_chunks))
+            record.update(job.evaluator.evaluate(job.model, cp=job.cp, loss_chunks=t.loss_chunks,
+                                                 document_eos=document_eos))
             if count_ranks(stop.requested, job.device):  # a SIGTERM during the evaluation: save now, not a step later
                 reason = "SIGTERM"
         if job.profiler is not None and (trace := job.profiler.after_step(step)):

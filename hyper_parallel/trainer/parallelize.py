@@ -14,7 +14,7 @@ from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
-from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
+from hyper_parallel.parallel.expert import ExpertParallel, expert_meshes
 from hyper_parallel.models import hf_causal_lm, hf_llama, hf_moe
 from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.llama import LlamaConfig, Transformer
@@ -103,7 +103,7 @@ def shard_experts(model: MoETransformer, data_mesh: DeviceMesh, ep: int, *, mixe
     """Expert parallelism: the ``dp_shard`` ranks of the data-parallel mesh ``data_mesh`` (1-D
     ``(shard,)``, or 2-D ``(replicate, shard)`` under HSDP; with context parallelism the
     flattened ``dp_shard_cp`` dim in place of ``shard``; see :func:`dp_mesh`) regrouped into
-    ``efsdp`` x ``ep`` (:func:`~hyper_parallel.expert_parallel.expert_meshes`); each MoE
+    ``efsdp`` x ``ep`` (:func:`~hyper_parallel.parallel.expert.expert_meshes`); each MoE
     block's routed experts split over ``ep`` (:class:`ExpertParallel`, their tokens sent by
     all-to-all) and ``fully_shard``-ed over ``efsdp`` (HSDP over ``(replicate, efsdp)`` when
     ``data_mesh`` has a replicate dim). An expert's gradient sums the tokens of its whole ep
@@ -125,7 +125,7 @@ def compile_blocks(model: RecipeModel, backend: str, *, fullgraph: bool = True) 
     ``fullgraph=True``: a block body compiles without graph breaks (an error otherwise).
     ``fullgraph=False``: dynamo compiles the block around its graph breaks: context
     parallelism's ring attention (``torch.compiler.disable`` at
-    :func:`~hyper_parallel.context_parallel.cp_attention`'s ring), a mixture of experts' split
+    :func:`~hyper_parallel.parallel.ring_attention.cp_attention`'s ring), a mixture of experts' split
     of the tokens by expert (data-dependent sizes)."""
     for block in model.layers.values():
         block.compile(backend=backend, fullgraph=fullgraph)

@@ -14,10 +14,10 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel.core.grad_norm import clip_grad_norm_
+from hyper_parallel.models.llama_parallel import split_stage
 from hyper_parallel.models.moe import MoETransformer
-from hyper_parallel.parallel import cross_entropy, loss_parallel
-from hyper_parallel.pipeline import (Schedule, ShardedPipelineStage, build_schedule, split_stage, stage_indices,
-                                     stage_layers)
+from hyper_parallel.parallel.pipeline import Schedule, ShardedPipelineStage, build_schedule, stage_indices, stage_layers
+from hyper_parallel.parallel.tensor import cross_entropy, loss_parallel
 from hyper_parallel.trainer.config.parallel import ParallelConfig
 from hyper_parallel.trainer.config.model import ModelConfig, model_config
 from hyper_parallel.trainer.context import SequenceSplit, split_sequences

@@ -118,7 +118,7 @@ def data_problems(cfg: TrainConfig) -> List[str]:
     ``data.tokenizer``, the file sizes against the sidecars, and the samples the validation
     split holds against ``eval.steps``. ``data=text``: the files exist and the tokenizer loads
     and fits ``model.vocab_size`` (token counts are known only once tokenized, at start-up).
-    Synthetic data reads no file.
+    With ``training.document_mask``: each document ends with one token. Synthetic data reads no file.
     """
     d, t, evaluating = cfg.data, cfg.training, cfg.eval.every > 0
     try:
@@ -127,14 +127,21 @@ def data_problems(cfg: TrainConfig) -> List[str]:
                                     with_val=evaluating)
             if sources.val is not None:
                 check_eval_steps(sources.val, t.global_batch_size, cfg.eval.steps)
+            ends_documents = sources.train.eos_id is not None
         elif isinstance(d, TextDataConfig):
             paths = ([d.paths] if isinstance(d.paths, str) else list(d.paths)) + ([d.val_path] if d.val_path else [])
             files = expand_paths(paths, TEXT_SUFFIXES)
             if any(f.endswith(".parquet") for f in files):
                 require("pyarrow.parquet", "reading .parquet files")
-            check_vocab(load_tokenizer(d.tokenizer, d.eos_token), cfg.model.vocab_size)
+            tokenizer = load_tokenizer(d.tokenizer, d.eos_token)
+            check_vocab(tokenizer, cfg.model.vocab_size)
+            ends_documents = len(tokenizer.separator) == 1
     except (ValueError, FileNotFoundError, MissingDependency) as err:
         return [f"data={d.kind}: {err}"]
+    if t.document_mask and isinstance(d, (TokensDataConfig, TextDataConfig)) and not ends_documents:
+        return [f"training.document_mask=true needs documents that each end with one token: data={d.kind} has none "
+                "(the bytes tokenizer joins documents with two; a token file's sidecar needs its eos_id, which "
+                "scripts/prepare_data.py writes)"]
     return []
 
 

@@ -11,8 +11,8 @@ from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.core.grad_norm import clip_grad_norm_
 from hyper_parallel.models.moe import MoETransformer
-from hyper_parallel.parallel import cross_entropy, loss_parallel
-from hyper_parallel.trainer.context import SequenceSplit
+from hyper_parallel.parallel.tensor import cross_entropy
+from hyper_parallel.trainer.context import SequenceSplit, micro_batch_context
 from hyper_parallel.trainer.float8 import precompute_scales
 from hyper_parallel.trainer.metrics import MoEStepStatistics
 
@@ -35,7 +35,8 @@ def next_token_loss(model: nn.Module, batch: torch.Tensor, loss_chunks: int = 1)
 
 def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
                *, grad_accum_steps: int, max_grad_norm: float, float8_scales: bool = False,
-               cp: Optional[SequenceSplit] = None, loss_chunks: int = 1) -> Dict[str, torch.Tensor]:
+               cp: Optional[SequenceSplit] = None, loss_chunks: int = 1,
+               document_eos: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """One optimizer step on this data-parallel rank's slice of the global batch (the same on
     every tensor-parallel rank of it).
 
@@ -57,6 +58,7 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     :meth:`~hyper_parallel.models.moe.MoETransformer.set_balance_group`).
     ``loss_chunks``: the loss computed that many pieces of each sequence at a time, the logits
     never whole (:class:`~hyper_parallel.chunked_loss.ChunkedLoss`; the same loss).
+    ``document_eos``: document masks, each packed document ending at this token.
     """
     micro_batches = batch.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=batch.device)
@@ -66,9 +68,8 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
         stats = MoEStepStatistics(list(model.moe_layers()), model.cfg.num_experts, batch.device)
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
-        # The loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered
-        # (cp.context() enters loss_parallel too).
-        with (cp.context() if cp is not None else loss_parallel()) as context:
+        # The loss in at least fp32; vocab-parallel logits (tensor parallelism) never gathered.
+        with micro_batch_context(cp, micro, document_eos) as context:
             if cp is not None:
                 loss = cp.loss(model, micro, context, loss_chunks)
             else:

@@ -20,9 +20,9 @@ from torch.distributed.tensor.parallel import parallelize_module
 import hyper_parallel as hp
 from hyper_parallel import checkpoint as hdcp
 from hyper_parallel.core.distributed_checkpoint.cli import inspect
-from hyper_parallel.expert_parallel import ExpertParallel, expert_meshes
 from hyper_parallel.models import build_moe, hf_moe
 from hyper_parallel.models.moe import MoETransformer
+from hyper_parallel.parallel.expert import ExpertParallel, expert_meshes
 from tests.checkpoint.helpers import app_state
 from tests.multirank import run_on_ranks
 

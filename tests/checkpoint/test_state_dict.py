@@ -216,7 +216,7 @@ def test_fully_shard_models(impl):
 def test_model_parts_merge_disjoint_names_and_refuse_shared_ones():
     """A sequence of model parts (a rank's pipeline stages) is one state dict; the optimizer
     state of the parts is keyed by the same names."""
-    from hyper_parallel.pipeline import split_stage
+    from hyper_parallel.models.llama_parallel import split_stage
 
     model = make_llama(seed=3, n_layers=3)
     parts = [split_stage(model, range(0, 1), first=True, last=False),

@@ -20,8 +20,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from hyper_parallel.context_parallel import cp_attention, current_context
 from hyper_parallel.models import attention
+from hyper_parallel.parallel.context import current_context
+from hyper_parallel.parallel.ring_attention import cp_attention
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import ConfigError, compose_config, run_training, validate_config
 from hyper_parallel.trainer.reporting import layout

@@ -7,8 +7,9 @@ parameters) or, with ``StateDictOptions(full_state_dict=True)``, gathered plain 
 current layout, so a state saved on one mesh loads into a model sharded differently.
 
 ``model`` is one module or a sequence of model parts with disjoint FQNs (the pipeline stages a
-rank holds: ``hyper_parallel.pipeline.split_stage`` keeps the full model's names), whose state
-dicts are merged: a checkpoint saved by pipeline stages loads into the whole model and back.
+rank holds: ``hyper_parallel.models.llama_parallel.split_stage`` keeps the full model's
+names), whose state dicts are merged: a checkpoint saved by pipeline stages loads into the
+whole model and back.
 """
 
 from __future__ import annotations

@@ -69,6 +69,7 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
             (t.float8, "training.float8=true", "train in parallel.mixed_precision=bf16"),
             (t.loss_chunks > 1, f"training.loss_chunks={t.loss_chunks}", "use training.loss_chunks=1"),
             (t.compile, "training.compile=true", "run eager"),
+            (t.document_mask, "training.document_mask=true", "train without document masks"),
             (m.init_from is not None, "model.init_from", f"put the weights in {m.path}"),
             (m.moe is not None, "model.moe", "the experts are config.json's")):
         if on:

@@ -6,10 +6,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple, Union
 
-from hyper_parallel.context_parallel import Rotate
+from hyper_parallel.parallel.context import Rotate
 from hyper_parallel.models.llama import LlamaConfig
 from hyper_parallel.models.moe import MoEConfig
-from hyper_parallel.pipeline import stage_layers, stages_per_rank
+from hyper_parallel.parallel.pipeline import stage_layers, stages_per_rank
 from hyper_parallel.trainer.config.rules import key
 
 # torch.distributed.pipelining's schedules, by the names the config takes.

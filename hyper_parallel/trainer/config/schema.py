@@ -53,6 +53,7 @@ class TrainingConfig:
     grad_accum_steps: int = key(1, min=1)             # micro-batches per optimizer step on each rank
     max_grad_norm: float = key(1.0, min=0)            # gradient clipping; 0 disables it
     loss_chunks: int = key(1, min=1)                  # the loss over N pieces of each sequence at a time: logits never whole (1: at once)
+    document_mask: bool = key(False)                  # packed documents attend only within themselves (each EOS token ends one)
     device: str = key("auto", choices=("auto", "cpu"))  # auto (the platform's accelerator, else cpu) | cpu
     compile: bool = key(False)                        # torch.compile each block (after activation checkpointing, before fully_shard)
     compile_backend: str = key("inductor")            # torch.compile backend when compile=true (aot_eager: no codegen)
@@ -218,6 +219,13 @@ class TrainConfig:
             elif ok("training.seq_len") and ok("parallel.cp") and t.loss_chunks > t.seq_len // p.cp:
                 problems.append(f"training.loss_chunks={t.loss_chunks} exceeds the {t.seq_len // p.cp} tokens of each "
                                 "sequence per rank (training.seq_len / parallel.cp)")
+        if ok("training.document_mask") and t.document_mask is True:
+            if ok("data.kind") and isinstance(self.data, SyntheticDataConfig):
+                problems.append("training.document_mask=true needs documents: data=synthetic has none (use data=text "
+                                "or data=tokens)")
+            if ok("parallel.pp") and p.pp > 1:
+                problems.append(f"training.document_mask=true with parallel.pp={p.pp} is not supported yet "
+                                "(the stages' attention sees no micro-batch's documents); use one or the other")
         if ok("training.seq_len") and ok("model.max_seq_len") and t.seq_len > m.max_seq_len:
             problems.append(f"training.seq_len={t.seq_len} exceeds model.max_seq_len={m.max_seq_len}")
         d = self.data

@@ -2,8 +2,8 @@
 and schedules), combined with ``hyper_parallel``'s ``fully_shard`` and
 tensor parallelism (docs/fully_shard.md, "FSDP + pipeline parallel").
 
-Each pipeline rank builds the full model on the meta device, keeps its stage(s) with
-``split_stage`` (Llama's, from :mod:`hyper_parallel.models.llama_parallel`, re-exported here),
+Each pipeline rank builds the full model on the meta device, keeps its stage(s) with the
+model's stage split (Llama's ``split_stage``, in :mod:`hyper_parallel.models.llama_parallel`),
 applies tensor parallelism / ``fully_shard`` to each stage module as to a whole model,
 materialises it, wraps it in a :class:`ShardedPipelineStage` and runs a schedule
 from :func:`build_schedule`::
@@ -29,7 +29,7 @@ call ``schedule.step()``. The last stage's ``losses`` are the per-microbatch los
 divided by ``n_microbatches * grad_accum`` (their sum is the batch loss; see
 :func:`build_schedule`). The same batch goes to every pipeline rank of one data-parallel
 replica; data-parallel ranks get different batches, as without pipelining. With tensor
-parallelism run ``step`` inside ``hyper_parallel.parallel.loss_parallel()``. Checkpoints:
+parallelism run ``step`` inside ``hyper_parallel.parallel.tensor.loss_parallel()``. Checkpoints:
 ``ModelState(parts)`` / ``OptimizerState(parts, optimizer)`` take a rank's stage modules.
 
 A mixture of experts (:class:`~hyper_parallel.models.moe.MoETransformer`) splits the same way
@@ -51,10 +51,8 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
 from hyper_parallel.core.fully_shard import FSDPModule
-from hyper_parallel.models.llama_parallel import split_stage  # noqa: F401  (re-exported: Llama's stage split)
 
-__all__ = ["SCHEDULES", "ShardedPipelineStage", "build_schedule", "split_stage", "stage_indices", "stage_layers",
-           "stages_per_rank"]
+__all__ = ["SCHEDULES", "ShardedPipelineStage", "build_schedule", "stage_indices", "stage_layers", "stages_per_rank"]
 
 Schedule = Union[PipelineScheduleSingle, PipelineScheduleMulti]
 
@@ -218,7 +216,7 @@ def build_schedule(stages: Sequence[PipelineStage], name: str, n_microbatches: i
     order of :func:`stage_indices`).
 
     ``loss_fn(output, target)`` is the mean loss of one microbatch (e.g.
-    ``hyper_parallel.parallel.cross_entropy``); the schedule calls it divided by
+    ``hyper_parallel.parallel.tensor.cross_entropy``); the schedule calls it divided by
     ``n_microbatches * grad_accum`` and does not rescale the gradients (``scale_grads=False``),
     so that with equal microbatches, and ``grad_accum`` calls of ``step`` per optimizer step,
     the gradients (and the sum of the returned losses) equal those of one process training on

@@ -1,5 +1,6 @@
 """Attention over one block of keys/values, returning its log-sum-exp, and the exact merge of
-such partial results: the pieces ring attention (``hyper_parallel.context_parallel``) is made of.
+such partial results: the pieces ring attention (:mod:`hyper_parallel.parallel.ring_attention`)
+is made of.
 
 A block is computed by one of the :class:`BlockKernel` s, chosen in one place, :func:`block_kernel`:
 torch's fused attention kernels that return the log-sum-exp where they apply (CPU: flash attention
