@@ -119,6 +119,7 @@ def test_resume_on_one_rank_with_accumulation_matches_and_exports_to_hf(referenc
     assert "step: 12" in listing and "model.layers.0.attention.wq.weight" in listing and "mesh 2" in listing
 
 
+@pytest.mark.slow  # torchrun's restart: test_memory_recovery.py's killed worker; the durable resume: in-process
 def test_killed_rank_restarts_and_resumes(reference, tmp_path):
     ref_out, _ = reference
     proc = start(torchrun_cmd(2, [*TINY, f"output_dir={tmp_path}", "checkpoint.interval=3"],

@@ -177,13 +177,16 @@ def test_damaged_snapshots_fall_back_to_durable_and_another_jobs_are_ignored(ref
     assert "starting from scratch" in console
     assert last_loss_per_step(other)[1] == reference[1]
 
-    # Every snapshot rank 1 holds (the newest, and the one before it when a deferral kept it,
-    # which may be the durable step's) and their replicas on rank 0 damaged: the durable step 3
-    # is the newest complete state.
-    steps = [int(name.rsplit("-", 1)[1]) for name in os.listdir(f"{memory}/{job_folder}/rank-1")
-             if name.startswith("step-")]
-    newest = max(steps)
-    for step in steps:
+    # Every state of rank 1 in memory damaged: its own snapshots (the newest, and the one before
+    # it when a deferral kept it, which may be the durable step's) and their replicas on rank 0
+    # (one of a step whose own snapshot was still being written at the crash included): the
+    # durable step 3 is the newest complete state.
+    own = [int(name.rsplit("-", 1)[1]) for name in os.listdir(f"{memory}/{job_folder}/rank-1")
+           if name.startswith("step-")]
+    replicas = [int(name.rsplit("-", 1)[1]) for name in os.listdir(f"{memory}/{job_folder}/rank-0")
+                if name.startswith("replica-of-1-step-")]
+    newest = max(own)
+    for step in set(own) | set(replicas):
         for path in (f"{memory}/{job_folder}/rank-1/step-{step}",
                      f"{memory}/{job_folder}/rank-0/replica-of-1-step-{step}"):
             data = os.path.join(path, "__0_0.safetensors")
