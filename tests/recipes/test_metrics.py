@@ -111,7 +111,8 @@ def test_wandb_offline_run_records_every_step(tmp_path, monkeypatch):
 
 
 def test_wandb_without_the_package_is_one_line_naming_the_extra(tmp_path, monkeypatch):
-    from hyper_parallel.trainer import compose_config, preflight, validate_config
+    from hyper_parallel.trainer import compose_config, validate_config
+    from hyper_parallel.trainer.launch import preflight
     from hyper_parallel.trainer.config import ConfigError
     from hyper_parallel.trainer.observability.sinks import WandbSettings
 

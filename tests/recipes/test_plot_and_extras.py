@@ -180,7 +180,8 @@ def test_missing_packages_at_their_entry_points(tmp_path, monkeypatch, capsys):
 
 
 def test_the_tensorboard_config_check_names_its_extra(monkeypatch, tmp_path):
-    from hyper_parallel.trainer import ConfigError, compose_config, preflight, validate_config
+    from hyper_parallel.trainer import ConfigError, compose_config, validate_config
+    from hyper_parallel.trainer.launch import preflight
 
     monkeypatch.setattr(preflight, "available", lambda package: package != "tensorboard")
     config = validate_config(compose_config(["logging.tensorboard=true", f"output_dir={tmp_path}"]), 1)
