@@ -45,7 +45,7 @@ import hyper_parallel as hp
 from hyper_parallel.models import build_llama
 from hyper_parallel.models.llama import CONFIGS
 from hyper_parallel.platform import get_platform
-from hyper_parallel.trainer.float8 import convert_to_float8, precompute_scales
+from hyper_parallel.models.float8 import convert_to_float8, precompute_scales
 
 from launch import launch_benchmark
 

@@ -46,7 +46,7 @@ from hyper_parallel.parallel.pipeline import (SCHEDULES, ShardedPipelineStage, b
                                               stage_layers, stages_per_rank)
 from hyper_parallel.parallel.tensor import cross_entropy, loss_parallel
 from hyper_parallel.platform import get_platform
-from hyper_parallel.trainer.parallelize import dp_mesh
+from hyper_parallel.trainer.setup.parallelize import dp_mesh
 
 from fsdp_step import (IMPLS, ImplResult, _over_ranks, _reset_peak_rss, _rss_bytes, _timed_step,
                        _trimmed_rss_bytes, _use_mmap_for_large_blocks, print_ratios, print_table,

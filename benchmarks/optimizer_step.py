@@ -27,7 +27,7 @@ import hyper_parallel as hp
 from hyper_parallel.models import build_llama
 from hyper_parallel.models.llama import CONFIGS
 from hyper_parallel.platform import get_platform
-from hyper_parallel.trainer.optimizer import mesh_groups
+from hyper_parallel.trainer.setup.optimizer import mesh_groups
 
 from launch import launch
 

@@ -51,8 +51,8 @@ from omegaconf import OmegaConf  # noqa: E402
 
 from hyper_parallel.platform import init_distributed  # noqa: E402
 from hyper_parallel.trainer import ConfigError, compose_config, run_training, validate_config  # noqa: E402
-from hyper_parallel.trainer.agreement import JobFailed  # noqa: E402
-from hyper_parallel.trainer.preflight import check_environment  # noqa: E402
+from hyper_parallel.trainer.step.agreement import JobFailed  # noqa: E402
+from hyper_parallel.trainer.launch.preflight import check_environment  # noqa: E402
 
 CONFIG_DIR = os.path.join(REPO, "configs")
 FLAGS = ("--cfg", "--check")

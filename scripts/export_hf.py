@@ -51,7 +51,7 @@ from hyper_parallel.models.moe import MoEConfig
 from hyper_parallel.trainer.config import typed_config
 from hyper_parallel.trainer.config.model import model_config
 from hyper_parallel.utils.fileio import write_file_atomically
-from hyper_parallel.trainer.hf_tokenizer import run_tokenizer, special_token_ids, write_tokenizer_files
+from hyper_parallel.trainer.checkpointing.hf_tokenizer import run_tokenizer, special_token_ids, write_tokenizer_files
 
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}

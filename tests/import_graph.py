@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import os
-from typing import Dict, Iterator, List, Set
+from typing import Dict, Iterator, List, Sequence, Set, Tuple
 
 
 def imported_names(path: str, module: str) -> Iterator[str]:
@@ -101,3 +101,37 @@ def cycles(graph: Dict[str, Set[str]]) -> List[List[str]]:
         if node not in index:
             visit(node)
     return sorted(found)
+
+
+def unit_graph(root: str, package: str) -> Dict[str, Set[Tuple[str, str]]]:
+    """unit -> {(imported unit, importing file)} over ``package``'s files (not its face, its
+    ``__init__.py``), a unit being a subpackage or top-level module of it
+    (``package.filesystem.writer`` is in unit ``filesystem``)."""
+    package_dir = os.path.join(root, *package.split("."))
+
+    def unit(module: str) -> str:
+        return module[len(package) + 1:].split(".")[0]
+
+    graph: Dict[str, Set[Tuple[str, str]]] = {}
+    for module, path in package_modules(root, package).items():
+        if module == package:
+            continue
+        graph.setdefault(unit(module), set())
+        for imported in imported_names(path, module):
+            if imported.startswith(package + ".") and unit(imported) != unit(module):
+                graph[unit(module)].add((unit(imported), os.path.relpath(path, package_dir)))
+    return graph
+
+
+def unit_layer_violations(graph: Dict[str, Set[Tuple[str, str]]], layers: Sequence[Tuple[str, ...]],
+                          placing: str) -> List[str]:
+    """Each import of ``graph`` (:func:`unit_graph`) that does not run to a lower row of
+    ``layers`` (bottom to top), and each unit no row places (``placing``: where to place it)."""
+    rank = {unit: i for i, row in enumerate(layers) for unit in row}
+    problems = [f"{unit} is in no layer: {placing}" for unit in graph if unit not in rank]
+    for unit, edges in sorted(graph.items()):
+        for imported, path in sorted(edges):
+            if unit in rank and imported in rank and rank[imported] >= rank[unit]:
+                where = "its own layer" if rank[imported] == rank[unit] else "a higher layer"
+                problems.append(f"{path} imports {imported}, which is in {where} than {unit}")
+    return problems

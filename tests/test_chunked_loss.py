@@ -12,7 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.models import build_llama
-from hyper_parallel.trainer.step import train_step
+from hyper_parallel.trainer.step.train_step import train_step
 
 TOL = 1e-12
 VOCAB, SEQ, DIM = 256, 24, 64  # llama_debug's vocabulary and dim

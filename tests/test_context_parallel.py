@@ -131,8 +131,8 @@ def _llama_on_rank(setting: str, dp: int) -> dict:
     """Loss and parameter gradients of one step under CP (and FSDP etc., per ``setting``; "tp":
     tensor parallelism over 2 ranks, the mesh ``shard x cp x tp`` as in the recipe) minus
     those of the whole model on the whole global batch in this process."""
-    from hyper_parallel.trainer.context import dp_cp_mesh
-    from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
+    from hyper_parallel.trainer.setup.context_parallel import dp_cp_mesh
+    from hyper_parallel.trainer.setup.parallelize import apply_activation_checkpointing
 
     rank, world = dist.get_rank(), dist.get_world_size()
     tokens = _tokens(2 * dp)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.parallel.expert import expert_meshes
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.parallelize import (
+from hyper_parallel.trainer.setup.parallelize import (
     apply_activation_checkpointing, build_mesh, dp_mesh, shard_experts, shard_model)
 from tests.checkpoint.test_moe_checkpoint import WORLD, _loss, _tokens, meta_moe_float64
 from tests.multirank import run_on_ranks

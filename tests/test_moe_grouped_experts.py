@@ -18,7 +18,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from hyper_parallel.models.moe import build_moe
 from hyper_parallel.models.moe_layer import ExpertMatmul, MoE, expert_matmul
 from hyper_parallel.parallel.expert import ExpertParallel
-from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
+from hyper_parallel.trainer.setup.parallelize import apply_activation_checkpointing
 from hyper_parallel.utils.host_reads import counted_host_reads
 from tests.multirank import run_on_ranks
 

@@ -16,9 +16,9 @@ import torch.distributed as dist
 
 import hyper_parallel as hp
 from hyper_parallel.trainer import compose_config, validate_config
-from hyper_parallel.trainer.parallelize import build_mesh, build_model
-from hyper_parallel.trainer.pipeline_parallel import build_pipeline, pipelined_step
-from hyper_parallel.trainer.step import train_step
+from hyper_parallel.trainer.setup.parallelize import build_mesh, build_model
+from hyper_parallel.trainer.setup.pipeline_parallel import build_pipeline, pipelined_step
+from hyper_parallel.trainer.step.train_step import train_step
 from tests.multirank import run_on_ranks
 
 STEPS, SEED, LR, MAX_NORM = 3, 3, 1e-2, 1.0

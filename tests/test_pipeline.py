@@ -16,7 +16,7 @@ from hyper_parallel.models.llama_parallel import apply_tensor_parallel, split_st
 from hyper_parallel.parallel.pipeline import (ShardedPipelineStage, build_schedule, stage_indices, stage_layers,
                                               stages_per_rank)
 from hyper_parallel.parallel.tensor import cross_entropy, loss_parallel
-from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
+from hyper_parallel.trainer.setup.parallelize import apply_activation_checkpointing
 from tests.multirank import run_on_ranks
 
 STEPS, LR, SEED, MAX_NORM = 3, 1e-2, 5, 0.5  # the gradient norms are ~0.73: clipping acts

@@ -12,7 +12,7 @@ from torch import nn
 
 from hyper_parallel.models import RecipeModel
 from hyper_parallel.trainer.config.model import ModelConfig
-from hyper_parallel.trainer.parallelize import parallelize
+from hyper_parallel.trainer.setup.parallelize import parallelize
 
 
 class TwoLinears(nn.Module, RecipeModel):

@@ -2,7 +2,7 @@
 builds (the project's decoders, :class:`~hyper_parallel.models.llama.Transformer` and
 :class:`~hyper_parallel.models.moe.MoETransformer`, and a ``transformers`` causal LM through
 :class:`~hyper_parallel.models.hf_causal_lm.CausalLMLogits`), so that
-``hyper_parallel.trainer.parallelize`` asks the model instead of testing its class."""
+``hyper_parallel.trainer.setup.parallelize`` asks the model instead of testing its class."""
 
 from __future__ import annotations
 

@@ -14,13 +14,13 @@ from hyper_parallel.data import DistributedBatchLoader
 from hyper_parallel.platform import Platform
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.schema import TrainConfig
-from hyper_parallel.trainer.context import SequenceSplit
-from hyper_parallel.trainer.evaluation import Evaluator
-from hyper_parallel.trainer.memory_snapshots import MemorySnapshots
-from hyper_parallel.trainer.metrics import MetricsLogger
-from hyper_parallel.trainer.observability import ProfilerWindow, Throughput
-from hyper_parallel.trainer.pipeline_parallel import Pipeline
-from hyper_parallel.trainer.schedule import WarmupCosineSchedule
+from hyper_parallel.trainer.setup.context_parallel import SequenceSplit
+from hyper_parallel.trainer.step.evaluation import Evaluator
+from hyper_parallel.trainer.checkpointing.memory_snapshots import MemorySnapshots
+from hyper_parallel.trainer.observability.metrics import MetricsLogger
+from hyper_parallel.trainer.observability.performance import ProfilerWindow, Throughput
+from hyper_parallel.trainer.setup.pipeline_parallel import Pipeline
+from hyper_parallel.trainer.step.schedule import WarmupCosineSchedule
 
 
 @dataclass

@@ -17,29 +17,29 @@ from hyper_parallel.utils.fileio import RefusedFileError, write_file_atomically
 from hyper_parallel.data import DistributedBatchLoader, TokenSource
 from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.platform import Platform
-from hyper_parallel.trainer import operations
-from hyper_parallel.trainer.agreement import JobFailed, count_ranks, fail_together, step_votes, together
+from hyper_parallel.trainer.checkpointing import operations
+from hyper_parallel.trainer.step.agreement import JobFailed, count_ranks, fail_together, step_votes, together
 from hyper_parallel.trainer.config.compose import ConfigError, ValidConfig
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.model import model_config
 from hyper_parallel.trainer.config.schema import TrainConfig
-from hyper_parallel.trainer.context import split_sequences
-from hyper_parallel.trainer.evaluation import Evaluator, build_sources
+from hyper_parallel.trainer.setup.context_parallel import split_sequences
+from hyper_parallel.trainer.step.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
-from hyper_parallel.trainer.memory_snapshots import build_snapshots
-from hyper_parallel.trainer.metrics import MetricsLogger, moe_record, moe_statistics
-from hyper_parallel.trainer.observability import ProfilerWindow, Throughput, memory_record, peak_tflops
-from hyper_parallel.trainer.optimizer import build_optimizer
-from hyper_parallel.trainer.parallelize import build_mesh, build_model
-from hyper_parallel.trainer.pipeline_parallel import build_pipeline, pipelined_step
-from hyper_parallel.trainer.recovery import start_from
-from hyper_parallel.trainer.reporting import describe, format_summary, resume_mismatch, snapshot_line, starting_point
-from hyper_parallel.trainer.saving import CheckpointSaver
-from hyper_parallel.trainer.schedule import WarmupCosineSchedule
-from hyper_parallel.trainer.sinks import SinkError, WandbSettings, wandb_settings
-from hyper_parallel.trainer.signals import StopRequest
-from hyper_parallel.trainer.state import SAVED_ONLY, RNGState, training_state
-from hyper_parallel.trainer.step import train_step
+from hyper_parallel.trainer.checkpointing.memory_snapshots import build_snapshots
+from hyper_parallel.trainer.observability.metrics import MetricsLogger, moe_record, moe_statistics
+from hyper_parallel.trainer.observability.performance import ProfilerWindow, Throughput, memory_record, peak_tflops
+from hyper_parallel.trainer.setup.optimizer import build_optimizer
+from hyper_parallel.trainer.setup.parallelize import build_mesh, build_model
+from hyper_parallel.trainer.setup.pipeline_parallel import build_pipeline, pipelined_step
+from hyper_parallel.trainer.launch.recovery import start_from
+from hyper_parallel.trainer.launch.reporting import describe, format_summary, resume_mismatch, snapshot_line, starting_point
+from hyper_parallel.trainer.checkpointing.saving import CheckpointSaver
+from hyper_parallel.trainer.step.schedule import WarmupCosineSchedule
+from hyper_parallel.trainer.observability.sinks import SinkError, WandbSettings, wandb_settings
+from hyper_parallel.trainer.launch.signals import StopRequest
+from hyper_parallel.trainer.checkpointing.state import SAVED_ONLY, RNGState, training_state
+from hyper_parallel.trainer.step.train_step import train_step
 
 T = TypeVar("T")
 
@@ -98,7 +98,7 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
     Raises:
         JobFailed: on every rank, when the data or ``model.init_from`` cannot be read or do
             not fit the model on any rank, or the checkpoint folder, ``metrics.jsonl`` or a
-            sink's folder or file is refused (see ``output_files.py``, checked before start-up).
+            sink's folder or file is refused (see ``checkpointing/output_files.py``, checked before start-up).
     """
     started_at = time.monotonic()
     t, rank = cfg.training, platform.rank

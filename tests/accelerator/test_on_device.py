@@ -24,7 +24,7 @@ from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import hyper_parallel as hp
 from hyper_parallel import checkpoint as hdcp
-from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
+from hyper_parallel.trainer.setup.parallelize import apply_activation_checkpointing
 from tests.fully_shard._helpers import CountingBackend, full_params, global_batch, max_diff, tiny_llama, train
 from tests.fully_shard._helpers import float64_lm_loss, sgd
 from tests.checkpoint.helpers import app_state, local_tensor_clones

@@ -10,7 +10,7 @@ from typing import Dict, List, Set, Tuple
 
 import pytest
 
-from tests.import_graph import imported_names
+from tests.import_graph import unit_graph, unit_layer_violations
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PACKAGE = "hyper_parallel.core.distributed_checkpoint"
@@ -36,40 +36,12 @@ LAYERS: Tuple[Tuple[str, ...], ...] = (
 )
 
 
-def _unit(module: str) -> str:
-    """The unit of a module of the package (``filesystem.writer`` -> ``filesystem``)."""
-    return module[len(PACKAGE) + 1:].split(".")[0]
-
-
-def import_graph(package_dir: str = PACKAGE_DIR) -> Dict[str, Set[Tuple[str, str]]]:
-    """unit -> {(imported unit, importing file)} over the package's files (not its face)."""
-    graph: Dict[str, Set[Tuple[str, str]]] = {}
-    for folder, _, files in os.walk(package_dir):
-        for name in files:
-            path = os.path.join(folder, name)
-            if not name.endswith(".py") or path == os.path.join(package_dir, "__init__.py"):
-                continue
-            relative = os.path.relpath(path, package_dir)[:-3].replace(os.sep, ".").removesuffix(".__init__")
-            module = f"{PACKAGE}.{relative}"
-            unit = _unit(module)
-            graph.setdefault(unit, set())
-            for imported in imported_names(path, module):
-                if imported.startswith(PACKAGE + ".") and _unit(imported) != unit:
-                    graph[unit].add((_unit(imported), os.path.relpath(path, package_dir)))
-    return graph
+def import_graph() -> Dict[str, Set[Tuple[str, str]]]:
+    return unit_graph(ROOT, PACKAGE)
 
 
 def layer_violations(graph: Dict[str, Set[Tuple[str, str]]], layers=LAYERS) -> List[str]:
-    """Each import that does not run to a lower layer, and each unit no layer places."""
-    rank = {unit: i for i, row in enumerate(layers) for unit in row}
-    problems = [f"{unit} is in no layer: place it in LAYERS and in docs/checkpoint.md" for unit in graph
-                if unit not in rank]
-    for unit, edges in sorted(graph.items()):
-        for imported, path in sorted(edges):
-            if unit in rank and imported in rank and rank[imported] >= rank[unit]:
-                where = "its own layer" if rank[imported] == rank[unit] else "a higher layer"
-                problems.append(f"{path} imports {imported}, which is in {where} than {unit}")
-    return problems
+    return unit_layer_violations(graph, layers, "place it in LAYERS and in docs/checkpoint.md")
 
 
 def test_every_import_runs_to_a_lower_layer():

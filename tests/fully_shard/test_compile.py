@@ -19,7 +19,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy as TorchMixedPrecision
 from torch.distributed.fsdp import fully_shard as torch_fully_shard
 
 import hyper_parallel as hp
-from hyper_parallel.trainer.parallelize import apply_activation_checkpointing
+from hyper_parallel.trainer.setup.parallelize import apply_activation_checkpointing
 from tests.fully_shard._helpers import (CountingBackend, float64_lm_loss, full_params, global_batch, max_diff, sgd,
                                         tiny_llama, train)
 from tests.multirank import run_on_ranks

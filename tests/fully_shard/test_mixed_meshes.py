@@ -107,7 +107,7 @@ class _F8Model(_Model):
 
 def _f8_model(float8_all_gather: bool) -> nn.Module:
     """Float32, the eligible dense linears converted as ``training.float8`` does (tensorwise)."""
-    from hyper_parallel.trainer.float8 import convert_to_float8
+    from hyper_parallel.models.float8 import convert_to_float8
 
     torch.manual_seed(0)
     model = _F8Model()

@@ -13,7 +13,7 @@ import pytest
 
 from hyper_parallel.checkpoint import save
 from hyper_parallel.trainer import compose_config, validate_config
-from hyper_parallel.trainer import preflight
+from hyper_parallel.trainer.launch import preflight
 from hyper_parallel.trainer.config.data import DATA_KEYS as DATA_SCHEMA
 from tests.recipes.train_in_process import one_line_error, recipe
 

@@ -16,8 +16,8 @@ from hyper_parallel.data import (HFTokenizer, build_source, iter_documents, load
 from hyper_parallel.models import hf_llama
 from hyper_parallel.models.llama import LlamaConfig, Transformer, apply_rope, rope_tables
 from hyper_parallel.trainer import ConfigError, compose_config, validate_config
-from hyper_parallel.trainer.observability import flops_per_token, matmul_params
-from hyper_parallel.trainer.operations import StopRule
+from hyper_parallel.trainer.observability.performance import flops_per_token, matmul_params
+from hyper_parallel.trainer.checkpointing.operations import StopRule
 from tests.recipes.corpus import MODEL_VOCAB, VOCAB, make_corpus
 from tests.recipes.script_main import script_main
 

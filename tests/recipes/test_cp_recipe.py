@@ -25,7 +25,7 @@ from hyper_parallel.parallel.context import current_context
 from hyper_parallel.parallel.ring_attention import cp_attention
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import ConfigError, compose_config, run_training, validate_config
-from hyper_parallel.trainer.reporting import layout
+from hyper_parallel.trainer.launch.reporting import layout
 from tests.multirank import run_on_ranks
 from tests.recipes.launch import TINY, last_loss_per_step, read_metrics
 from tests.recipes.train_in_process import one_line_error
@@ -159,7 +159,7 @@ def test_impossible_cp_settings_are_refused_in_one_line(check, monkeypatch, worl
 def test_a_model_without_the_projects_attention_is_refused():
     from hyper_parallel.models.llama import Transformer
     from hyper_parallel.trainer.config import llama_config
-    from hyper_parallel.trainer.context import check_attention
+    from hyper_parallel.trainer.setup.context_parallel import check_attention
 
     with torch.device("meta"):
         model = Transformer(llama_config(compose_config(TINY).model))

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hyper_parallel.data import TokenWindows, prepare_tokens
-from hyper_parallel.trainer.evaluation import Evaluator
+from hyper_parallel.trainer.step.evaluation import Evaluator
 from tests.recipes.train_in_process import one_line_error
 
 

@@ -16,7 +16,7 @@ from hyper_parallel.data import TokenWindows
 from hyper_parallel.models.llama import Transformer
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import compose_config, run_training, validate_config
-from hyper_parallel.trainer.agreement import JobFailed
+from hyper_parallel.trainer.step.agreement import JobFailed
 from hyper_parallel.trainer.config import ConfigError, llama_config
 from tests.multirank import run_on_ranks
 from tests.recipes.launch import TINY

@@ -7,9 +7,10 @@ import torch.distributed as dist
 from hyper_parallel._torch_compat import local_tensor
 from hyper_parallel.core.fully_shard import collectives
 from hyper_parallel.data import DistributedBatchLoader, MarkovSource
-from hyper_parallel.trainer import compose_config, preflight, train_step, typed_config, validate_config
-from hyper_parallel.trainer.optimizer import build_optimizer
-from hyper_parallel.trainer.parallelize import build_mesh, build_model
+from hyper_parallel.trainer import compose_config, train_step, typed_config, validate_config
+from hyper_parallel.trainer.launch import preflight
+from hyper_parallel.trainer.setup.optimizer import build_optimizer
+from hyper_parallel.trainer.setup.parallelize import build_mesh, build_model
 from tests.multirank import run_on_ranks
 
 OVERRIDES = ["model.dim=32", "model.n_layers=2", "model.ffn_hidden_dim=64", "model.activation_checkpointing=true",

@@ -19,7 +19,7 @@ from hyper_parallel.models.llama import LlamaConfig, RopeScaling, Transformer
 from hyper_parallel.trainer import compose_config
 from hyper_parallel.trainer.config import typed_config
 from hyper_parallel.trainer.config import ConfigError, llama_config
-from hyper_parallel.trainer.parallelize import build_model
+from hyper_parallel.trainer.setup.parallelize import build_model
 from tests.recipes.corpus import MODEL_VOCAB, make_corpus
 from tests.recipes.launch import TINY
 from tests.recipes.script_main import script_main

@@ -68,7 +68,7 @@ def _train(runs: List[List[str]]) -> List[int]:
 def _initial_state(path: str, seed: int) -> Dict[str, torch.Tensor]:
     """The model ``path`` builds on this world's mesh with ``seed``, before training, gathered
     whole (rank 0)."""
-    from hyper_parallel.trainer.parallelize import build_mesh, build_model
+    from hyper_parallel.trainer.setup.parallelize import build_mesh, build_model
 
     config = validate_config(compose_config([*RUN, f"model.path={path}"]), dist.get_world_size())
     model = build_model(config.cfg.model, mesh=build_mesh(config.dims, "cpu"), device=torch.device("cpu"), seed=seed)

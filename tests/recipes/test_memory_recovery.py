@@ -224,7 +224,7 @@ def _train_with_a_snapshot_in_flight(overrides):
     in and replicated) until rank 1 is told to defer a due snapshot (20 s at most)."""
     import threading
 
-    from hyper_parallel.trainer.memory_snapshots import MemorySnapshots
+    from hyper_parallel.trainer.checkpointing.memory_snapshots import MemorySnapshots
 
     complete, take, deferred = MemorySnapshots._complete, MemorySnapshots.take, threading.Event()
 
@@ -261,8 +261,8 @@ def test_a_snapshot_in_flight_defers_the_next_without_holding_the_steps(referenc
 
 
 def test_partners_and_the_agreed_step():
-    from hyper_parallel.trainer.memory_snapshots import partner_of, source_of
-    from hyper_parallel.trainer.recovery import Candidates, agreed_step, holders
+    from hyper_parallel.trainer.checkpointing.memory_snapshots import partner_of, source_of
+    from hyper_parallel.trainer.launch.recovery import Candidates, agreed_step, holders
 
     # The same local rank of the next node; on one node the next rank; none for one rank.
     assert [partner_of(r, 8, 4) for r in range(8)] == [4, 5, 6, 7, 0, 1, 2, 3]

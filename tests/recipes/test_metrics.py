@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from hyper_parallel.trainer.metrics import MetricsLogger
+from hyper_parallel.trainer.observability.metrics import MetricsLogger
 
 
 def _record(step):
@@ -87,7 +87,7 @@ def _wandb_records(output_dir):
 
 def test_wandb_offline_run_records_every_step(tmp_path, monkeypatch):
     wandb = pytest.importorskip("wandb")
-    from hyper_parallel.trainer.sinks import WANDB_RUN_ID_FILE, WandbSettings
+    from hyper_parallel.trainer.observability.sinks import WANDB_RUN_ID_FILE, WandbSettings
 
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
@@ -111,9 +111,10 @@ def test_wandb_offline_run_records_every_step(tmp_path, monkeypatch):
 
 
 def test_wandb_without_the_package_is_one_line_naming_the_extra(tmp_path, monkeypatch):
-    from hyper_parallel.trainer import compose_config, preflight, validate_config
+    from hyper_parallel.trainer import compose_config, validate_config
+    from hyper_parallel.trainer.launch import preflight
     from hyper_parallel.trainer.config import ConfigError
-    from hyper_parallel.trainer.sinks import WandbSettings
+    from hyper_parallel.trainer.observability.sinks import WandbSettings
 
     monkeypatch.setitem(sys.modules, "wandb", None)  # makes the import fail
     with pytest.raises(RuntimeError, match=r"needs the 'wandb' package: pip install 'hyper_parallel\[wandb\]'"):
@@ -128,7 +129,7 @@ def test_wandb_without_the_package_is_one_line_naming_the_extra(tmp_path, monkey
 
 def test_the_logging_keys_make_the_wandb_settings():
     from hyper_parallel.trainer import compose_config
-    from hyper_parallel.trainer.sinks import wandb_settings
+    from hyper_parallel.trainer.observability.sinks import wandb_settings
 
     assert wandb_settings(compose_config([])) is None
     settings = wandb_settings(compose_config(["logging.wandb=true", "logging.wandb_project=p",

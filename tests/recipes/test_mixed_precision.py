@@ -5,8 +5,8 @@ import torch.distributed as dist
 
 from hyper_parallel.data import DistributedBatchLoader, MarkovSource
 from hyper_parallel.trainer import compose_config, train_step, validate_config
-from hyper_parallel.trainer.optimizer import build_optimizer
-from hyper_parallel.trainer.parallelize import build_mesh, build_model
+from hyper_parallel.trainer.setup.optimizer import build_optimizer
+from hyper_parallel.trainer.setup.parallelize import build_mesh, build_model
 from tests.multirank import run_on_ranks
 
 

@@ -18,7 +18,7 @@ from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import compose_config, run_training, validate_config
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.reporting import layout
+from hyper_parallel.trainer.launch.reporting import layout
 from tests.multirank import run_on_ranks
 from tests.recipes.launch import last_loss_per_step, read_metrics
 from tests.recipes import test_compile_recipe as compiled_recipe

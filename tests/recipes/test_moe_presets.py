@@ -9,7 +9,7 @@ import pytest
 from hyper_parallel.models.moe import MOE_CONFIGS, MoEConfig, param_counts
 from hyper_parallel.trainer import compose_config, validate_config
 from hyper_parallel.trainer.config.model import model_config
-from hyper_parallel.trainer.preflight import estimate_memory
+from hyper_parallel.trainer.launch.preflight import estimate_memory
 
 
 @pytest.mark.parametrize("name", sorted(MOE_CONFIGS))

@@ -15,7 +15,7 @@ from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import compose_config, run_training, validate_config
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.reporting import layout
+from hyper_parallel.trainer.launch.reporting import layout
 from tests.multirank import run_on_ranks
 from tests.recipes.launch import assert_losses_match, last_loss_per_step, read_metrics, run
 
@@ -130,8 +130,8 @@ def test_progress_line_and_mfu_count_active_parameters(tmp_path):
     import io
 
     from hyper_parallel.models.moe import MoEConfig, build_moe
-    from hyper_parallel.trainer.metrics import MetricsLogger, moe_record
-    from hyper_parallel.trainer.observability import matmul_params
+    from hyper_parallel.trainer.observability.metrics import MetricsLogger, moe_record
+    from hyper_parallel.trainer.observability.performance import matmul_params
 
     # 2 blocks of 4 experts over 2 ranks: block 0 balanced, block 1 with one expert at 4x the mean.
     record = moe_record([0.5, *[2.0] * 4, 8.0, 0.0, 0.0, 0.0], loss_ranks=2, num_experts=4)

@@ -122,7 +122,7 @@ def test_resume_matrix_fsdp4_to_tp2xfsdp2_to_fsdp2_continues_the_uninterrupted_l
 def _init_from(overrides: List[str]) -> float:
     """The largest difference between the plain model and the TP model initialised from its
     transformers export (``model.init_from`` in ``overrides``)."""
-    from hyper_parallel.trainer.parallelize import build_mesh, build_model
+    from hyper_parallel.trainer.setup.parallelize import build_mesh, build_model
 
     config = validate_config(compose_config([*TINY, *overrides]), dist.get_world_size())
     cfg, dims = config.cfg, config.dims

@@ -22,7 +22,7 @@ from hyper_parallel.platform import free_port
 from hyper_parallel.trainer import compose_config, typed_config
 from hyper_parallel.trainer.config import llama_config
 from hyper_parallel.trainer.loop import build_loader
-from hyper_parallel.trainer.schedule import warmup_cosine_lr
+from hyper_parallel.trainer.step.schedule import warmup_cosine_lr
 from tests.recipes.corpus import MODEL_VOCAB, make_corpus
 from tests.recipes.script_main import script_main
 from tests.recipes.launch import (REPO, TINY, assert_losses_match, env, last_loss_per_step, read_metrics, run,

@@ -8,7 +8,7 @@ import torch.distributed as dist
 from omegaconf import OmegaConf
 
 import hyper_parallel as hp
-from hyper_parallel.trainer.optimizer import build_optimizer, mesh_groups
+from hyper_parallel.trainer.setup.optimizer import build_optimizer, mesh_groups
 from tests.fully_shard._helpers import full_params, global_batch, lm_loss, max_diff, tiny_llama
 from tests.multirank import run_on_ranks
 

@@ -13,8 +13,8 @@ import torch.distributed as dist
 from hyper_parallel.checkpoint import LOCK_FILE
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import compose_config, run_training, validate_config
-from hyper_parallel.trainer.agreement import JobFailed
-from hyper_parallel.trainer.sinks import WANDB_RUN_ID_FILE, SinkError, WandbSettings, WandbSink, read_wandb_run_id
+from hyper_parallel.trainer.step.agreement import JobFailed
+from hyper_parallel.trainer.observability.sinks import WANDB_RUN_ID_FILE, SinkError, WandbSettings, WandbSink, read_wandb_run_id
 from tests.multirank import run_on_ranks
 from tests.recipes.launch import TINY
 from tests.recipes.train_in_process import one_line_error

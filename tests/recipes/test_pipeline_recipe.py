@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hyper_parallel.checkpoint import CheckpointManager, export_hf
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import ParallelDims, compose_config, loop, run_training, validate_config
-from hyper_parallel.trainer.parallelize import build_mesh, dp_mesh
+from hyper_parallel.trainer.setup.parallelize import build_mesh, dp_mesh
 from tests.multirank import run_on_ranks
 from tests.recipes.launch import TINY, last_loss_per_step, read_metrics, run
 from tests.recipes.train_in_process import one_line_error
@@ -120,7 +120,7 @@ def test_the_mesh_puts_pp_outermost_and_dp_rank_follows_it(dims, names):
 
 
 def _describe(overrides: List[str]) -> str:
-    from hyper_parallel.trainer.reporting import describe
+    from hyper_parallel.trainer.launch.reporting import describe
 
     config = validate_config(compose_config([*TINY, *overrides]), dist.get_world_size())
     return describe(loop.build_job(config.cfg, config.dims, get_platform()))
@@ -173,9 +173,9 @@ def _stages_vs_plain(overrides: List[str]):
     grad norm) per step."""
     from hyper_parallel.data import DistributedBatchLoader, MarkovSource
     from hyper_parallel.trainer import train_step
-    from hyper_parallel.trainer.optimizer import build_optimizer
-    from hyper_parallel.trainer.parallelize import build_model
-    from hyper_parallel.trainer.pipeline_parallel import build_pipeline, pipelined_step
+    from hyper_parallel.trainer.setup.optimizer import build_optimizer
+    from hyper_parallel.trainer.setup.parallelize import build_model
+    from hyper_parallel.trainer.setup.pipeline_parallel import build_pipeline, pipelined_step
 
     torch.set_default_dtype(torch.float64)
     try:
@@ -231,7 +231,7 @@ def test_each_schedule_and_split_trains_the_plain_models_losses(overrides, held)
 
 
 def test_the_memory_estimate_counts_one_stage_one_end_of_the_model_and_one_pipeline_micro_batch():
-    from hyper_parallel.trainer.preflight import estimate_memory
+    from hyper_parallel.trainer.launch.preflight import estimate_memory
 
     estimates = {}
     for pp in (1, 2):  # llama_8b: the embedding and the output outweigh a block
@@ -246,8 +246,8 @@ def test_the_memory_estimate_counts_one_stage_one_end_of_the_model_and_one_pipel
 def _init_from_diff(path: str) -> float:
     """The largest difference between this rank's stages initialised from the transformers
     export at ``path`` and the plain model it was exported from (seed 3)."""
-    from hyper_parallel.trainer.parallelize import build_model
-    from hyper_parallel.trainer.pipeline_parallel import build_pipeline
+    from hyper_parallel.trainer.setup.parallelize import build_model
+    from hyper_parallel.trainer.setup.pipeline_parallel import build_pipeline
 
     composed = compose_config([*TINY, "parallel.pp=2", "parallel.pp_microbatches=2", f"model.init_from={path}"])
     config = validate_config(composed, dist.get_world_size())

@@ -114,7 +114,7 @@ def test_runs_keep_one_colour_restarts_and_world_size_changes_are_marked(tmp_pat
 def test_an_moe_run_gets_an_expert_load_panel_and_the_aux_loss_on_its_own_axis(tmp_path, capsys):
     from matplotlib.figure import Figure
 
-    from hyper_parallel.trainer.metrics import moe_record
+    from hyper_parallel.trainer.observability.metrics import moe_record
 
     plot_metrics = script_module("plot_metrics")
     # What the MoE recipe writes: 2 blocks of 4 experts over 1 rank, block 1 the busier one.
@@ -180,7 +180,8 @@ def test_missing_packages_at_their_entry_points(tmp_path, monkeypatch, capsys):
 
 
 def test_the_tensorboard_config_check_names_its_extra(monkeypatch, tmp_path):
-    from hyper_parallel.trainer import ConfigError, compose_config, preflight, validate_config
+    from hyper_parallel.trainer import ConfigError, compose_config, validate_config
+    from hyper_parallel.trainer.launch import preflight
 
     monkeypatch.setattr(preflight, "available", lambda package: package != "tensorboard")
     config = validate_config(compose_config(["logging.tensorboard=true", f"output_dir={tmp_path}"]), 1)

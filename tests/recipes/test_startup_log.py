@@ -3,8 +3,8 @@ where the outputs are."""
 
 from hyper_parallel.trainer import RunSummary, compose_config
 from hyper_parallel.trainer.config.compose import model_overrides
-from hyper_parallel.trainer.reporting import format_summary, starting_point
-from hyper_parallel.trainer.operations import LoadPlan
+from hyper_parallel.trainer.launch.reporting import format_summary, starting_point
+from hyper_parallel.trainer.checkpointing.operations import LoadPlan
 
 
 def test_size_overrides_are_named_next_to_the_preset():
@@ -31,7 +31,7 @@ def test_the_summary_names_the_tensorboard_folder_when_there_is_one():
 
 def test_the_start_up_line_names_the_float8_recipe_and_the_pipeline_schedule():
     from hyper_parallel.trainer import ParallelDims, typed_config
-    from hyper_parallel.trainer.reporting import layout
+    from hyper_parallel.trainer.launch.reporting import layout
 
     def line(overrides, dims):
         return layout(typed_config(compose_config(overrides)), dims)

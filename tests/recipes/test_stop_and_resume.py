@@ -14,7 +14,7 @@ import torch.distributed as dist
 from hyper_parallel.checkpoint import CheckpointManager
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer import compose_config, loop, run_training, validate_config
-from hyper_parallel.trainer.evaluation import Evaluator
+from hyper_parallel.trainer.step.evaluation import Evaluator
 from tests.multirank import run_on_ranks
 from tests.recipes.launch import TINY
 
@@ -67,7 +67,7 @@ def test_sigterm_during_an_evaluation_saves_that_step_without_another(tmp_path):
 
 def _resume_with(overrides):
     """Train; the optimizer's betas at the end and the lines rank 0 printed."""
-    from hyper_parallel.trainer.metrics import MetricsLogger
+    from hyper_parallel.trainer.observability.metrics import MetricsLogger
 
     made, printed = [], []
     build, log_print = loop.build_optimizer, MetricsLogger.print

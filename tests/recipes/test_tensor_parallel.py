@@ -11,9 +11,9 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.data import DistributedBatchLoader, MarkovSource
 from hyper_parallel.trainer import compose_config, train_step, validate_config
-from hyper_parallel.trainer.evaluation import Evaluator
-from hyper_parallel.trainer.optimizer import build_optimizer
-from hyper_parallel.trainer.parallelize import build_mesh, build_model
+from hyper_parallel.trainer.step.evaluation import Evaluator
+from hyper_parallel.trainer.setup.optimizer import build_optimizer
+from hyper_parallel.trainer.setup.parallelize import build_mesh, build_model
 from tests.fully_shard._helpers import TOL
 from tests.multirank import run_on_ranks
 from tests.recipes.train_in_process import one_line_error
@@ -141,7 +141,7 @@ def test_tensor_parallel_with_compile_activation_checkpointing_and_bf16():
 
 
 def test_llama_70b_preset_is_tp8_by_fsdp_over_nodes_with_the_documented_state_size():
-    from hyper_parallel.trainer.preflight import estimate_memory
+    from hyper_parallel.trainer.launch.preflight import estimate_memory
 
     cfg = compose_config(["+experiment=llama_70b_gpu", "data.path=corpus.bin"])
     config = validate_config(cfg, 64)  # 8 nodes of 8 GPUs

@@ -6,8 +6,8 @@ import torch
 
 from hyper_parallel.data import DistributedBatchLoader, MarkovSource
 from hyper_parallel.trainer import compose_config, train_step
-from hyper_parallel.trainer.optimizer import build_optimizer
-from hyper_parallel.trainer.parallelize import build_model
+from hyper_parallel.trainer.setup.optimizer import build_optimizer
+from hyper_parallel.trainer.setup.parallelize import build_model
 
 
 def _setup(overrides=(), dtype=torch.float32):

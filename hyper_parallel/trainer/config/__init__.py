@@ -18,7 +18,7 @@ Where a check lives (each check in one place only; code that runs later trusts i
    ``model.init_from``) and the optional packages a setting needs.
 
 What only the running job can see (a token id deep in a data file, a checkpoint that does not
-fit the model) is checked where it is met, by all ranks together (``agreement.py``).
+fit the model) is checked where it is met, by all ranks together (``step/agreement.py``).
 """
 
 from hyper_parallel.trainer.config.compose import (ConfigError, ValidConfig, compose_config, typed_config,

@@ -1,5 +1,5 @@
 """The ``checkpoint.memory_*`` keys: snapshots of the training state in node-local host memory,
-replicated to a partner rank, that a restarted job resumes from (``trainer/memory_snapshots.py``)."""
+replicated to a partner rank, that a restarted job resumes from (``trainer/checkpointing/memory_snapshots.py``)."""
 
 from __future__ import annotations
 

@@ -30,7 +30,7 @@ from hyper_parallel.trainer.config.model import ModelConfig, llama_config
 from hyper_parallel.trainer.config.moe import moe_config
 from hyper_parallel.trainer.config.parallel import ParallelConfig, ParallelDims
 from hyper_parallel.trainer.config.rules import defaults, field_rules, key
-from hyper_parallel.trainer.float8 import RECIPES as FLOAT8_RECIPES, float8_layer_problems
+from hyper_parallel.models.float8 import RECIPES as FLOAT8_RECIPES, float8_layer_problems
 
 # Training-state entries that checkpoint.exclude may name (the model is always loaded).
 EXCLUDABLE = ("optim", "lr_schedule", "data", "rng")

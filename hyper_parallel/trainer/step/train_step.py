@@ -12,9 +12,9 @@ from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.core.grad_norm import clip_grad_norm_
 from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.parallel.tensor import cross_entropy
-from hyper_parallel.trainer.context import SequenceSplit, micro_batch_context
-from hyper_parallel.trainer.float8 import precompute_scales
-from hyper_parallel.trainer.metrics import MoEStepStatistics
+from hyper_parallel.trainer.setup.context_parallel import SequenceSplit, micro_batch_context
+from hyper_parallel.models.float8 import precompute_scales
+from hyper_parallel.trainer.observability.metrics import MoEStepStatistics
 
 
 def _set_gradient_sync(model: nn.Module, enabled: bool) -> None:

@@ -17,11 +17,11 @@ import torch
 from torch import nn
 
 from hyper_parallel.data import DistributedBatchLoader, TokenSource, TokenWindows, build_source, split_windows
-from hyper_parallel.trainer.agreement import all_reduce_sum
+from hyper_parallel.trainer.step.agreement import all_reduce_sum
 from hyper_parallel.trainer.config.data import DataConfig
-from hyper_parallel.trainer.context import SequenceSplit, micro_batch_context
-from hyper_parallel.trainer.pipeline_parallel import Pipeline
-from hyper_parallel.trainer.step import next_token_loss
+from hyper_parallel.trainer.setup.context_parallel import SequenceSplit, micro_batch_context
+from hyper_parallel.trainer.setup.pipeline_parallel import Pipeline
+from hyper_parallel.trainer.step.train_step import next_token_loss
 
 # Synthetic validation samples are drawn with this offset added to training.seed.
 SYNTHETIC_VAL_SEED_OFFSET = 1_000_003

@@ -12,7 +12,7 @@ import torch
 
 from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.utils.fileio import open_regular
-from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, MetricsSink, TensorBoardSink, WandbSettings, WandbSink
+from hyper_parallel.trainer.observability.sinks import TENSORBOARD_FOLDER, MetricsSink, TensorBoardSink, WandbSettings, WandbSink
 from hyper_parallel.utils.units import format_bytes
 
 METRICS_FILE = "metrics.jsonl"  # in output_dir
@@ -148,7 +148,7 @@ class MoEStepStatistics:
 
 
 def moe_statistics(result: Dict[str, torch.Tensor]) -> Optional[torch.Tensor]:
-    """A mixture of experts' step statistics for :func:`~hyper_parallel.trainer.agreement.step_votes`
+    """A mixture of experts' step statistics for :func:`~hyper_parallel.trainer.step.agreement.step_votes`
     to sum over the ranks: the ``aux_loss`` then every block's ``expert_tokens`` (None for a
     dense model)."""
     if "aux_loss" not in result:

@@ -10,8 +10,8 @@ from typing import List, Optional
 
 from hyper_parallel.checkpoint import LOCK_FILE
 from hyper_parallel.trainer.config.schema import TrainConfig
-from hyper_parallel.trainer.metrics import METRICS_FILE
-from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER, SinkError, read_wandb_run_id
+from hyper_parallel.trainer.observability.metrics import METRICS_FILE
+from hyper_parallel.trainer.observability.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER, SinkError, read_wandb_run_id
 from hyper_parallel.utils.fileio import RefusedFileError, open_regular, unusable_folder, url_scheme
 
 

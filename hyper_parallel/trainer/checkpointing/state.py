@@ -11,7 +11,7 @@ from torch import nn
 from hyper_parallel.checkpoint import ModelState, OptimizerState
 from hyper_parallel.data import DistributedBatchLoader
 from hyper_parallel.trainer.config.parallel import ParallelDims
-from hyper_parallel.trainer.schedule import WarmupCosineSchedule
+from hyper_parallel.trainer.step.schedule import WarmupCosineSchedule
 
 # Entries a checkpoint records but a resumed job does not load (the run's own layout wins).
 SAVED_ONLY = ("parallel",)

@@ -1,6 +1,6 @@
 """Where rank 0's per-step scalars go besides ``metrics.jsonl``: TensorBoard and Weights & Biases.
 
-Each sink implements :class:`MetricsSink`; :class:`~hyper_parallel.trainer.metrics.MetricsLogger`
+Each sink implements :class:`MetricsSink`; :class:`~hyper_parallel.trainer.observability.metrics.MetricsLogger`
 builds the configured ones on rank 0 and feeds every step's numeric values to each.
 """
 

@@ -47,7 +47,7 @@ from torch.distributed.tensor import DTensor
 from hyper_parallel.checkpoint import CheckpointError, FileSystemWriter, OptimizerState
 from hyper_parallel.checkpoint import async_save
 from hyper_parallel.trainer.config.schema import TrainConfig
-from hyper_parallel.trainer.snapshot_transfer import all_ranks_agree, mapped_or_nothing, transfer
+from hyper_parallel.trainer.checkpointing.snapshot_transfer import all_ranks_agree, mapped_or_nothing, transfer
 
 _log = logging.getLogger(__name__)
 

@@ -23,8 +23,8 @@ from hyper_parallel.models.moe_layer import RoutingReplay, replaying_routing
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.model import ModelConfig, model_config
-from hyper_parallel.trainer.context import check_attention, data_parallel_group, dp_cp_mesh
-from hyper_parallel.trainer.float8 import convert_to_float8
+from hyper_parallel.trainer.setup.context_parallel import check_attention, data_parallel_group, dp_cp_mesh
+from hyper_parallel.models.float8 import convert_to_float8
 
 
 def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
@@ -39,7 +39,7 @@ def build_mesh(dims: ParallelDims, device_type: str) -> DeviceMesh:
 def dp_mesh(mesh: DeviceMesh) -> DeviceMesh:
     """The data-parallel sub-mesh of :func:`build_mesh`'s mesh (what ``fully_shard`` shards
     over): every dim but ``pp`` and ``tp``; with ``cp``, ``shard`` and ``cp`` flattened into
-    one (:func:`~hyper_parallel.trainer.context.dp_cp_mesh`)."""
+    one (:func:`~hyper_parallel.trainer.setup.context_parallel.dp_cp_mesh`)."""
     if "cp" in mesh.mesh_dim_names:
         return dp_cp_mesh(mesh)
     names = tuple(name for name in mesh.mesh_dim_names if name not in ("pp", "tp"))

@@ -12,7 +12,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 import torch
 
 from hyper_parallel.checkpoint import CheckpointError, ModelState, OptimizerState
-from hyper_parallel.trainer.agreement import fail_together
+from hyper_parallel.trainer.step.agreement import fail_together
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.utils.units import format_bytes
 
@@ -34,7 +34,7 @@ def state_bytes(value: Any) -> int:
 
 class CheckpointSaver:
     """``manager.save`` / ``manager.wait`` (every rank calls them at the same point); a full
-    disk on any rank raises :class:`~hyper_parallel.trainer.agreement.JobFailed` on all.
+    disk on any rank raises :class:`~hyper_parallel.trainer.step.agreement.JobFailed` on all.
 
     Args:
         manager: the job's ``CheckpointManager``.

@@ -9,7 +9,7 @@ class StopRequest:
     """Remembers a SIGTERM so that all ranks can agree to stop at the same step boundary.
 
     The flag travels in the same all-reduce as the step's loss
-    (:func:`~hyper_parallel.trainer.agreement.step_votes`): if any rank got the signal, every
+    (:func:`~hyper_parallel.trainer.step.agreement.step_votes`): if any rank got the signal, every
     rank sees it after that step.
     """
 

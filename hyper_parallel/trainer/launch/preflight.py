@@ -1,7 +1,7 @@
 """The pre-start check: the validated config against the machine, the file system, the data
 and the installed packages, before any rank starts (what is checked where: ``config/__init__.py``).
 
-Writable output folders and usable files in them (``output_files.py``), an earlier run's
+Writable output folders and usable files in them (``checkpointing/output_files.py``), an earlier run's
 checkpoints where a new run would overwrite them, the data against the config (a token file's
 sidecar, the samples available for evaluation, a corpus's files and tokenizer), the optional
 packages the settings need, and a lower bound of the memory the job needs against what the
@@ -30,9 +30,9 @@ from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.data import SyntheticDataConfig, TextDataConfig, TokensDataConfig
 from hyper_parallel.trainer.config.model import model_config
 from hyper_parallel.trainer.config.schema import TrainConfig
-from hyper_parallel.trainer.evaluation import build_sources, check_eval_steps
-from hyper_parallel.trainer.output_files import output_file_problems
-from hyper_parallel.trainer.parallelize import build_transformer
+from hyper_parallel.trainer.step.evaluation import build_sources, check_eval_steps
+from hyper_parallel.trainer.checkpointing.output_files import output_file_problems
+from hyper_parallel.trainer.setup.parallelize import build_transformer
 from hyper_parallel.utils.units import format_bytes
 
 # fp32 parameter + fp32 gradient + AdamW's two fp32 moments.

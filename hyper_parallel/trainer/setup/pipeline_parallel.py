@@ -20,9 +20,9 @@ from hyper_parallel.parallel.pipeline import Schedule, ShardedPipelineStage, bui
 from hyper_parallel.parallel.tensor import cross_entropy, loss_parallel
 from hyper_parallel.trainer.config.parallel import ParallelConfig
 from hyper_parallel.trainer.config.model import ModelConfig, model_config
-from hyper_parallel.trainer.context import SequenceSplit, split_sequences
-from hyper_parallel.trainer.metrics import MoEStepStatistics
-from hyper_parallel.trainer.parallelize import build_transformer, parallelize
+from hyper_parallel.trainer.setup.context_parallel import SequenceSplit, split_sequences
+from hyper_parallel.trainer.observability.metrics import MoEStepStatistics
+from hyper_parallel.trainer.setup.parallelize import build_transformer, parallelize
 
 
 @dataclass
@@ -117,7 +117,7 @@ def build_pipeline(model_cfg: ModelConfig, parallel: ParallelConfig, *, mesh: De
 
 def pipelined_step(pipeline: Pipeline, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
                    *, max_grad_norm: float) -> Dict[str, torch.Tensor]:
-    """:func:`~hyper_parallel.trainer.step.train_step` through the pipeline: one schedule call
+    """:func:`~hyper_parallel.trainer.step.train_step.train_step` through the pipeline: one schedule call
     per accumulation step (``pipeline.grad_accum_steps``), clipping by the norm over all
     stages, the update. Returns 0-dim tensors: ``loss``, this data-parallel rank's mean loss on
     the last stage (0 on the others), and ``grad_norm``; for a mixture of experts also

@@ -21,13 +21,13 @@ from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Se
 import torch.distributed as dist
 
 from hyper_parallel.checkpoint import CheckpointError, committed_steps, load, verify_checkpoint
-from hyper_parallel.trainer.agreement import together
+from hyper_parallel.trainer.step.agreement import together
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.job import TrainingJob
-from hyper_parallel.trainer.memory_snapshots import SNAPSHOT_INFO, MemorySnapshots, local_shards, switch_into_place
-from hyper_parallel.trainer.snapshot_transfer import mapped_or_nothing, transfer
-from hyper_parallel.trainer.operations import LoadPlan
-from hyper_parallel.trainer.state import SAVED_ONLY
+from hyper_parallel.trainer.checkpointing.memory_snapshots import SNAPSHOT_INFO, MemorySnapshots, local_shards, switch_into_place
+from hyper_parallel.trainer.checkpointing.snapshot_transfer import mapped_or_nothing, transfer
+from hyper_parallel.trainer.checkpointing.operations import LoadPlan
+from hyper_parallel.trainer.checkpointing.state import SAVED_ONLY
 
 RESTART_COUNT = "TORCHELASTIC_RESTART_COUNT"  # torchrun sets it in restarted workers
 

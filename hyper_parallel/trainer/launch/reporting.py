@@ -9,17 +9,17 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from hyper_parallel.trainer import operations
+from hyper_parallel.trainer.checkpointing import operations
 from hyper_parallel.trainer.config.compose import model_overrides
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.model import model_config, shape
 from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
-from hyper_parallel.trainer.memory_snapshots import ranks_per_node, snapshot_memory
-from hyper_parallel.trainer.metrics import METRICS_FILE
-from hyper_parallel.trainer.parallelize import build_transformer
+from hyper_parallel.trainer.checkpointing.memory_snapshots import ranks_per_node, snapshot_memory
+from hyper_parallel.trainer.observability.metrics import METRICS_FILE
+from hyper_parallel.trainer.setup.parallelize import build_transformer
 from hyper_parallel.models.hf_causal_lm import has_weights
-from hyper_parallel.trainer.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER
+from hyper_parallel.trainer.observability.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER
 from hyper_parallel.utils.units import format_bytes
 
 
