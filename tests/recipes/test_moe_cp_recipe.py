@@ -85,6 +85,8 @@ def test_pp2_cp2_ep2_on_four_ranks_trains_the_one_process_curve(tmp_path):
     _assert_records_match(ref, ppcp, range(1, 5))
 
 
+@pytest.mark.slow  # CP compiled with checkpointing: test_compile_recipe.py; CP2 x EP2: above; MoE blocks compiled
+# around their breaks: tests/fully_shard/test_mixed_meshes.py
 def test_cp2_ep2_compiled_with_checkpointing_trains_the_one_process_curve(tmp_path):
     # The counts' all-reduce over the CP group and the experts' split by token counts are graph
     # breaks, rerun with the recomputed forward; the experts over ep=2 of the 2 CP ranks.
