@@ -32,7 +32,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from collections import Counter
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterator, List
+from typing import Any, Callable, Dict, Iterator, List
 
 import torch
 import torch.distributed as dist
@@ -243,6 +243,17 @@ def _build_impl(name: str, reference: torch.nn.Module, mesh, tokens, result: Imp
     return model, optimizer
 
 
+def run_alternating(wrapped: Dict[str, Any], tokens: torch.Tensor, results: Dict[str, "ImplResult"], *,
+                    steps: int, chunk: int) -> None:
+    """``steps`` timed steps of each implementation of ``wrapped`` (``_build_impl``'s), in turns
+    of ``chunk`` steps, who goes first alternating between turns."""
+    for r in range(-(-steps // chunk)):
+        order = IMPLS if r % 2 == 0 else IMPLS[::-1]
+        for name in order:
+            for _ in range(min(chunk, steps - len(results[name].step_times_s))):
+                _timed_step(*wrapped[name], tokens, results[name])
+
+
 def _timed_step(model, optimizer, tokens, result: ImplResult, step: Callable[..., float] = _step) -> None:
     dist.barrier()
     start, cpu_start = time.perf_counter(), time.process_time()
@@ -281,11 +292,7 @@ def run(args: argparse.Namespace) -> Dict[str, ImplResult]:
     wrapped = {name: _build_impl(name, reference, mesh, tokens, results[name], args) for name in IMPLS}
     del reference
 
-    for r in range(-(-args.steps // args.chunk)):
-        order = IMPLS if r % 2 == 0 else IMPLS[::-1]  # alternate who goes first
-        for name in order:
-            for _ in range(min(args.chunk, args.steps - len(results[name].step_times_s))):
-                _timed_step(*wrapped[name], tokens, results[name])
+    run_alternating(wrapped, tokens, results, steps=args.steps, chunk=args.chunk)
 
     if args.profile:
         for name in IMPLS:

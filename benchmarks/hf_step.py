@@ -24,7 +24,7 @@ import transformers
 
 from hyper_parallel.models import hf_causal_lm
 
-from fsdp_step import (IMPLS, ImplResult, _build_impl, _mesh, _optimizer, _step, _timed_step,
+from fsdp_step import (IMPLS, ImplResult, _build_impl, _mesh, _optimizer, _step, run_alternating,
                        _use_mmap_for_large_blocks, _wrap, print_ratios, print_table, step_ratios)
 from launch import launch_benchmark
 
@@ -84,11 +84,7 @@ def run(args: argparse.Namespace) -> Dict[str, Dict[str, ImplResult]]:
         results = out[family] = {name: ImplResult() for name in IMPLS}
         wrapped = {name: _build_impl(name, reference, mesh, tokens, results[name], args) for name in IMPLS}
         del reference
-        for r in range(-(-args.steps // args.chunk)):
-            order = IMPLS if r % 2 == 0 else IMPLS[::-1]  # alternate who goes first
-            for name in order:
-                for _ in range(min(args.chunk, args.steps - len(results[name].step_times_s))):
-                    _timed_step(*wrapped[name], tokens, results[name])
+        run_alternating(wrapped, tokens, results, steps=args.steps, chunk=args.chunk)
         del wrapped
     return out
 
