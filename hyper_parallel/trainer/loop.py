@@ -20,13 +20,14 @@ from hyper_parallel.platform import Platform
 from hyper_parallel.trainer.checkpointing import operations
 from hyper_parallel.trainer.step.agreement import JobFailed, count_ranks, fail_together, step_votes, together
 from hyper_parallel.trainer.config.compose import ConfigError, ValidConfig
-from hyper_parallel.trainer.config.parallel import ParallelDims
+from hyper_parallel.trainer.config.data import DataConfig
+from hyper_parallel.trainer.config.parallel import ParallelConfig, ParallelDims
 from hyper_parallel.trainer.config.model import model_config
-from hyper_parallel.trainer.config.schema import TrainConfig
+from hyper_parallel.trainer.config.schema import TrainConfig, TrainingConfig
 from hyper_parallel.trainer.setup.context_parallel import split_sequences
 from hyper_parallel.trainer.step.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
-from hyper_parallel.trainer.checkpointing.memory_snapshots import build_snapshots
+from hyper_parallel.trainer.checkpointing.memory_snapshots import build_snapshots, job_identity
 from hyper_parallel.trainer.observability.metrics import MetricsLogger, moe_record, moe_statistics
 from hyper_parallel.trainer.observability.performance import ProfilerWindow, Throughput, memory_record, peak_tflops
 from hyper_parallel.trainer.setup.optimizer import build_optimizer
@@ -44,18 +45,18 @@ from hyper_parallel.trainer.step.train_step import train_step
 T = TypeVar("T")
 
 
-def build_loader(cfg: TrainConfig, vocab_size: int, dp_rank: int, dp_size: int,
-                 source: Optional[TokenSource] = None) -> DistributedBatchLoader:
+def build_loader(data: DataConfig, training: TrainingConfig, parallel: ParallelConfig, vocab_size: int,
+                 dp_rank: int, dp_size: int, source: Optional[TokenSource] = None) -> DistributedBatchLoader:
     """The data loader of this rank over ``source`` (default: the training split of ``data``),
     each global batch cut into the global micro-batches of the steps' forwards first (gradient
     accumulation x pipeline micro-batches), so those hold the same rows on every layout."""
     if source is None:
-        source = build_sources(cfg.data, seq_len=cfg.training.seq_len, seed=cfg.training.seed,
-                               vocab_size=vocab_size, with_val=False).train
-    pipeline = cfg.parallel.microbatches if cfg.parallel.pp > 1 else 1
-    return DistributedBatchLoader(source, cfg.training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
-                                  seed=cfg.training.seed, shuffle=cfg.data.shuffles(),
-                                  micro_batches=cfg.training.grad_accum_steps * pipeline)
+        source = build_sources(data, seq_len=training.seq_len, seed=training.seed, vocab_size=vocab_size,
+                               with_val=False).train
+    pipeline = parallel.microbatches if parallel.pp > 1 else 1
+    return DistributedBatchLoader(source, training.global_batch_size, dp_rank=dp_rank, dp_size=dp_size,
+                                  seed=training.seed, shuffle=data.shuffles(),
+                                  micro_batches=training.grad_accum_steps * pipeline)
 
 
 def _load_data(cfg: TrainConfig, dims: ParallelDims, rank: int,
@@ -67,7 +68,8 @@ def _load_data(cfg: TrainConfig, dims: ParallelDims, rank: int,
     try:
         sources = build_sources(cfg.data, seq_len=t.seq_len, seed=t.seed, vocab_size=cfg.model.vocab_size,
                                 with_val=cfg.eval.every > 0)
-        loader = build_loader(cfg, cfg.model.vocab_size, dp_rank, dims.dp_size, source=sources.train)
+        loader = build_loader(cfg.data, t, cfg.parallel, cfg.model.vocab_size, dp_rank, dims.dp_size,
+                              source=sources.train)
         loader.source.validate(dp_rank, dims.dp_size)
         evaluator = None if sources.val is None else Evaluator(
             sources.val, global_batch_size=t.global_batch_size, dp_rank=dp_rank, dp_size=dims.dp_size,
@@ -132,7 +134,7 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
         async_save=cfg.checkpoint.async_save, stage_in_background=cfg.checkpoint.async_save)))
     snapshots = None
     if cfg.checkpoint.memory_interval:
-        snapshots = together(device, lambda: _as_config_error(lambda: build_snapshots(cfg, rank, dims.world_size)))
+        snapshots = together(device, lambda: _as_config_error(lambda: build_snapshots(cfg.checkpoint, job_identity(cfg), rank, dims.world_size)))
     log = together(device, lambda: _as_config_error(lambda: MetricsLogger(
         cfg.output_dir, total_steps=t.steps, is_main=rank == 0, log_every=cfg.logging.log_every,
         tensorboard=cfg.logging.tensorboard, wandb=wandb)))

@@ -187,7 +187,7 @@ def test_token_file_data_and_init_from_hf(tmp_path):
                                       f"data.path={tokens}", "data.dtype=uint16", f"model.init_from={hf_dir}"],
                                   extra=["--standalone"])))
     assert f"starting at step 0 from the weights in {hf_dir} (model.init_from)" in stdout
-    batch = build_loader(cfg, 256, dp_rank=0, dp_size=1).next_batch()
+    batch = build_loader(cfg.data, cfg.training, cfg.parallel, 256, dp_rank=0, dp_size=1).next_batch()
     with torch.no_grad():
         expected = F.cross_entropy(plain(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).item()
     first = read_metrics(str(tmp_path / "out"))[0]

@@ -78,7 +78,7 @@ def _initial_state(path: str, seed: int) -> Dict[str, torch.Tensor]:
 
 def _first_batch(path: str) -> torch.Tensor:
     cfg = validate_config(compose_config([*RUN, f"model.path={path}"]), 1).cfg
-    return build_loader(cfg, cfg.model.vocab_size, 0, 1).next_batch()
+    return build_loader(cfg.data, cfg.training, cfg.parallel, cfg.model.vocab_size, 0, 1).next_batch()
 
 
 @pytest.fixture(scope="module")

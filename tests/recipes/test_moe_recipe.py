@@ -108,7 +108,8 @@ def test_init_from_a_transformers_qwen3_moe_directory_under_pp2_ep2_starts_at_it
     hf = _qwen3_moe_dir(tmp_path / "hf")
     overrides = [f"output_dir={tmp_path / 'run'}", "training.steps=1", f"model.init_from={tmp_path / 'hf'}"]
     run_on_ranks(4, _train, [*overrides, "parallel.pp=2", "parallel.pp_microbatches=2", "parallel.ep=2"], timeout=180)
-    batch = build_loader(typed_config(compose_config([*MOE, *overrides])), 256, dp_rank=0, dp_size=1).next_batch()
+    cfg = typed_config(compose_config([*MOE, *overrides]))
+    batch = build_loader(cfg.data, cfg.training, cfg.parallel, 256, dp_rank=0, dp_size=1).next_batch()
     with torch.no_grad():
         expected = hf(batch, labels=batch).loss.item()  # transformers' own loss (it shifts the labels)
     assert read_metrics(str(tmp_path / "run"))[0]["loss"] == pytest.approx(expected, rel=1e-5)

@@ -163,7 +163,7 @@ def _first_batch_loss(corpus, checkpoint_folder):
     cfg = typed_config(compose_config([*common, *text]))
     model = Transformer(llama_config(cfg.model))
     assert CheckpointManager(checkpoint_folder).load_latest({"model": ModelState(model)}) == STEPS
-    batch = build_loader(cfg, MODEL_VOCAB, dp_rank=0, dp_size=1).next_batch()
+    batch = build_loader(cfg.data, cfg.training, cfg.parallel, MODEL_VOCAB, dp_rank=0, dp_size=1).next_batch()
     with torch.no_grad():
         return model, F.cross_entropy(model(batch[:, :-1]).flatten(0, 1), batch[:, 1:].flatten()).item()
 

@@ -46,6 +46,7 @@ from torch.distributed.tensor import DTensor
 
 from hyper_parallel.checkpoint import CheckpointError, FileSystemWriter, OptimizerState
 from hyper_parallel.checkpoint import async_save
+from hyper_parallel.trainer.config.memory import MemorySnapshotKeys
 from hyper_parallel.trainer.config.schema import TrainConfig
 from hyper_parallel.trainer.checkpointing.snapshot_transfer import all_ranks_agree, mapped_or_nothing, transfer
 
@@ -371,18 +372,19 @@ def snapshot_memory(state: Dict[str, Any], ranks_per_node: int) -> SnapshotPlan:
     return SnapshotPlan(rank, 3 * rank * ranks_per_node)
 
 
-def build_snapshots(cfg: TrainConfig, rank: int, world: int) -> MemorySnapshots:
-    """This rank's :class:`MemorySnapshots` for ``cfg`` (``checkpoint.memory_interval > 0``):
-    the gloo group of the replicas (made by every rank together), and its folder, created.
+def build_snapshots(checkpoint: MemorySnapshotKeys, identity: Dict[str, str], rank: int,
+                    world: int) -> MemorySnapshots:
+    """This rank's :class:`MemorySnapshots` (``checkpoint.memory_interval > 0``) for the job
+    ``identity`` (:func:`job_identity`): the gloo group of the replicas (made by every rank
+    together), and its folder, created.
 
     Raises:
         OSError: the folder cannot be created.
     """
     group = dist.new_group(backend="gloo")
-    identity = job_identity(cfg)
-    folder = SnapshotFolder(cfg.checkpoint.memory_dir, identity["job"], rank)
+    folder = SnapshotFolder(checkpoint.memory_dir, identity["job"], rank)
     os.makedirs(folder.path, exist_ok=True)
-    return MemorySnapshots(folder, identity, cfg.checkpoint.memory_interval, rank=rank, world=world,
+    return MemorySnapshots(folder, identity, checkpoint.memory_interval, rank=rank, world=world,
                            ranks_per_node=ranks_per_node(), group=group)
 
 
