@@ -50,7 +50,7 @@ def _parallel_vs_plain(overrides):
         losses = []
         for _ in range(3):
             ref = train_step(plain, whole.next_batch(), opt_plain, grad_accum_steps=1, max_grad_norm=0.1)
-            got = train_step(sharded, mine.next_batch(), opt_sharded,
+            got = train_step(sharded, mine.next_batch(), opt_sharded, loss_chunks=typed.training.loss_chunks,
                              grad_accum_steps=typed.training.grad_accum_steps, max_grad_norm=0.1)
             loss = got["loss"].clone()
             dist.all_reduce(loss)
@@ -78,7 +78,8 @@ def _assert_parity(result):
 
 
 def test_tensor_parallel_alone_matches_single_process_training():
-    results = run_on_ranks(2, _parallel_vs_plain, ["parallel.tp=2", "model.tie_embeddings=true"], timeout=180)
+    results = run_on_ranks(2, _parallel_vs_plain, ["parallel.tp=2", "model.tie_embeddings=true", "training.loss_chunks=3"],
+                           timeout=180)
     for result in results:
         _assert_parity(result)
         names, placements, local_shape = result[4:]
