@@ -2,6 +2,9 @@
 
 Public names are resolved lazily, so ``import hyper_parallel.checkpoint`` does not pull in
 the fully_shard runtime and vice versa.
+
+May import every package below it (lazily, for its public names); nothing imports it back but
+for the lazy names.
 """
 
 from importlib import import_module

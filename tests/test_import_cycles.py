@@ -1,10 +1,12 @@
 """No two modules of hyper_parallel import each other, directly or round a loop: a module can
 then always be read (and imported) after the ones it uses. Imports are read with ``ast``,
 including those inside functions and under ``TYPE_CHECKING``; nothing is imported. A needed
-back-reference is declared as a contract in the lower module (e.g. a Protocol) instead."""
+back-reference is declared as a contract in the lower module (e.g. a Protocol) instead. Every
+package's docstring says what it may import."""
 
 from __future__ import annotations
 
+import ast
 import os
 from typing import Dict, Set
 
@@ -60,3 +62,14 @@ def test_a_package_imports_only_what_its_docstring_allows(library_graph, package
                      if module == package or module.startswith(package + ".") for imported in imports
                      if not (imported in allowed or imported.startswith(tuple(a + "." for a in allowed))))
     assert outside == []
+
+
+def test_every_package_says_what_it_may_import():
+    """Each package's docstring names what it holds and what it may import (a newcomer's map)."""
+    silent = []
+    for folder, _, files in os.walk(os.path.join(ROOT, "hyper_parallel")):
+        if "__init__.py" in files:
+            with open(os.path.join(folder, "__init__.py")) as f:
+                if "May import" not in (ast.get_docstring(ast.parse(f.read())) or ""):
+                    silent.append(os.path.relpath(folder, ROOT))
+    assert not silent, f"packages whose docstring does not say what they may import: {silent}"

@@ -5,6 +5,8 @@ Each name below is used because torch has no public equivalent; when a torch rel
 renames one, this package is the only place to change (``tests/test_torch_compat.py`` calls every
 function here through its real use, so such a release fails there first). Verified on the torch versions listed in
 the README (``make test-torch TORCH=<version>`` runs the suite on another one).
+
+May import torch only: nothing of hyper_parallel.
 """
 
 from __future__ import annotations

@@ -3,6 +3,9 @@
 A *source* maps a global sample index to ``seq_len + 1`` token ids. The loader fixes the data
 order on the global batch (independent of the number of ranks); each data-parallel rank takes
 its slice of every global batch, and the loader's position is checkpointable.
+
+May import ``_optional`` (tokenizers, pyarrow) and ``utils``; never ``core``, ``models``,
+``parallel`` or ``trainer``.
 """
 
 from hyper_parallel.data.loader import DistributedBatchLoader

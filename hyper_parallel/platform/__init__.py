@@ -2,6 +2,8 @@
 
 Everything in hyper_parallel asks this layer which device it runs on instead of probing
 ``torch.cuda`` itself. ``torch_npu`` is imported only when the platform is NPU.
+
+May import torch (and torch_npu where present) only: nothing of hyper_parallel.
 """
 
 from hyper_parallel.platform.platform import (

@@ -9,6 +9,9 @@ the ones above it in this list; ``tests/recipes/test_trainer_layers.py`` holds t
 - ``job.py``: the built job (:class:`TrainingJob`) and what it did (:class:`RunSummary`).
 - ``launch/``: the pre-start checks, the restart from snapshots, SIGTERM, the reports.
 - ``loop.py``: ``run_training``: builds the job from the config and runs its steps.
+
+May import every other package; nothing imports it. Its own folders' layers are checked by
+``tests/recipes/test_trainer_layers.py``.
 """
 
 from hyper_parallel.trainer.config import (ConfigError, ParallelDims, TrainConfig, ValidConfig, compose_config,

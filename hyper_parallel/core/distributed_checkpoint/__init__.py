@@ -55,6 +55,10 @@ Load: ``api.load`` -> the store's reader (``filesystem/reader``) reads ``metadat
 stored chunks onto this rank's tensors, ``planning/verify_plan`` assigns checksum duties -> the
 reader fills them through ``filesystem/block_reads`` (whole chunks) and ``host_memory/bounce``
 (boxes, device memory; through the staging buffers).
+
+May import (beside torch and safetensors): ``core.layout``, ``_torch_compat``, ``_optional``, ``platform``
+and ``utils``; never
+``fully_shard``, ``parallel``, ``models``, ``trainer`` or ``data``.
 """
 
 from hyper_parallel.core.distributed_checkpoint.api import (

@@ -36,6 +36,9 @@ Map of the package, along the route of one training step::
                       reduces), ShardState (where a group's parameters are)
     policy.py, tree.py   MixedPrecisionPolicy / OffloadPolicy; casting nested inputs/outputs
     torch_dropin.py   patch_torch_fsdp(): ours under torch's FSDP2 names
+
+May import (beside torch): ``_torch_compat`` and ``platform`` (streams); never
+``distributed_checkpoint``, ``parallel``, ``models``, ``trainer`` or ``data``.
 """
 
 from hyper_parallel._torch_compat import FSDPMeshInfo, HSDPMeshInfo, ShardPlacementResult

@@ -19,6 +19,9 @@ Where a check lives (each check in one place only; code that runs later trusts i
 
 What only the running job can see (a token id deep in a data file, a checkpoint that does not
 fit the model) is checked where it is met, by all ranks together (``step/agreement.py``).
+
+May import ``models`` (shapes and presets), ``parallel.pipeline`` (stage layouts),
+``parallel.context``, ``core.distributed_checkpoint.errors`` and ``utils``; no other trainer folder.
 """
 
 from hyper_parallel.trainer.config.compose import (ConfigError, ValidConfig, compose_config, typed_config,
