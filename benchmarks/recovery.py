@@ -1,5 +1,6 @@
 """What a failure costs the recipe: from ``kill -9`` of one worker to the first resumed step, and
-the steps lost, with in-memory snapshots every step (``checkpoint.memory_interval=1``) against
+the steps lost, with in-memory snapshots every ``--memory-interval`` steps (``checkpoint.memory_interval``, default
+every step) against
 durable checkpoints only (every ``--durable-interval`` steps, local disk); and the step-time cost
 of the snapshots.
 
@@ -15,7 +16,7 @@ deferred (a snapshot due while the previous one is in flight waits for the next 
 ``--step-cost-only`` measures only that.
 
     python benchmarks/recovery.py [--model llama_50m] [--seq 128] [--batch 4] [--world 2]
-        [--steps 16] [--kill-after 8] [--durable-interval 5] [--rounds 2] [--dir /tmp/hp_recovery]
+        [--steps 16] [--kill-after 8] [--durable-interval 5] [--memory-interval 1] [--rounds 2] [--dir /tmp/hp_recovery]
         [--memory-dir /dev/shm/hp_recovery] [--s3] [--step-cost-only]
 
 ``--s3`` adds a case with the durable checkpoints on a moto S3 server started on 127.0.0.1 (needs
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=16)
     parser.add_argument("--kill-after", type=int, default=8)
     parser.add_argument("--durable-interval", type=int, default=5)
+    parser.add_argument("--memory-interval", type=int, default=1, help="checkpoint.memory_interval of the snapshot case")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--dir", default="/tmp/hp_recovery")
     parser.add_argument("--memory-dir", default="/dev/shm/hp_recovery", help="checkpoint.memory_dir (a tmpfs)")
@@ -131,10 +133,11 @@ def main() -> None:
     args = parser.parse_args()
     os.makedirs(args.dir, exist_ok=True)
     memory = args.memory_dir
+    snapshots = "memory snapshots every " + ("step" if args.memory_interval == 1 else f"{args.memory_interval} steps")
     cases = {
         "durable only": [f"checkpoint.interval={args.durable_interval}"],
-        "memory snapshots every step": [f"checkpoint.interval={args.durable_interval}", "checkpoint.memory_interval=1",
-                                        f"checkpoint.memory_dir={memory}"],
+        snapshots: [f"checkpoint.interval={args.durable_interval}", f"checkpoint.memory_interval={args.memory_interval}",
+                    f"checkpoint.memory_dir={memory}"],
     }
     args.env, server = {}, None
     if args.s3:
@@ -182,7 +185,7 @@ def _report(args: argparse.Namespace, cases: Dict[str, List[str]]) -> None:
             r = recovery(args, name, extra)
             print(f"| {name} | {r['kill_to_first_step_s']:.2f} | {r['steps_lost']} | {r['recovery_s']:.3f} "
                   f"| {r['from']} |", flush=True)
-    local = ["durable only", "memory snapshots every step"]  # the step-time cost, durable checkpoints on disk
+    local = list(cases)[:2]  # the step-time cost: durable checkpoints on disk, without and with snapshots
     times: Dict[str, List[float]] = {name: [] for name in local}
     counts: Dict[str, List[str]] = {name: [] for name in local}
     for i in range(args.rounds):
