@@ -21,6 +21,8 @@ import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
+from hyper_parallel import _torch_compat as compat
+
 __all__ = ["ChunkedLoss", "summed_token_loss"]
 
 
@@ -43,7 +45,10 @@ class ChunkedLoss:
     Call it from inside the model's forward with the last hidden states (batch, seq, dim) and
     ``head``, what makes logits of them (final norm and output projection), so that a wrapper
     that gathers parameters for the forward (``fully_shard``) has them for the recomputation
-    too. Run the backward before the model's parameters are resharded (as any backward)."""
+    too. Run the backward before the model's parameters are resharded (as any backward).
+
+    A pytree node (``targets`` a leaf): torch's pipeline schedules split it into micro-batches
+    like the inputs when it is passed to ``schedule.step(..., loss=ChunkedLoss(...))``."""
 
     targets: torch.Tensor
     chunks: int
@@ -64,3 +69,8 @@ class ChunkedLoss:
         if self.chunks == 1:
             return piece(hidden, self.targets)
         return torch.stack([checkpoint(piece, h, t, use_reentrant=False) for h, t in pieces]).sum()
+
+
+# ``targets`` the one child; chunks and ignore_index travel in the context.
+compat.register_pytree_node(ChunkedLoss, lambda loss: ([loss.targets], (loss.chunks, loss.ignore_index)),
+                            lambda children, context: ChunkedLoss(children[0], *context))

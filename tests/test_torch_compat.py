@@ -384,3 +384,20 @@ def test_clear_dtensor_caches_stops_an_equal_mesh_getting_specs_of_a_destroyed_o
     compat.clear_dtensor_caches()
     second, result_mesh = mesh_and_sum()
     assert second == first and result_mesh is second
+
+
+def test_register_pytree_node_lets_the_pipeline_split_a_chunked_loss():
+    from torch.distributed.pipelining.microbatch import split_args_kwargs_into_chunks
+
+    from hyper_parallel.chunked_loss import ChunkedLoss  # registered through compat.register_pytree_node
+
+    _, kwargs = split_args_kwargs_into_chunks((), {"loss": ChunkedLoss(torch.arange(8).view(4, 2), 2)}, 2)
+    assert [k["loss"].chunks for k in kwargs] == [2, 2]
+    assert [k["loss"].targets.tolist() for k in kwargs] == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+
+
+def test_pipeline_sum_reducer_sums_the_micro_batches_outputs():
+    from torch.distributed.pipelining.microbatch import merge_chunks
+
+    merged = merge_chunks([torch.tensor(1.5), torch.tensor(2.0)], compat.pipeline_sum_reducer())
+    assert merged.item() == 3.5

@@ -17,6 +17,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+import torch.utils._pytree
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta  # noqa: F401  (re-exported)
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset  # noqa: F401
@@ -248,6 +249,22 @@ def current_graph_task_id() -> int:
 def queue_autograd_callback(callback: Callable[[], None]) -> None:
     """Run ``callback`` when the current backward pass has finished (must be in backward)."""
     torch.autograd.Variable._execution_engine.queue_callback(callback)
+
+
+def register_pytree_node(cls: type, flatten: Callable[[Any], Tuple[List[Any], Any]],
+                         unflatten: Callable[[List[Any], Any], Any]) -> None:
+    """Make ``cls`` a pytree node: ``flatten(obj) -> (children, context)`` and ``unflatten(children,
+    context) -> obj``, so that code walking arguments as pytrees (torch's pipeline micro-batch
+    split) reaches the tensors inside it."""
+    torch.utils._pytree.register_pytree_node(cls, flatten, unflatten)
+
+
+def pipeline_sum_reducer() -> Any:
+    """torch's pipeline output-merge spec that sums the last stage's per-micro-batch outputs
+    (0-dim tensors) instead of concatenating them; torch exports it from no public module."""
+    from torch.distributed.pipelining.microbatch import sum_reducer
+
+    return sum_reducer
 
 
 def lookup_compile_backend(name: str) -> Callable:

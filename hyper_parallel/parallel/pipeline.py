@@ -50,6 +50,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import PipelineScheduleMulti, PipelineScheduleSingle
 
+from hyper_parallel import _torch_compat as compat
 from hyper_parallel.core.fully_shard import FSDPModule
 
 __all__ = ["SCHEDULES", "ShardedPipelineStage", "build_schedule", "stage_indices", "stage_layers", "stages_per_rank"]
@@ -211,7 +212,7 @@ class _ScaledLoss:
 
 def build_schedule(stages: Sequence[PipelineStage], name: str, n_microbatches: int,
                    loss_fn: Optional[Callable[[torch.Tensor, torch.Tensor], torch.Tensor]], *,
-                   grad_accum: int = 1) -> Schedule:
+                   grad_accum: int = 1, scalar_outputs: bool = False) -> Schedule:
     """torch's schedule ``name`` (see :data:`SCHEDULES`) over this rank's ``stages`` (in the
     order of :func:`stage_indices`).
 
@@ -224,7 +225,9 @@ def build_schedule(stages: Sequence[PipelineStage], name: str, n_microbatches: i
     torch's ``schedule.eval(...)`` inside ``torch.no_grad()`` (forward only; the last stage gets
     the outputs, and the losses when ``target`` is given, then divided by ``n_microbatches``
     only, so that they sum to the batch loss; with gradients enabled the ``fully_shard`` roots
-    would stay unsharded, waiting for a backward).
+    would stay unsharded, waiting for a backward). ``scalar_outputs``: the last stage returns a
+    0-dim tensor per micro-batch (e.g. its summed token loss, ``ChunkedLoss``), which the schedule
+    sums instead of concatenating its micro-batches' outputs.
 
     Raises:
         ValueError: unknown schedule, the wrong number of stages for it, or non-positive
@@ -237,6 +240,7 @@ def build_schedule(stages: Sequence[PipelineStage], name: str, n_microbatches: i
         raise ValueError(f"n_microbatches ({n_microbatches}) and grad_accum ({grad_accum}) must be at least 1")
     scaled = None if loss_fn is None else _ScaledLoss(loss_fn, n_microbatches, grad_accum)
     schedule_cls = SCHEDULES[name]
+    merge = compat.pipeline_sum_reducer() if scalar_outputs else None
     if want == 1:
-        return schedule_cls(stages[0], n_microbatches, loss_fn=scaled, scale_grads=False)
-    return schedule_cls(list(stages), n_microbatches, loss_fn=scaled, scale_grads=False)
+        return schedule_cls(stages[0], n_microbatches, loss_fn=scaled, output_merge_spec=merge, scale_grads=False)
+    return schedule_cls(list(stages), n_microbatches, loss_fn=scaled, output_merge_spec=merge, scale_grads=False)

@@ -117,8 +117,8 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
                    float8_recipe=t.float8_mode)
     pipeline = None
     if dims.pp > 1:
-        pipeline = together(device, lambda: build_pipeline(cfg.model, cfg.parallel,
-                                                           grad_accum_steps=t.grad_accum_steps, **options))
+        pipeline = together(device, lambda: build_pipeline(cfg.model, cfg.parallel, grad_accum_steps=t.grad_accum_steps,
+                                                           loss_chunks=t.loss_chunks, **options))
     parts = (pipeline.parts if pipeline is not None
              else [together(device, lambda: build_model(cfg.model, ep=cfg.parallel.ep,
                                                                meta_model=meta_model, **options))])

@@ -147,7 +147,6 @@ def test_startup_line_names_the_mesh_with_cp_also_with_tp_or_pp():
     (2, ["parallel.cp=3", "training.seq_len=60"], "parallel.cp=3 does not divide the world size 2"),
     (2, ["parallel.cp_rotate=zigzag"], "parallel.cp_rotate"),
     (2, ["parallel.cp=1", "parallel.cp_rotate=allgather"], "parallel.cp_rotate=allgather needs parallel.cp > 1"),
-    (4, ["parallel.pp=2", "training.loss_chunks=2"], "training.loss_chunks=2 with parallel.pp>1 is not supported yet"),
     (2, ["training.seq_len=16", "training.loss_chunks=9"], "training.loss_chunks=9 exceeds the 8 tokens of each"),
 ])
 def test_impossible_cp_settings_are_refused_in_one_line(check, monkeypatch, world, overrides, expected):

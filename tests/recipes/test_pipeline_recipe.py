@@ -185,7 +185,7 @@ def _stages_vs_plain(overrides: List[str]):
         t, cpu = cfg.training, torch.device("cpu")
         plain = build_model(cfg.model, mesh=None, device=cpu, seed=t.seed)
         pipeline = build_pipeline(cfg.model, cfg.parallel, mesh=build_mesh(dims, "cpu"), device=cpu, seed=t.seed,
-                                  grad_accum_steps=t.grad_accum_steps,
+                                  grad_accum_steps=t.grad_accum_steps, loss_chunks=t.loss_chunks,
                                   compile_backend=t.compile_backend if t.compile else None)
         reference = dict(plain.named_parameters())
         names = sorted({n.split(".")[0] + (f".{n.split('.')[1]}" if n.startswith("layers") else "")
@@ -212,15 +212,15 @@ def _stages_vs_plain(overrides: List[str]):
 
 @pytest.mark.parametrize("overrides, held", [
     (["parallel.pp_schedule=Interleaved1F1B", "parallel.pp_microbatches=4", "model.activation_checkpointing=true",
-      "training.compile=true", "training.compile_backend=aot_eager"],
+      "training.compile=true", "training.compile_backend=aot_eager", "training.loss_chunks=3"],
      [([0, 2], ["layers.0", "layers.2", "tok_embeddings"]), ([1, 3], ["layers.1", "layers.3", "norm", "output"])]),
     (["parallel.pp_schedule=GPipe", "parallel.pp_layers_per_stage=[1,3]", "training.grad_accum_steps=2",
-      "parallel.pp_microbatches=2"],
+      "parallel.pp_microbatches=2", "training.loss_chunks=2"],
      [([0], ["layers.0", "tok_embeddings"]), ([1], ["layers.1", "layers.2", "layers.3", "norm", "output"])]),
     # PP2 x HSDP 2x1 on 4 ranks: a stage's ranks are a contiguous block.
     (["parallel.dp_replicate=2", "parallel.pp_microbatches=2"],
      [([0], ["layers.0", "layers.1", "tok_embeddings"])] * 2 + [([1], ["layers.2", "layers.3", "norm", "output"])] * 2),
-], ids=["interleaved-ac-compiled", "gpipe-uneven-accum", "1f1b-hsdp"])
+], ids=["interleaved-ac-compiled-loss-chunks", "gpipe-uneven-accum-loss-chunks", "1f1b-hsdp"])
 def test_each_schedule_and_split_trains_the_plain_models_losses(overrides, held):
     results = run_on_ranks(len(held), _stages_vs_plain, ["parallel.pp=2", "model.n_layers=4", *overrides], timeout=120)
     assert [(indices, names) for indices, names, _, _ in results] == held

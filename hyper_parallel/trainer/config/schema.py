@@ -211,13 +211,10 @@ class TrainConfig:
             problems += p.pipeline_problems(model_shape, micro_batch, m.tie_embeddings)
         if all(ok(k) for k in ("parallel.cp", "parallel.tp", "parallel.pp", "training.seq_len")):
             problems += p.cp_problems(t.seq_len)
-        if all(ok(k) for k in ("training.loss_chunks", "parallel.tp", "parallel.pp")) and t.loss_chunks > 1:
-            if p.pp > 1:
-                problems.append(f"training.loss_chunks={t.loss_chunks} with parallel.pp>1 is not supported yet (the "
-                                "logits are on the last stage); use training.loss_chunks=1")
-            elif ok("training.seq_len") and ok("parallel.cp") and t.loss_chunks > t.seq_len // p.cp:
-                problems.append(f"training.loss_chunks={t.loss_chunks} exceeds the {t.seq_len // p.cp} tokens of each "
-                                "sequence per rank (training.seq_len / parallel.cp)")
+        if all(ok(k) for k in ("training.loss_chunks", "training.seq_len", "parallel.cp")) and \
+                t.loss_chunks > t.seq_len // p.cp:
+            problems.append(f"training.loss_chunks={t.loss_chunks} exceeds the {t.seq_len // p.cp} tokens of each "
+                            "sequence per rank (training.seq_len / parallel.cp)")
         if ok("training.document_mask") and t.document_mask is True:
             if ok("data.kind") and isinstance(self.data, SyntheticDataConfig):
                 problems.append("training.document_mask=true needs documents: data=synthetic has none (use data=text "

@@ -82,6 +82,11 @@ class SequenceSplit:
         A collective over :attr:`loss_group`; inside :meth:`context`."""
         return mean_token_loss(logits, labels, group=self.loss_group)
 
+    def summed_token_loss(self, summed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """:meth:`token_loss` from ``summed``, the sum of the token losses of ``labels``
+        (:class:`ChunkedLoss`'s result). A collective over :attr:`loss_group`."""
+        return summed * token_loss_scale(labels, self.loss_group)
+
     def loss(self, model: nn.Module, batch: torch.Tensor, cp: ContextParallel, loss_chunks: int = 1) -> torch.Tensor:
         """This rank's share of the mean next-token loss of ``batch`` ``(samples, seq_len + 1)``
         (the whole sequences; the model sees this rank's part of each), the logits computed
@@ -89,8 +94,7 @@ class SequenceSplit:
         targets = cp.shard(batch[:, 1:])
         if loss_chunks == 1:
             return self.token_loss(model(cp.shard(batch[:, :-1])), targets)
-        summed = model(cp.shard(batch[:, :-1]), loss=ChunkedLoss(targets, loss_chunks))
-        return summed * token_loss_scale(targets, self.loss_group)
+        return self.summed_token_loss(model(cp.shard(batch[:, :-1]), loss=ChunkedLoss(targets, loss_chunks)), targets)
 
 
 @contextlib.contextmanager

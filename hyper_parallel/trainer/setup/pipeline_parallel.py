@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.core.grad_norm import clip_grad_norm_
 from hyper_parallel.models.llama_parallel import split_stage
 from hyper_parallel.models.moe import MoETransformer
@@ -39,6 +40,7 @@ class Pipeline:
     cp: Optional[SequenceSplit] = None  # context parallelism: each rank runs its part of the sequences
     microbatches: int = 1      # the schedule's micro-batches per call
     moe: Optional[MoEStepStatistics] = None  # a mixture of experts: its statistics of this rank's stages
+    loss_chunks: int = 1       # the last stage's loss over that many pieces of each sequence (ChunkedLoss)
 
     @property
     def has_first(self) -> bool:
@@ -55,7 +57,10 @@ class Pipeline:
         accumulate), else forward only (call under ``torch.no_grad()``). Returns the batch's
         mean loss on the last stage, 0 on the others. With context parallelism (``cp``) each
         micro-batch is this rank's part of its sequences, the schedule runs inside the CP
-        context, and the loss is this rank's share of the mean (:meth:`SequenceSplit.token_loss`)."""
+        context, and the loss is this rank's share of the mean (:meth:`SequenceSplit.token_loss`).
+        With ``loss_chunks > 1`` the last stage returns the summed token loss of each micro-batch
+        instead of its logits (:class:`ChunkedLoss`, split into micro-batches with the inputs),
+        which the schedule's loss function scales into the same mean."""
         total = torch.zeros((), device=batch.device)
         for micro in batch.chunk(self.grad_accum_steps):
             inputs, labels = micro[:, :-1], micro[:, 1:]
@@ -70,7 +75,9 @@ class Pipeline:
                     stack.enter_context(loss_parallel())
                 args = (inputs,) if self.has_first else ()
                 target = labels if self.has_last else None
-                (self.schedule.step if train else self.schedule.eval)(*args, target=target, losses=losses)
+                # Only the last stage computes a loss; the others ignore the argument.
+                chunked = {"loss": ChunkedLoss(labels, self.loss_chunks)} if self.has_last and self.loss_chunks > 1 else {}
+                (self.schedule.step if train else self.schedule.eval)(*args, target=target, losses=losses, **chunked)
             for loss in losses:
                 total = total + loss.detach()
         # The schedule's losses sum to the batch mean in training (each is divided by
@@ -79,13 +86,14 @@ class Pipeline:
 
 
 def build_pipeline(model_cfg: ModelConfig, parallel: ParallelConfig, *, mesh: DeviceMesh, device: torch.device,
-                   seed: int, grad_accum_steps: int, **options: Any) -> Pipeline:
+                   seed: int, grad_accum_steps: int, loss_chunks: int = 1, **options: Any) -> Pipeline:
     """This rank's stages of the configured model, each parallelised as a whole model would be
     (:func:`parallelize`: tensor parallelism, activation checkpointing, compile, ``fully_shard``
     over the data-parallel dims, then initialised to the whole model's values), wrapped in
     stages over ``mesh["pp"]`` and a ``parallel.schedule`` schedule of
     ``parallel.microbatches`` micro-batches per call. ``options``: :func:`parallelize`'s.
-    With a ``cp`` dim in ``mesh`` the last stage's loss is :meth:`SequenceSplit.token_loss`. A
+    With a ``cp`` dim in ``mesh`` the last stage's loss is :meth:`SequenceSplit.token_loss`;
+    ``loss_chunks > 1``: the last stage computes it that many pieces of each sequence at a time. A
     mixture of experts' stages get expert parallelism over ``parallel.ep`` of their
     ``dp_shard`` ranks, and declare the schedule's loss scale for their aux loss."""
     with torch.device("meta"):
@@ -109,10 +117,19 @@ def build_pipeline(model_cfg: ModelConfig, parallel: ParallelConfig, *, mesh: De
         stages.append(ShardedPipelineStage(part, index, len(ranges), device, group=pp_mesh.get_group(), mesh=mesh,
                                            after_forward=after_forward))
     cp = split_sequences(mesh, parallel.cp_rotate)
-    schedule = build_schedule(stages, parallel.schedule, parallel.microbatches,
-                              cross_entropy if cp is None else cp.token_loss, grad_accum=grad_accum_steps)
+    if loss_chunks > 1:  # the last stage's output is the micro-batch's summed token loss
+        loss_fn = _mean_of_summed if cp is None else cp.summed_token_loss
+    else:
+        loss_fn = cross_entropy if cp is None else cp.token_loss
+    schedule = build_schedule(stages, parallel.schedule, parallel.microbatches, loss_fn, grad_accum=grad_accum_steps,
+                              scalar_outputs=loss_chunks > 1)
     return Pipeline(parts, indices, len(ranges), schedule, pp_mesh.get_group(), grad_accum_steps, cp=cp,
-                    microbatches=parallel.microbatches, moe=moe)
+                    microbatches=parallel.microbatches, moe=moe, loss_chunks=loss_chunks)
+
+
+def _mean_of_summed(summed: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """The mean token loss of a micro-batch from its summed token losses (``ChunkedLoss``'s)."""
+    return summed / labels.numel()
 
 
 def pipelined_step(pipeline: Pipeline, batch: torch.Tensor, optimizer: torch.optim.Optimizer,
