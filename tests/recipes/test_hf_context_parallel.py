@@ -1,0 +1,55 @@
+"""``model=hf`` with ``parallel.cp``: transformers' own Llama and Qwen3 (q/k norms, head_dim set;
+tiny configs written here) run the project's ring attention as their attention implementation
+and, CP2 on 2 ranks (each rank holding its head-tail chunks of every sequence, the rotary
+embedding on their global positions), train the one-process losses; what the ring cannot
+compute is refused in one line by ``--check``."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from tests.multirank import run_on_ranks  # noqa: E402
+from tests.recipes.launch import assert_losses_match, last_loss_per_step  # noqa: E402
+from tests.recipes.test_hf_model import SHAPE, _train, _write_folder  # noqa: E402
+from tests.recipes.train_in_process import one_line_error  # noqa: E402
+
+CP_FAMILIES = ("llama", "qwen3")
+CP2 = ["parallel.cp=2"]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """Each family's output folders: CP2 on 2 ranks, and one process."""
+    root = tmp_path_factory.mktemp("hf-cp")
+    paths = {family: _write_folder(root / family, family) for family in CP_FAMILIES}
+    out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("cp2", "one")} for family in paths}
+    run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['cp2']}", *CP2] for f in paths],
+                 timeout=300)
+    run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}"] for f in paths], timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("family", CP_FAMILIES)
+def test_cp2_trains_the_one_process_losses(runs, family):
+    one, cp2 = (last_loss_per_step(runs[family][kind]) for kind in ("one", "cp2"))
+    assert sorted(one) == sorted(cp2) == [1, 2, 3] and one[3] < one[1]
+    assert_losses_match(one, cp2, rel=1e-5)  # float32: reduction order only
+
+
+@pytest.mark.parametrize("case, expected", [
+    ("sliding_window", "parallel.cp: ring attention cannot compute MistralForCausalLM's sliding window 8 shorter "
+                       "than training.seq_len=16; use FSDP/HSDP"),
+    ("conv_layers", "parallel.cp: ring attention cannot compute Lfm2ForCausalLM's layers that are not attention "
+                    "(conv); use FSDP/HSDP"),
+    ("no_interface", "parallel.cp: JambaForCausalLM's attention does not go through transformers' "
+                     "AttentionInterface"),
+])
+def test_what_the_ring_cannot_compute_is_refused_in_one_line(tmp_path, check, case, expected):
+    config = {"sliding_window": lambda: transformers.MistralConfig(**SHAPE, sliding_window=8),
+              "conv_layers": lambda: transformers.Lfm2Config(**SHAPE, layer_types=["conv", "full_attention"]),
+              "no_interface": lambda: transformers.JambaConfig(**SHAPE)}[case]()
+    config.save_pretrained(tmp_path / case)
+    one_line_error(*check("model=hf", f"model.path={tmp_path / case}", "training.seq_len=16", *CP2)[::2], expected)
