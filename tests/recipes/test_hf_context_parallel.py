@@ -2,15 +2,17 @@
 tiny configs written here) run the project's ring attention as their attention implementation
 and, CP2 on 2 ranks (each rank holding its head-tail chunks of every sequence, the rotary
 embedding on their global positions), train the one-process losses; what the ring cannot
-compute is refused in one line by ``--check``."""
+compute is refused in one line by ``--check`` (and by the attention function on the call)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
+from hyper_parallel.models.hf_context_parallel import ring_attention_forward  # noqa: E402
 from tests.multirank import run_on_ranks  # noqa: E402
 from tests.recipes.launch import assert_losses_match, last_loss_per_step  # noqa: E402
 from tests.recipes.test_hf_model import SHAPE, _train, _write_folder  # noqa: E402
@@ -53,3 +55,21 @@ def test_what_the_ring_cannot_compute_is_refused_in_one_line(tmp_path, check, ca
               "no_interface": lambda: transformers.JambaConfig(**SHAPE)}[case]()
     config.save_pretrained(tmp_path / case)
     one_line_error(*check("model=hf", f"model.path={tmp_path / case}", "training.seq_len=16", *CP2)[::2], expected)
+
+
+def test_outside_cp_the_attention_is_causal_sdpa_and_what_it_cannot_compute_is_refused():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(2, 4, 16, 8), torch.randn(2, 2, 16, 8), torch.randn(2, 2, 16, 8)
+    module = torch.nn.Module()
+    module.is_causal = True
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.3, enable_gqa=True).transpose(1, 2)
+    for window in (None, 16):  # a window as long as the sequence attends to all of it
+        out, weights = ring_attention_forward(module, q, k, v, None, scaling=0.3, sliding_window=window)
+        assert weights is None and torch.allclose(out, expected, atol=1e-6)
+    for kwargs, message in ((dict(attention_mask=torch.ones(2, 1, 16, 16, dtype=torch.bool)), "takes no attention mask"),
+                            (dict(dropout=0.1), "has no dropout"),
+                            (dict(sliding_window=8), "its window 8 is shorter than the sequence \\(16 tokens\\)"),
+                            (dict(softcap=30.0), "does not compute softcap"),
+                            (dict(s_aux=torch.zeros(4)), "does not compute s_aux")):
+        with pytest.raises(ValueError, match=message):
+            ring_attention_forward(module, q, k, v, **{"attention_mask": None, **kwargs})
