@@ -1,8 +1,9 @@
 """``model=hf`` with ``parallel.cp``: transformers' own Llama and Qwen3 (q/k norms, head_dim set;
-tiny configs written here) run the project's ring attention as their attention implementation
-and, CP2 on 2 ranks (each rank holding its head-tail chunks of every sequence, the rotary
-embedding on their global positions), train the one-process losses; what the ring cannot
-compute is refused in one line by ``--check`` (and by the attention function on the call)."""
+tiny configs written here) run the project's ring attention as their attention implementation.
+CP2 on 2 ranks (each rank holding its head-tail chunks of every sequence, the rotary embedding on
+their global positions; Qwen3 checkpointing activations) and Llama's CP2 x TP2 on 4 ranks train
+the one-process losses; what the ring cannot compute is refused in one line by ``--check`` (and
+by the attention function on the call)."""
 
 from __future__ import annotations
 
@@ -20,16 +21,21 @@ from tests.recipes.train_in_process import one_line_error  # noqa: E402
 
 CP_FAMILIES = ("llama", "qwen3")
 CP2 = ["parallel.cp=2"]
+CHECKPOINTING = {"llama": [], "qwen3": ["model.activation_checkpointing=true"]}  # recomputed inside the context
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """Each family's output folders: CP2 on 2 ranks, and one process."""
+    """Each family's output folders: CP2 on 2 ranks (Qwen3 checkpointing activations), Llama's CP2 x TP2
+    on 4, and one process."""
     root = tmp_path_factory.mktemp("hf-cp")
     paths = {family: _write_folder(root / family, family) for family in CP_FAMILIES}
     out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("cp2", "one")} for family in paths}
-    run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['cp2']}", *CP2] for f in paths],
-                 timeout=300)
+    out["llama"]["cp2_tp2"] = str(root / "llama-cp2_tp2")
+    run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['cp2']}", *CP2, *CHECKPOINTING[f]]
+                             for f in paths], timeout=300)
+    run_on_ranks(4, _train, [[f"model.path={paths['llama']}", f"output_dir={out['llama']['cp2_tp2']}", *CP2,
+                              "parallel.tp=2", "parallel.dp_shard=1"]], timeout=300)
     run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}"] for f in paths], timeout=300)
     return out
 
@@ -39,6 +45,12 @@ def test_cp2_trains_the_one_process_losses(runs, family):
     one, cp2 = (last_loss_per_step(runs[family][kind]) for kind in ("one", "cp2"))
     assert sorted(one) == sorted(cp2) == [1, 2, 3] and one[3] < one[1]
     assert_losses_match(one, cp2, rel=1e-5)  # float32: reduction order only
+
+
+def test_cp2_x_tp2_trains_the_one_process_losses(runs):
+    """The ring exchanges the K/V heads of each tp rank (Llama's own tensor-parallel plan)."""
+    assert_losses_match(last_loss_per_step(runs["llama"]["one"]), last_loss_per_step(runs["llama"]["cp2_tp2"]),
+                        rel=1e-5)
 
 
 @pytest.mark.parametrize("case, expected", [
