@@ -72,7 +72,8 @@ class CausalLMLogits(RecipeModel):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         positions = hf_context_parallel.position_ids(self, input_ids)  # under CP: the tokens' global ones
-        return super().forward(input_ids=input_ids, position_ids=positions, use_cache=False).logits  # type: ignore[misc]
+        return super().forward(input_ids=input_ids, position_ids=positions,  # type: ignore[misc]
+                               use_cache=False).logits
 
     @property
     def architecture(self) -> str:

@@ -91,7 +91,8 @@ def context_parallel_problems(model: nn.Module, seq_len: Optional[int] = None) -
     found = []
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None) or ()
-    if seq_len is not None and isinstance(window, int) and window < seq_len and (not layer_types or "sliding_attention" in layer_types):
+    windowed = not layer_types or "sliding_attention" in layer_types
+    if seq_len is not None and isinstance(window, int) and window < seq_len and windowed:
         found.append(f"sliding window {window} shorter than training.seq_len={seq_len}")
     others = sorted(set(layer_types) - set(_ATTENTION_LAYERS))
     if others:

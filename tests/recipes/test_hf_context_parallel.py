@@ -78,7 +78,8 @@ def test_outside_cp_the_attention_is_causal_sdpa_and_what_it_cannot_compute_is_r
     for window in (None, 16):  # a window as long as the sequence attends to all of it
         out, weights = ring_attention_forward(module, q, k, v, None, scaling=0.3, sliding_window=window)
         assert weights is None and torch.allclose(out, expected, atol=1e-6)
-    for kwargs, message in ((dict(attention_mask=torch.ones(2, 1, 16, 16, dtype=torch.bool)), "takes no attention mask"),
+    padding = torch.ones(2, 1, 16, 16, dtype=torch.bool)
+    for kwargs, message in ((dict(attention_mask=padding), "takes no attention mask"),
                             (dict(dropout=0.1), "has no dropout"),
                             (dict(sliding_window=8), "its window 8 is shorter than the sequence \\(16 tokens\\)"),
                             (dict(softcap=30.0), "does not compute softcap"),
