@@ -57,6 +57,23 @@ class RecipeModel:
         from ``seed``: the same values on every mesh and world size."""
         raise NotImplementedError(f"{type(self).__name__} must implement init_from_seed")
 
+    def use_ring_attention(self) -> None:
+        """Make every block's attention run as ring attention under an active
+        :func:`~hyper_parallel.parallel.context.context_parallel` (rotary positions the tokens'
+        global ones). The project's decoders attend through
+        :class:`~hyper_parallel.models.attention.Attention`, which does already: this checks that
+        every block has one.
+
+        Raises:
+            ValueError: a block the ring cannot run (the message says what to use).
+        """
+        from hyper_parallel.models.attention import Attention
+
+        for name, block in self.layers.items():
+            if not any(isinstance(module, Attention) for module in block.modules()):
+                raise ValueError(f"parallel.cp needs the project's attention (hyper_parallel.models.attention."
+                                 f"Attention) in every block; block {name} ({type(block).__name__}) has none")
+
     def set_balance_group(self, group: Optional[dist.ProcessGroup]) -> None:
         """Balance each forward's tokens together with those of ``group``'s ranks (see
         :attr:`balances_load_over_ranks`); a model without routed experts has nothing to balance."""

@@ -30,6 +30,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from hyper_parallel._torch_compat import module_buffers, module_parameters
 from hyper_parallel.core.layout import local_part
+from hyper_parallel.models import hf_context_parallel
 from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.decoder import name_seed
 from hyper_parallel.models.hf_llama import CONFIG_FILE
@@ -70,7 +71,9 @@ class CausalLMLogits(RecipeModel):
     the seeded initialisation the model's own ``_init_weights`` (:func:`init_weights`)."""
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(input_ids=input_ids, use_cache=False).logits  # type: ignore[misc]
+        positions = hf_context_parallel.position_ids(self, input_ids)  # under CP: the tokens' global ones
+        return super().forward(input_ids=input_ids, position_ids=positions,  # type: ignore[misc]
+                               use_cache=False).logits
 
     @property
     def architecture(self) -> str:
@@ -85,6 +88,11 @@ class CausalLMLogits(RecipeModel):
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         """:func:`apply_tensor_parallel` (the model's ``base_model_tp_plan``)."""
         apply_tensor_parallel(self, tp_mesh)  # type: ignore[arg-type]
+
+    def use_ring_attention(self) -> None:
+        """:func:`~hyper_parallel.models.hf_context_parallel.use_ring_attention` (the ring
+        registered as a ``transformers`` attention implementation)."""
+        hf_context_parallel.use_ring_attention(self)  # type: ignore[arg-type]
 
     def init_from_seed(self, seed: int) -> None:
         """:func:`init_weights` (the model's own ``_init_weights``; transformers' ``init_weights``

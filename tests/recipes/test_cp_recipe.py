@@ -158,15 +158,15 @@ def test_impossible_cp_settings_are_refused_in_one_line(check, monkeypatch, worl
 def test_a_model_without_the_projects_attention_is_refused():
     from hyper_parallel.models.llama import Transformer
     from hyper_parallel.trainer.config import llama_config
-    from hyper_parallel.trainer.setup.context_parallel import check_attention
+    from hyper_parallel.trainer.setup.context_parallel import use_ring_attention
 
     with torch.device("meta"):
         model = Transformer(llama_config(compose_config(TINY).model))
-    check_attention(model)
+    use_ring_attention(model)
     model.layers["1"].attention = torch.nn.MultiheadAttention(32, 4)
     with pytest.raises(ConfigError, match=r"parallel.cp needs the project's attention .* block 1 "
                                           r"\(TransformerBlock\) has none"):
-        check_attention(model)
+        use_ring_attention(model)
 
 
 def _assert_resumes_on_the_cp1_curve(runs, tmp_path, world: int, checkpoint: str, overrides: List[str]) -> str:

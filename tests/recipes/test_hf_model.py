@@ -187,7 +187,6 @@ def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path)
     ("wrong_shape", [], "weights do not match config.json: model.embed_tokens.weight (64, 32) (config.json: (32, 32))"),
     ("wrong_names", [], "the weights lack model.layers.2.self_attn.q_proj.weight"),
     ("qwen3", ["parallel.tp=2"], "parallel.tp: Qwen3ForCausalLM's tensor-parallel plan has entries without a torch"),
-    ("llama", ["parallel.cp=2"], "parallel.cp=2: model=hf (LlamaForCausalLM) does not support it yet"),
     ("llama", ["model.dim=48"], "model.dim is read from"),
 ])
 def test_a_bad_folder_or_setting_is_one_line(tmp_path, check, case, overrides, expected):

@@ -2,9 +2,11 @@
 and the model keys the rest of the recipe reads (vocabulary, sizes) taken from its config.json.
 
 The model itself is :mod:`hyper_parallel.models.hf_causal_lm`'s; what the recipe cannot do with
-it yet (context, expert and pipeline parallelism, float8, compile, a chunked loss) is refused
+it yet (expert and pipeline parallelism, float8, compile, a chunked loss) is refused
 here in one line naming the model and what to use instead; tensor parallelism follows the
-model's own plan (``base_model_tp_plan``) where its styles map to torch's.
+model's own plan (``base_model_tp_plan``) where its styles map to torch's, context parallelism
+runs where the ring attention can replace the model's
+(:func:`~hyper_parallel.models.hf_context_parallel.context_parallel_problems`).
 """
 
 from __future__ import annotations
@@ -56,13 +58,16 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
     """What the recipe cannot do with a ``transformers`` ``model`` (on the meta device), one line
     each; ``set_keys``: model shape keys given although config.json decides them."""
     from hyper_parallel.models.hf_causal_lm import tensor_parallel_problems
+    from hyper_parallel.models.hf_context_parallel import context_parallel_problems
 
     p, t, m, architecture = cfg.parallel, cfg.training, cfg.model, model.architecture
     found = [f"model.{key} is read from {m.path}/config.json with model=hf: remove the override" for key in set_keys]
     instead = "use FSDP/HSDP (parallel.dp_shard, parallel.dp_replicate)"
     if p.tp > 1:
         found += tensor_parallel_problems(model.config, architecture)
-    for name, degree in (("cp", p.cp), ("ep", p.ep), ("pp", p.pp)):
+    if p.cp > 1:
+        found += context_parallel_problems(model, t.seq_len)
+    for name, degree in (("ep", p.ep), ("pp", p.pp)):
         if degree > 1:
             found.append(f"parallel.{name}={degree}: model=hf ({architecture}) does not support it yet; {instead}")
     for on, what, alternative in (

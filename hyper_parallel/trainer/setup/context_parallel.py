@@ -31,7 +31,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from hyper_parallel._torch_compat import flatten_mesh, unflatten_mesh
 from hyper_parallel.chunked_loss import ChunkedLoss
-from hyper_parallel.models.attention import Attention
+from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.parallel.context import (ContextParallel, Rotate, context_parallel, document_ids,
                                              document_masks, mean_token_loss, token_loss_scale)
 from hyper_parallel.parallel.tensor import loss_parallel
@@ -132,14 +132,14 @@ def split_sequences(mesh: DeviceMesh, rotate: str) -> Optional[SequenceSplit]:
     return SequenceSplit(mesh["cp"], flatten_mesh(mesh[names], "dp_cp").get_group(), Rotate(rotate))
 
 
-def check_attention(model: nn.Module) -> None:
-    """Every block of ``model`` attends through the project's :class:`Attention` (the one that
-    runs as ring attention under CP).
+def use_ring_attention(model: RecipeModel) -> None:
+    """Make ``model``'s attention run as ring attention under CP
+    (:meth:`RecipeModel.use_ring_attention`).
 
     Raises:
-        ConfigError: a block without it.
+        ConfigError: a block it cannot run (the model's one line).
     """
-    for name, block in model.layers.items():
-        if not any(isinstance(module, Attention) for module in block.modules()):
-            raise ConfigError(f"parallel.cp needs the project's attention (hyper_parallel.models.attention.Attention) "
-                              f"in every block; block {name} ({type(block).__name__}) has none")
+    try:
+        model.use_ring_attention()
+    except ValueError as err:
+        raise ConfigError(str(err)) from None

@@ -23,7 +23,7 @@ from hyper_parallel.models.moe_layer import RoutingReplay, replaying_routing
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.trainer.config.parallel import ParallelDims
 from hyper_parallel.trainer.config.model import ModelConfig, model_config
-from hyper_parallel.trainer.setup.context_parallel import check_attention, data_parallel_group, dp_cp_mesh
+from hyper_parallel.trainer.setup.context_parallel import data_parallel_group, dp_cp_mesh, use_ring_attention
 from hyper_parallel.models.float8 import convert_to_float8
 
 
@@ -211,7 +211,7 @@ def parallelize(model: RecipeModel, model_cfg: ModelConfig, *, mesh: Optional[De
     what it declares as a :class:`~hyper_parallel.models.contract.RecipeModel`."""
     context_parallel = mesh is not None and "cp" in mesh.mesh_dim_names
     if context_parallel:
-        check_attention(model)
+        use_ring_attention(model)
     if model.balances_load_over_ranks and mesh is not None:  # balance each global micro-batch
         model.set_balance_group(data_parallel_group(mesh))
     tensor_parallel = mesh is not None and "tp" in mesh.mesh_dim_names
