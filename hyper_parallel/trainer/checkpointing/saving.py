@@ -11,7 +11,7 @@ from typing import Any, Dict, Iterator, Optional, Tuple
 
 import torch
 
-from hyper_parallel.checkpoint import CheckpointError, ModelState, OptimizerState
+from hyper_parallel.checkpoint import CheckpointError, CheckpointManager, ModelState, OptimizerState
 from hyper_parallel.trainer.step.agreement import fail_together
 from hyper_parallel.trainer.config.compose import ConfigError
 from hyper_parallel.utils.units import format_bytes
@@ -41,7 +41,7 @@ class CheckpointSaver:
         device: where the agreement's all-reduce runs.
     """
 
-    def __init__(self, manager: Any, device: torch.device):
+    def __init__(self, manager: CheckpointManager, device: torch.device):
         self.manager, self.device = manager, device
         self._writing: Optional[Tuple[int, Dict[str, Any]]] = None  # an async save still being written
 
