@@ -3,8 +3,8 @@ and who else holds the same box (:func:`mesh_slot`): what the planners ask of a 
 
 from __future__ import annotations
 
-import functools
-from typing import NamedTuple, Optional, Tuple
+import weakref
+from typing import Dict, NamedTuple, Optional, Tuple
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -45,12 +45,21 @@ class MeshSlot(NamedTuple):
 
 def mesh_slot(value: DTensor) -> MeshSlot:
     """:class:`MeshSlot` of ``value`` on this rank (cached: the mesh's rank tensor is built once
-    per mesh layout, placements and coordinate, not once per tensor)."""
+    per mesh, placements and coordinate, not once per tensor). The cache holds a mesh only as
+    long as something else does: a mesh keeps its process groups alive (and, with gloo, their
+    threads)."""
     mesh = value.device_mesh
-    return _mesh_slot(mesh, tuple(value.placements), mesh.get_coordinate())
+    per_mesh = _MESH_SLOTS.setdefault(mesh, {})
+    key = (tuple(value.placements), mesh.get_coordinate())
+    if key not in per_mesh:
+        per_mesh[key] = _mesh_slot(mesh, *key)
+    return per_mesh[key]
 
 
-@functools.lru_cache(maxsize=256)
+# Meshes compare by value: an equal mesh made later finds the same (equal) slots.
+_MESH_SLOTS: "weakref.WeakKeyDictionary[DeviceMesh, Dict[tuple, MeshSlot]]" = weakref.WeakKeyDictionary()
+
+
 def _mesh_slot(mesh: DeviceMesh, placements: Tuple[Placement, ...], coordinate: Optional[Tuple[int, ...]]) -> MeshSlot:
     ranks = mesh.mesh
     lowest = int(ranks.min())
