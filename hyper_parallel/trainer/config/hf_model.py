@@ -34,7 +34,7 @@ def read_model_keys(path: str) -> Tuple[Dict[str, Any], List[str], Optional[Any]
         return {}, [install_hint("transformers", "model=hf")], None
     import transformers
 
-    from hyper_parallel.models import hf_causal_lm
+    from hyper_parallel.models import hf_causal_lm, hf_weights
 
     problems = hf_causal_lm.transformers_problem(transformers.__version__)
     if problems:
@@ -42,7 +42,7 @@ def read_model_keys(path: str) -> Tuple[Dict[str, Any], List[str], Optional[Any]
     try:
         config = hf_causal_lm.read_config(path)
         model = hf_causal_lm.build_meta(config)
-        problems = hf_causal_lm.weight_problems(path, model)
+        problems = hf_weights.weight_problems(path, model)
     except (hf_causal_lm.HFModelError, CheckpointError) as err:
         return {}, [str(err)], None
     text = config.get_text_config()
@@ -62,6 +62,9 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
     instead = "use FSDP/HSDP (parallel.dp_shard, parallel.dp_replicate)"
     if p.tp > 1:
         found += tensor_parallel_problems(model.config, architecture)
+    if getattr(model.config.get_text_config(), "output_router_logits", False):
+        found.append(f"{m.path}/config.json: output_router_logits=true (transformers' load-balancing loss) with "
+                     f"model=hf ({architecture}) is not supported yet; set it to false")
     for name, degree in (("cp", p.cp), ("ep", p.ep), ("pp", p.pp)):
         if degree > 1:
             found.append(f"parallel.{name}={degree}: model=hf ({architecture}) does not support it yet; {instead}")
