@@ -34,6 +34,7 @@ from hyper_parallel._torch_compat import module_buffers, module_parameters
 from hyper_parallel.core.layout import local_part
 from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.decoder import name_seed
+from hyper_parallel.models.moe_layer import attach_aux_loss, checked_aux_loss_scale
 from hyper_parallel.models.hf_llama import CONFIG_FILE
 
 # The transformers versions the tests ran on (pyproject.toml's "hf" extra says the same).
@@ -71,8 +72,21 @@ class CausalLMLogits(RecipeModel):
     the decoder layers, the tensor-parallel plan the model's own (:func:`apply_tensor_parallel`),
     the seeded initialisation the model's own ``_init_weights`` (:func:`init_weights`)."""
 
+    _aux_loss_scale = 1.0
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        return super().forward(input_ids=input_ids, use_cache=False).logits  # type: ignore[misc]
+        """The logits; with ``output_router_logits`` in the config they carry the model's own
+        load-balancing loss (``router_aux_loss_coef x aux_loss``, over this forward's tokens, what
+        ``transformers`` adds to its loss) into the backward (:meth:`set_aux_loss_scale`)."""
+        text = self.config.get_text_config()  # type: ignore[attr-defined]
+        if not getattr(text, "output_router_logits", False):
+            return super().forward(input_ids=input_ids, use_cache=False).logits  # type: ignore[misc]
+        out = super().forward(input_ids=input_ids, use_cache=False, output_router_logits=True)  # type: ignore[misc]
+        return attach_aux_loss(out.logits, text.router_aux_loss_coef * self._aux_loss_scale * out.aux_loss)
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """The load-balancing loss's gradients are those of ``scale x`` it (see :meth:`forward`)."""
+        self._aux_loss_scale = checked_aux_loss_scale(scale)
 
     @property
     def architecture(self) -> str:

@@ -227,6 +227,33 @@ def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path)
         assert torch.equal(exported["float32"](batch).logits, reference(batch).logits)
 
 
+def test_the_load_balancing_loss_of_output_router_logits_is_trained_as_transformers_adds_it(tmp_path):
+    """One process, in place of a recipe step: the gradients of the recipe's loss (``scale x``
+    the cross entropy, the balancing loss carried by the logits) are those of ``scale x``
+    transformers' cross entropy + ``router_aux_loss_coef x aux_loss``."""
+    from hyper_parallel.models.hf_weights import load_weights
+    from hyper_parallel.trainer.step.train_step import next_token_loss
+
+    config = FAMILIES["qwen3_moe"]()
+    config.output_router_logits, config.router_aux_loss_coef = True, 0.5  # large: its gradients stand out
+    torch.manual_seed(7)
+    transformers.AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    model = hf_causal_lm.build_meta(hf_causal_lm.read_config(str(tmp_path)))
+    model.to_empty(device="cpu")
+    model.init_from_seed(0)
+    load_weights(model, str(tmp_path))
+    batch = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(0))
+    model.set_aux_loss_scale(0.5)  # as for 2 micro-batches
+    (next_token_loss(model, batch) * 0.5).backward()
+    reference = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, attn_implementation="sdpa")
+    out = reference(input_ids=batch[:, :-1])
+    cross_entropy = torch.nn.functional.cross_entropy(out.logits.flatten(0, 1), batch[:, 1:].flatten())
+    ((cross_entropy + 0.5 * out.aux_loss) * 0.5).backward()
+    expected = dict(reference.named_parameters())
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.grad, expected[name].grad, rtol=1e-4, atol=1e-6, msg=name)
+
+
 @pytest.mark.parametrize("case, overrides, expected", [
     ("no_config", [], "has no config.json"),
     ("not_causal", [], "is not a causal language model"),
@@ -235,7 +262,7 @@ def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path)
     ("wrong_names", [], "the weights lack model.layers.2.self_attn.q_proj.weight"),
     ("qwen3_moe", ["parallel.tp=2"], "parallel.tp: Qwen3MoeForCausalLM's tensor-parallel plan has entries without a "
                                      "torch style here (layers.*.mlp.experts.gate_up_proj: packed_colwise"),
-    ("router_logits", [], "config.json: output_router_logits=true (transformers' load-balancing loss) with model=hf"),
+    ("router_logits", [], "config.json: output_router_logits=true, but DeepseekV3ForCausalLM has no load-balancing"),
     ("llama", ["parallel.cp=2"], "parallel.cp=2: model=hf (LlamaForCausalLM) does not support it yet"),
     ("llama", ["model.dim=48"], "model.dim is read from"),
 ])
@@ -258,7 +285,7 @@ def test_a_bad_folder_or_setting_is_one_line(tmp_path, check, case, overrides, e
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3}))
     elif case == "router_logits":
-        _write_folder(folder, "qwen3_moe", weights=False)
+        _write_folder(folder, "deepseek_v3", weights=False)
         config = json.loads((folder / "config.json").read_text())
         (folder / "config.json").write_text(json.dumps({**config, "output_router_logits": True}))
     else:

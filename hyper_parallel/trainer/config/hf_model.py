@@ -62,9 +62,10 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
     instead = "use FSDP/HSDP (parallel.dp_shard, parallel.dp_replicate)"
     if p.tp > 1:
         found += tensor_parallel_problems(model.config, architecture)
-    if getattr(model.config.get_text_config(), "output_router_logits", False):
-        found.append(f"{m.path}/config.json: output_router_logits=true (transformers' load-balancing loss) with "
-                     f"model=hf ({architecture}) is not supported yet; set it to false")
+    text = model.config.get_text_config()
+    if getattr(text, "output_router_logits", False) and not hasattr(text, "router_aux_loss_coef"):
+        found.append(f"{m.path}/config.json: output_router_logits=true, but {architecture} has no load-balancing "
+                     "loss (no router_aux_loss_coef); set it to false")
     for name, degree in (("cp", p.cp), ("ep", p.ep), ("pp", p.pp)):
         if degree > 1:
             found.append(f"parallel.{name}={degree}: model=hf ({architecture}) does not support it yet; {instead}")
