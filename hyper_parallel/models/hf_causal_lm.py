@@ -22,12 +22,12 @@ from __future__ import annotations
 import os
 import re
 from functools import lru_cache
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hyper_parallel._torch_compat import module_buffers, module_parameters
@@ -228,8 +228,7 @@ def _replicate_head_norm(norm: nn.Module, tp_mesh: DeviceMesh, head_dim: Any, na
 
 
 def _head_sharded_inputs(module: nn.Module, inputs: Tuple[Any, ...], mesh: DeviceMesh) -> Tuple[Any, ...]:
-    return tuple(DTensor.from_local(x, mesh, [Shard(x.ndim - 2)], run_check=False)
-                 if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
+    return _dtensor_inputs(inputs, mesh, lambda x: Shard(x.ndim - 2))
 
 
 def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -241,7 +240,13 @@ def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> Non
 
 
 def _replicated_inputs(module: nn.Module, inputs: Tuple[Any, ...], mesh: DeviceMesh) -> Tuple[Any, ...]:
-    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return _dtensor_inputs(inputs, mesh, lambda x: Replicate())
+
+
+def _dtensor_inputs(inputs: Tuple[Any, ...], mesh: DeviceMesh,
+                    placement: Callable[[torch.Tensor], Placement]) -> Tuple[Any, ...]:
+    """Each plain tensor of ``inputs`` as this rank's part of a DTensor placed by ``placement(x)``."""
+    return tuple(DTensor.from_local(x, mesh, [placement(x)], run_check=False)
                  if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
 

@@ -152,7 +152,6 @@ def test_steps_match_transformers_one_process_and_resume(trained, family):
 @pytest.mark.parametrize("family", TP_FAMILIES)
 def test_tensor_parallel_from_the_models_plan_trains_the_one_process_losses(trained, family):
     _, out = trained
-    assert_losses_match(last_loss_per_step(out[family]["one"]), last_loss_per_step(out[family]["tp"]), rel=1e-5)
     stored = read_checkpoint_metadata(f"{out[family]['tp']}/checkpoints/step-3").state_dict_metadata
     q_proj, lm_head = stored["model.model.layers.0.self_attn.q_proj.weight"], stored["model.lm_head.weight"]
     assert tuple(q_proj.size) == (32, 32) and len(q_proj.chunks) == 2  # its heads split over the tp ranks
@@ -161,8 +160,10 @@ def test_tensor_parallel_from_the_models_plan_trains_the_one_process_losses(trai
     # heads: trained as on one process (each rank's own heads' gradients alone move them 0.02 off).
     assert len(stored["model.model.layers.0.self_attn.q_norm.weight"].chunks) == 1
     tp, one = (_trained_weights(f"{out[family][kind]}/checkpoints/step-3") for kind in ("tp", "one"))
-    norms = [name for name in one if name.endswith(("q_norm.weight", "k_norm.weight"))]
-    assert len(norms) == 4 and all(float((tp[n] - one[n]).abs().max()) < 1e-5 for n in norms)
+    norms = {name: float((tp[name] - one[name]).abs().max()) for name in one
+             if name.endswith(("q_norm.weight", "k_norm.weight"))}
+    assert len(norms) == 4 and max(norms.values()) < 1e-5, norms
+    assert_losses_match(last_loss_per_step(out[family]["one"]), last_loss_per_step(out[family]["tp"]), rel=1e-5)
 
 
 def test_fused_experts_are_sharded_on_the_expert_dim_and_read_from_per_expert_tensors(trained):
