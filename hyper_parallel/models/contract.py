@@ -77,3 +77,12 @@ class RecipeModel:
     def set_balance_group(self, group: Optional[dist.ProcessGroup]) -> None:
         """Balance each forward's tokens together with those of ``group``'s ranks (see
         :attr:`balances_load_over_ranks`); a model without routed experts has nothing to balance."""
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """Declare the factor the training loss is multiplied by before ``backward`` (``1 /
+        grad_accum`` for ``(loss / grad_accum).backward()``), by which a model that carries a
+        load-balancing loss into the backward scales it; a model without one has nothing to scale.
+
+        Raises:
+            ValueError: ``scale`` is not a finite number > 0.
+        """

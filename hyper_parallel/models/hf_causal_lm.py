@@ -9,9 +9,11 @@ the logits, as the project's models do, and its decoder layers are :attr:`Causal
 
 After sharding, :func:`init_weights` runs the model's own ``_init_weights`` one module at a time
 on full tensors seeded by ``(seed, module name)`` (each rank keeps its part: the same values on
-every mesh), and :func:`load_weights` fills the parameters from ``DIR``'s safetensors, each rank
-reading only its own slices. :func:`apply_tensor_parallel` shards the decoder layers as the
-model's own ``base_model_tp_plan`` says. The recipe reaches both through the model's
+every mesh), and :func:`~hyper_parallel.models.hf_weights.load_weights` fills the parameters from
+``DIR``'s safetensors, each rank reading only its own slices (a tied tensor once, experts
+``transformers`` fuses into 3-D tensors from the per-expert tensors a folder holds).
+:func:`apply_tensor_parallel` shards the decoder layers as the model's own ``base_model_tp_plan``
+says. The recipe reaches both through the model's
 :class:`~hyper_parallel.models.contract.RecipeModel` methods.
 """
 
@@ -20,12 +22,12 @@ from __future__ import annotations
 import os
 import re
 from functools import lru_cache
-from typing import Any, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Tuple
 
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module, distribute_tensor
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hyper_parallel._torch_compat import module_buffers, module_parameters
@@ -33,6 +35,7 @@ from hyper_parallel.core.layout import local_part
 from hyper_parallel.models import hf_context_parallel
 from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.decoder import name_seed
+from hyper_parallel.models.moe_layer import attach_aux_loss, checked_aux_loss_scale
 from hyper_parallel.models.hf_llama import CONFIG_FILE
 
 # The transformers versions the tests ran on (pyproject.toml's "hf" extra says the same).
@@ -70,10 +73,25 @@ class CausalLMLogits(RecipeModel):
     the decoder layers, the tensor-parallel plan the model's own (:func:`apply_tensor_parallel`),
     the seeded initialisation the model's own ``_init_weights`` (:func:`init_weights`)."""
 
+    _aux_loss_scale = 1.0
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        positions = hf_context_parallel.position_ids(self, input_ids)  # under CP: the tokens' global ones
-        return super().forward(input_ids=input_ids, position_ids=positions,  # type: ignore[misc]
-                               use_cache=False).logits
+        """The logits; with ``output_router_logits`` in the config they carry the model's own
+        load-balancing loss (``router_aux_loss_coef x aux_loss``, over this forward's tokens, what
+        ``transformers`` adds to its loss) into the backward (:meth:`set_aux_loss_scale`). Under
+        context parallelism the rotary positions are the tokens' global ones."""
+        positions = hf_context_parallel.position_ids(self, input_ids)
+        text = self.config.get_text_config()  # type: ignore[attr-defined]
+        if not getattr(text, "output_router_logits", False):
+            return super().forward(input_ids=input_ids, position_ids=positions,  # type: ignore[misc]
+                                   use_cache=False).logits
+        out = super().forward(input_ids=input_ids, position_ids=positions, use_cache=False,  # type: ignore[misc]
+                              output_router_logits=True)
+        return attach_aux_loss(out.logits, text.router_aux_loss_coef * self._aux_loss_scale * out.aux_loss)
+
+    def set_aux_loss_scale(self, scale: float) -> None:
+        """The load-balancing loss's gradients are those of ``scale x`` it (see :meth:`forward`)."""
+        self._aux_loss_scale = checked_aux_loss_scale(scale)
 
     @property
     def architecture(self) -> str:
@@ -153,8 +171,10 @@ def build_meta(config: Any) -> nn.Module:
 
 
 # transformers' tensor-parallel styles (``base_model_tp_plan``) that map to torch's, and the prefix
-# of the entries that plan each decoder layer.
+# of the entries that plan each decoder layer. ``replicated_with_grad_allreduce`` (Qwen3's and
+# Gemma 3's per-head q/k norms) is no torch style: :func:`_replicate_head_norm`.
 TP_STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}
+HEAD_NORM_STYLE = "replicated_with_grad_allreduce"
 _LAYER_ENTRY = "layers.*."
 
 
@@ -165,17 +185,19 @@ def tensor_parallel_problems(config: Any, architecture: str) -> List[str]:
     if not plan:
         return [f"parallel.tp: {architecture} has no tensor-parallel plan (base_model_tp_plan); use FSDP/HSDP"]
     odd = [f"{name}: {style}" for name, style in plan.items()
-           if not name.startswith(_LAYER_ENTRY) or style not in TP_STYLES]
+           if not name.startswith(_LAYER_ENTRY) or style not in (*TP_STYLES, HEAD_NORM_STYLE)]
     if odd:
         return [f"parallel.tp: {architecture}'s tensor-parallel plan has entries without a torch style here "
-                f"({', '.join(odd[:3])}; supported: decoder-layer {' / '.join(TP_STYLES)}); use FSDP/HSDP"]
+                f"({', '.join(odd[:3])}; supported: decoder-layer {' / '.join((*TP_STYLES, HEAD_NORM_STYLE))}); "
+                "use FSDP/HSDP"]
     return []
 
 
 def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     """Shard each decoder layer of ``model`` over the 1-D ``tp_mesh`` as its config's
     ``base_model_tp_plan`` says (``colwise`` -> ``ColwiseParallel``, ``rowwise`` ->
-    ``RowwiseParallel``: attention on this rank's heads, the MLP on its columns). Every other
+    ``RowwiseParallel``: attention on this rank's heads, the MLP on its columns;
+    ``replicated_with_grad_allreduce``: :func:`_replicate_head_norm`). Every other
     parameter (embeddings, norms, the output layer) becomes a replicated DTensor over ``tp_mesh``
     (its module takes and returns plain tensors), so a checkpoint stores it once and the gradient
     norm counts it once. On the meta device too.
@@ -186,13 +208,37 @@ def apply_tensor_parallel(model: nn.Module, tp_mesh: DeviceMesh) -> None:
     problems = tensor_parallel_problems(model.config, model.architecture)
     if problems:
         raise ValueError(problems[0])
-    plan = model.config.get_text_config().base_model_tp_plan
-    layer_plan = {name[len(_LAYER_ENTRY):]: TP_STYLES[style]() for name, style in plan.items()}
+    config = model.config.get_text_config()
+    plan = {name[len(_LAYER_ENTRY):]: style for name, style in config.base_model_tp_plan.items()}
+    layer_plan = {name: TP_STYLES[style]() for name, style in plan.items() if style in TP_STYLES}
+    head_norms = [name for name, style in plan.items() if style == HEAD_NORM_STYLE]
     for layer in model.layers.values():
         parallelize_module(layer, tp_mesh, layer_plan)
+        for name in head_norms:
+            _replicate_head_norm(layer.get_submodule(name), tp_mesh, getattr(config, "head_dim", None), name)
     for module in model.modules():
         if any(p is not None and not isinstance(p, DTensor) for p in module_parameters(module).values()):
             distribute_module(module, tp_mesh, _replicate_parameters, _replicated_inputs, _local_outputs)
+
+
+def _replicate_head_norm(norm: nn.Module, tp_mesh: DeviceMesh, head_dim: Any, name: str) -> None:
+    """``replicated_with_grad_allreduce``: a per-head norm (its weight one head's size) applied to
+    this rank's heads, ``(..., heads, head_dim)`` after a ``colwise`` projection. Its weight is a
+    replicated DTensor and its input the rank's heads as a DTensor sharded on the heads dim, so
+    autograd sums the weight's gradient over the tp ranks (each holds its heads' share).
+
+    Raises:
+        ValueError: the module's parameters are not one weight of the config's ``head_dim``.
+    """
+    params = module_parameters(norm)
+    if head_dim is None or [tuple(p.shape) for p in params.values() if p is not None] != [(head_dim,)]:
+        raise ValueError(f"parallel.tp: the plan's {HEAD_NORM_STYLE} entry {name} is not a per-head norm "
+                         f"(one weight of head_dim={head_dim}); use FSDP/HSDP")
+    distribute_module(norm, tp_mesh, _replicate_parameters, _head_sharded_inputs, _local_outputs)
+
+
+def _head_sharded_inputs(module: nn.Module, inputs: Tuple[Any, ...], mesh: DeviceMesh) -> Tuple[Any, ...]:
+    return _dtensor_inputs(inputs, mesh, lambda x: Shard(x.ndim - 2))
 
 
 def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -204,56 +250,18 @@ def _replicate_parameters(name: str, module: nn.Module, mesh: DeviceMesh) -> Non
 
 
 def _replicated_inputs(module: nn.Module, inputs: Tuple[Any, ...], mesh: DeviceMesh) -> Tuple[Any, ...]:
-    return tuple(DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+    return _dtensor_inputs(inputs, mesh, lambda x: Replicate())
+
+
+def _dtensor_inputs(inputs: Tuple[Any, ...], mesh: DeviceMesh,
+                    placement: Callable[[torch.Tensor], Placement]) -> Tuple[Any, ...]:
+    """Each plain tensor of ``inputs`` as this rank's part of a DTensor placed by ``placement(x)``."""
+    return tuple(DTensor.from_local(x, mesh, [placement(x)], run_check=False)
                  if isinstance(x, torch.Tensor) and not isinstance(x, DTensor) else x for x in inputs)
 
 
 def _local_outputs(module: nn.Module, outputs: Any, mesh: DeviceMesh) -> Any:
     return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
-
-def state_names(model: nn.Module) -> Dict[str, torch.Tensor]:
-    """The model's parameters and persistent buffers by name, a tied tensor under its first name
-    only (the name a ``transformers`` save keeps)."""
-    from hyper_parallel.checkpoint import get_model_state_dict
-
-    seen, names = set(), {}
-    for name, tensor in get_model_state_dict(model).items():
-        if id(tensor) not in seen:
-            seen.add(id(tensor))
-            names[name] = tensor
-    return names
-
-
-def weight_problems(path: str, model: nn.Module) -> List[str]:
-    """The safetensors of ``path`` against ``model`` (meta is fine): missing names, shapes
-    (reads the headers only). Empty when ``path`` holds no weights or they fit.
-
-    Raises:
-        CheckpointError: an unreadable index or header.
-    """
-    from hyper_parallel.core.distributed_checkpoint.hf import hf_metadata
-
-    if not has_weights(path):
-        return []
-    stored = hf_metadata(path).state_dict_metadata
-    wanted = state_names(model)
-    missing = [name for name in wanted if name not in stored]
-    if missing:
-        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
-        return [f"model.path={path}: the weights lack {', '.join(missing[:3])}{more} of {type(model).__name__}"]
-    shapes = [f"{name} {tuple(stored[name].size)} (config.json: {tuple(t.shape)})"
-              for name, t in wanted.items() if tuple(t.shape) != tuple(stored[name].size)]
-    if shapes:
-        return [f"model.path={path}: weights do not match config.json: {'; '.join(shapes[:3])}"]
-    return []
-
-
-def has_weights(path: str) -> bool:
-    """Whether ``path`` holds safetensors weights (``model.safetensors`` or an index)."""
-    from hyper_parallel.core.distributed_checkpoint.hf import INDEX_FILE, SINGLE_FILE
-
-    return any(os.path.isfile(os.path.join(path, f)) for f in (INDEX_FILE, SINGLE_FILE))
 
 
 def _owners(model: nn.Module) -> Mapping[str, nn.Module]:
@@ -294,18 +302,6 @@ def init_weights(model: nn.Module, seed: int) -> None:
             else:
                 tensor.copy_(value)
     model.tie_weights()
-
-
-def load_weights(model: nn.Module, path: str) -> None:
-    """Fill ``model`` (plain or sharded) from the safetensors of ``path``, each rank reading only
-    its own slices (collective under a process group).
-
-    Raises:
-        KeyError / ValueError / CheckpointError: as :func:`hyper_parallel.checkpoint.load_hf`.
-    """
-    from hyper_parallel.checkpoint import load_hf
-
-    load_hf(state_names(model), path)
 
 
 # The files of a transformers tokenizer (those a folder has are copied with the model).

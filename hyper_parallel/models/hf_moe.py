@@ -206,40 +206,48 @@ def check_config(path: str, cfg: MoEConfig) -> None:
         raise ValueError(f"{file} does not describe this model: {'; '.join(differences)}")
 
 
-def stacked_metadata(path: str, names: Dict[str, Union[str, List[str]]]) -> Metadata:
+def stacked_metadata(path: str, names: Dict[str, Union[str, List[Union[str, List[str]]]]]) -> Metadata:
     """The checkpoint metadata of the HF directory ``path`` under our names: each of ``names``
     maps one of ours to one stored tensor, or to a list of equally shaped ones that become the
-    chunks of one tensor stacked on a new dim 0.
+    chunks of one tensor stacked on a new dim 0; an item of that list may itself be a list of
+    stored tensors concatenated on their dim 0 (``transformers``' fused ``gate_up_proj``: each
+    expert's gate rows then its up rows).
 
     Raises:
         KeyError: stored tensors are missing (all named).
-        ValueError: tensors to stack differ in dtype or shape.
+        ValueError: tensors to stack or concatenate differ in dtype or shape.
         CheckpointError: as :func:`~hyper_parallel.core.distributed_checkpoint.hf.hf_metadata`.
     """
     source = hf_metadata(path)
     stored = source.state_dict_metadata
-    wanted = [key for keys in names.values() for key in ([keys] if isinstance(keys, str) else keys)]
-    missing = [key for key in wanted if key not in stored]
+    groups_of = {ours: [[keys]] if isinstance(keys, str) else [[k] if isinstance(k, str) else list(k) for k in keys]
+                 for ours, keys in names.items()}
+    missing = [key for groups in groups_of.values() for group in groups for key in group if key not in stored]
     if missing:
         more = f" and {len(missing) - 4} more" if len(missing) > 4 else ""
         raise KeyError(f"{path} does not hold {missing[:4]}{more}")
     out = Metadata(state_dict_metadata={})
     out.files.update(source.files)
-    for ours, keys in names.items():
-        stack = not isinstance(keys, str)
-        parts = keys if stack else [keys]
-        first = stored[parts[0]]
+    for ours, groups in groups_of.items():
+        stack = not isinstance(names[ours], str)
+        parts = [key for group in groups for key in group]
+        first, joined = stored[parts[0]], len(groups[0])
         for key in parts:
             if (stored[key].dtype, stored[key].size) != (first.dtype, first.size):
                 raise ValueError(f"{path}: {key} is {stored[key].dtype} {tuple(stored[key].size)}, "
                                  f"{parts[0]} {first.dtype} {tuple(first.size)}: they cannot be stacked into {ours}")
+        if any(len(group) != joined for group in groups) or (joined > 1 and not first.size):
+            raise ValueError(f"{path}: the tensors of {ours} cannot be concatenated (unequal groups or scalars)")
         shape = tuple(first.size)
         chunks = []
-        for index, key in enumerate(parts):
-            origin = ((index,) if stack else ()) + (0,) * len(shape)
-            chunks.append(ChunkStorageMetadata(origin, ((1,) if stack else ()) + shape))
-            out.storage_data[MetadataIndex(ours, origin)] = source.storage_data[MetadataIndex(key, (0,) * len(shape))]
-        size = ((len(parts),) if stack else ()) + shape
+        for index, group in enumerate(groups):
+            for offset, key in enumerate(group):
+                origin = ((index,) if stack else ()) + tuple(offset * n if d == 0 else 0 for d, n in enumerate(shape))
+                chunks.append(ChunkStorageMetadata(origin, ((1,) if stack else ()) + shape))
+                out.storage_data[MetadataIndex(ours, origin)] = \
+                    source.storage_data[MetadataIndex(key, (0,) * len(shape))]
+        joined_shape = (shape[0] * joined, *shape[1:]) if shape else shape
+        size = ((len(groups),) if stack else ()) + joined_shape
         out.state_dict_metadata[ours] = TensorStorageMetadata(first.dtype, size, chunks)
     check_metadata(out, path)
     return out

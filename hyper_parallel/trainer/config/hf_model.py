@@ -36,7 +36,7 @@ def read_model_keys(path: str) -> Tuple[Dict[str, Any], List[str], Optional[Any]
         return {}, [install_hint("transformers", "model=hf")], None
     import transformers
 
-    from hyper_parallel.models import hf_causal_lm
+    from hyper_parallel.models import hf_causal_lm, hf_weights
 
     problems = hf_causal_lm.transformers_problem(transformers.__version__)
     if problems:
@@ -44,7 +44,7 @@ def read_model_keys(path: str) -> Tuple[Dict[str, Any], List[str], Optional[Any]
     try:
         config = hf_causal_lm.read_config(path)
         model = hf_causal_lm.build_meta(config)
-        problems = hf_causal_lm.weight_problems(path, model)
+        problems = hf_weights.weight_problems(path, model)
     except (hf_causal_lm.HFModelError, CheckpointError) as err:
         return {}, [str(err)], None
     text = config.get_text_config()
@@ -67,6 +67,10 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
         found += tensor_parallel_problems(model.config, architecture)
     if p.cp > 1:
         found += context_parallel_problems(model, t.seq_len)
+    text = model.config.get_text_config()
+    if getattr(text, "output_router_logits", False) and not hasattr(text, "router_aux_loss_coef"):
+        found.append(f"{m.path}/config.json: output_router_logits=true, but {architecture} has no load-balancing "
+                     "loss (no router_aux_loss_coef); set it to false")
     for name, degree in (("ep", p.ep), ("pp", p.pp)):
         if degree > 1:
             found.append(f"parallel.{name}={degree}: model=hf ({architecture}) does not support it yet; {instead}")

@@ -18,7 +18,7 @@ from hyper_parallel.trainer.job import RunSummary, TrainingJob
 from hyper_parallel.trainer.checkpointing.memory_snapshots import ranks_per_node, snapshot_memory
 from hyper_parallel.trainer.observability.metrics import METRICS_FILE
 from hyper_parallel.trainer.setup.parallelize import build_transformer
-from hyper_parallel.models.hf_causal_lm import has_weights
+from hyper_parallel.models.hf_weights import has_weights
 from hyper_parallel.trainer.observability.sinks import TENSORBOARD_FOLDER, WANDB_FOLDER
 from hyper_parallel.utils.units import format_bytes
 

@@ -15,7 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
 from hyper_parallel.parallel.expert import ExpertParallel, expert_meshes
-from hyper_parallel.models import hf_causal_lm, hf_llama, hf_moe
+from hyper_parallel.models import hf_causal_lm, hf_llama, hf_moe, hf_weights
 from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.llama import LlamaConfig, Transformer
 from hyper_parallel.models.moe import MoEConfig, MoETransformer
@@ -246,8 +246,8 @@ def _load_pretrained(model: nn.Module, model_cfg: ModelConfig) -> None:
     ``transformers`` Qwen3-MoE folder with ``model.moe``, else a Llama export or our names)."""
     if model_cfg.path is not None:
         path = os.path.expanduser(model_cfg.path)
-        if hf_causal_lm.has_weights(path):
-            _loading(f"model.path={path}", lambda: hf_causal_lm.load_weights(model, path))
+        if hf_weights.has_weights(path):
+            _loading(f"model.path={path}", lambda: hf_weights.load_weights(model, path))
     elif model_cfg.init_from:
         family, shape = (hf_llama if model_cfg.moe is None else hf_moe), model_config(model_cfg)
         _loading(f"model.init_from={model_cfg.init_from}",

@@ -10,6 +10,7 @@ from torch import nn
 from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.core.fully_shard import FSDPModule
 from hyper_parallel.core.grad_norm import clip_grad_norm_
+from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.moe import MoETransformer
 from hyper_parallel.parallel.tensor import cross_entropy
 from hyper_parallel.trainer.setup.context_parallel import SequenceSplit, micro_batch_context
@@ -63,8 +64,9 @@ def train_step(model: nn.Module, batch: torch.Tensor, optimizer: torch.optim.Opt
     micro_batches = batch.chunk(grad_accum_steps)
     loss_sum = torch.zeros((), device=batch.device)
     stats = None
-    if isinstance(model, MoETransformer):  # each MoE layer's output carries its aux loss into backward
+    if isinstance(model, RecipeModel):  # a load-balancing loss rides into backward on the model's output
         model.set_aux_loss_scale(1 / grad_accum_steps)
+    if isinstance(model, MoETransformer):
         stats = MoEStepStatistics(list(model.moe_layers()), model.cfg.num_experts, batch.device)
     for i, micro in enumerate(micro_batches):
         _set_gradient_sync(model, i == len(micro_batches) - 1)
