@@ -172,15 +172,20 @@ def process_groups() -> List[dist.ProcessGroup]:
 
 
 def clear_dtensor_caches() -> None:
-    """Empty DTensor's sharding-propagation caches (Python and C++) and its redistribute planners.
+    """Empty DTensor's sharding-propagation caches (Python and C++), its redistribute planners and
+    transforms, and its mesh topology cache.
 
     They key on meshes by value (layout, ranks, names), not by their process groups, so after a
-    mesh's groups are destroyed an equal new mesh would be handed specs holding the old one."""
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    mesh's groups are destroyed an equal new mesh would be handed specs holding the old one; and
+    they hold the meshes they saw, with them their process groups (gloo's keep a polling thread
+    each)."""
+    from torch.distributed.tensor import _collective_utils, _redistribute
     from torch.distributed.tensor.debug import _clear_sharding_prop_cache
 
     _clear_sharding_prop_cache()
-    clear_redistribute_planner_cache()
+    _redistribute.clear_redistribute_planner_cache()
+    _redistribute._gen_transform_infos.cache_clear()
+    _collective_utils.MeshTopoInfo.build_from_mesh.cache_clear()
 
 
 def dtensor_spec(dtensor: torch.Tensor) -> DTensorSpec:
