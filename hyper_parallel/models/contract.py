@@ -84,5 +84,5 @@ class RecipeModel:
         load-balancing loss into the backward scales it; a model without one has nothing to scale.
 
         Raises:
-            ValueError: ``scale`` is not a finite number > 0.
+            ValueError: (a model that scales one) ``scale`` is not a finite number > 0.
         """
