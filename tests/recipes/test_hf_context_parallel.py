@@ -1,4 +1,4 @@
-"""``model=hf`` with ``parallel.cp``: transformers' own Llama and Qwen3 (q/k norms, head_dim set;
+"""``model=hf`` with ``parallel.cp``: transformers' own Llama, Qwen3 (q/k norms, head_dim set) and Mistral (no window;
 tiny configs written here) run the project's ring attention as their attention implementation.
 CP2 on 2 ranks (each rank holding its head-tail chunks of every sequence, the rotary embedding on
 their global positions; Qwen3 checkpointing activations) and Llama's CP2 x TP2 on 4 ranks train
@@ -19,9 +19,9 @@ from tests.recipes.launch import assert_losses_match, last_loss_per_step  # noqa
 from tests.recipes.test_hf_model import SHAPE, _train, _write_folder  # noqa: E402
 from tests.recipes.train_in_process import one_line_error  # noqa: E402
 
-CP_FAMILIES = ("llama", "qwen3")
+CP_FAMILIES = ("llama", "qwen3", "mistral")
 CP2 = ["parallel.cp=2"]
-CHECKPOINTING = {"llama": [], "qwen3": ["model.activation_checkpointing=true"]}  # recomputed inside the context
+CHECKPOINTING = {"llama": [], "qwen3": ["model.activation_checkpointing=true"], "mistral": []}  # recomputed inside the context
 
 
 @pytest.fixture(scope="module")

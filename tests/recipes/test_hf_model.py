@@ -2,10 +2,11 @@
 layers), Qwen3-MoE (fused experts, stored per expert) and DeepSeek-V3 (latent attention, MoE)
 (tiny configs written here, no downloads) trained by the recipe. Step 1's loss is transformers'
 loss with DIR's weights; FSDP2 (activation checkpointing on one family), HSDP and TP2 (Qwen3, from
-its own plan, per-head q/k norms included) on 2 ranks train the one-process losses; a
-2-rank checkpoint resumes on one process on the uninterrupted curve (Llama, Qwen3, Mistral); the export loads in
-transformers with the checkpoint's weights; each process builds the model on meta once (the model
-validation built is the one trained); bad folders are refused in one line by ``--check``."""
+its own plan, per-head q/k norms included) on 2 ranks, and HSDP 2x2 (Qwen3-MoE) and TP2 x FSDP2
+(Qwen3) on 4, train the one-process losses; every family's 2-rank checkpoint resumes on one process on
+the uninterrupted curve and exports to a folder transformers loads with the checkpoint's weights and
+the same logits; each process builds the model on meta once (the model validation built is the one
+trained); bad folders are refused in one line by ``--check``."""
 
 from __future__ import annotations
 
@@ -49,15 +50,17 @@ FAMILIES = {
         topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
         qk_nope_head_dim=4, v_head_dim=8),
 }
-RESUMED = ("llama", "qwen3", "mistral")  # the families also resumed on one process
 RUN = ["model=hf", "training.seq_len=16", "training.global_batch_size=4", "training.steps=3", "optim.lr=1e-2",
        "optim.warmup_steps=1", "checkpoint.interval=2", "logging.log_every=1"]
 # The 2-rank runs of each family: FSDP2 (checkpointing activations on one), HSDP (2 replicas).
 TP2 = ["parallel.tp=2", "parallel.dp_shard=1"]  # from the model's base_model_tp_plan
 TP_FAMILIES = ("qwen3",)  # its plan: colwise, rowwise and replicated_with_grad_allreduce (q/k norms)
-ONE_CHECKPOINT = ["checkpoint.interval=3"]  # the families not resumed save the last step only
+ONE_CHECKPOINT = ["checkpoint.interval=3"]  # the runs that are not resumed save the last step only
 LAYOUTS = {"llama": [], "qwen3": ["model.activation_checkpointing=true"], "mistral": ["parallel.dp_replicate=2"],
-           "gemma3": ONE_CHECKPOINT, "qwen3_moe": ONE_CHECKPOINT, "deepseek_v3": ONE_CHECKPOINT}
+           "gemma3": [], "qwen3_moe": [], "deepseek_v3": []}
+# The 4-rank runs: HSDP 2x2 of a mixture of experts (experts sharded over 2, replicated over 2) and
+# TP2 x FSDP2 from Qwen3's plan.
+FOUR_RANKS = {"hsdp2x2": ("qwen3_moe", ["parallel.dp_replicate=2"]), "tp2_fsdp2": ("qwen3", ["parallel.tp=2"])}
 
 
 def _write_folder(folder, family: str, weights: bool = True) -> str:
@@ -114,19 +117,21 @@ def trained(tmp_path_factory):
     2-rank checkpoint of step 2."""
     root = tmp_path_factory.mktemp("hf")
     paths = {family: _write_folder(root / family, family) for family in FAMILIES}
-    out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("two", "one", "resumed", "tp")}
+    out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("two", "one", "resumed", "tp", *FOUR_RANKS)}
            for family in paths}
     builds = run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['two']}", *LAYOUTS[f]]
                                       for f in paths]
                           + [[f"model.path={paths[f]}", f"output_dir={out[f]['tp']}", *TP2, *ONE_CHECKPOINT]
                              for f in TP_FAMILIES], timeout=300)
+    run_on_ranks(4, _train, [[f"model.path={paths[f]}", f"output_dir={out[f][kind]}", *layout, *ONE_CHECKPOINT]
+                             for kind, (f, layout) in FOUR_RANKS.items()], timeout=300)
     paths["init"] = _write_folder(root / "init", "llama", weights=False)  # the model's own initialisation
     out["init"] = {"states": [run_on_ranks(n, _initial_state, paths["init"], seed, timeout=120)[0]
                               for n, seed in ((2, 0), (1, 0), (1, 1))]}
     builds += run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}", *ONE_CHECKPOINT]
                                        for f in FAMILIES]
                            + [[f"model.path={paths[f]}", f"output_dir={out[f]['resumed']}",
-                               f"checkpoint.load_from={out[f]['two']}/checkpoints/step-2"] for f in RESUMED],
+                               f"checkpoint.load_from={out[f]['two']}/checkpoints/step-2"] for f in FAMILIES],
                            timeout=300)
     out["builds"] = builds  # per rank, per run
     return paths, out
@@ -144,9 +149,21 @@ def test_steps_match_transformers_one_process_and_resume(trained, family):
     assert sorted(one) == sorted(two) == [1, 2, 3]
     assert one[3] < one[1]
     assert_losses_match(one, two, rel=1e-5)        # 2 ranks (FSDP2 or HSDP): reduction order only
-    if family in RESUMED:
-        assert sorted(resumed) == [3]
-        assert_losses_match(one, resumed, range(3, 4), rel=1e-5)
+    assert sorted(resumed) == [3]
+    assert_losses_match(one, resumed, range(3, 4), rel=1e-5)
+
+
+@pytest.mark.parametrize("kind", list(FOUR_RANKS))
+def test_hsdp_2x2_and_tp2_x_fsdp2_on_four_ranks_train_the_one_process_losses(trained, kind):
+    _, out = trained
+    family = FOUR_RANKS[kind][0]
+    stored = read_checkpoint_metadata(f"{out[family][kind]}/checkpoints/step-3").state_dict_metadata
+    name, chunks = {"hsdp2x2": ("mlp.experts.gate_up_proj", 2),  # sharded over 2, replicated over 2
+                    "tp2_fsdp2": ("self_attn.q_proj.weight", 4)}[kind]  # rows over tp x dp_shard
+    assert len(stored[f"model.model.layers.0.{name}"].chunks) == chunks
+    one, four = (last_loss_per_step(out[family][run]) for run in ("one", kind))
+    assert sorted(four) == [1, 2, 3]
+    assert_losses_match(one, four, rel=1e-5)
 
 
 @pytest.mark.parametrize("family", TP_FAMILIES)
@@ -180,7 +197,7 @@ def test_fused_experts_are_sharded_on_the_expert_dim_and_read_from_per_expert_te
 
 def test_each_process_builds_the_model_once_for_validation_and_training(trained):
     _, out = trained
-    two, one = len(FAMILIES) + len(TP_FAMILIES), len(FAMILIES) + len(RESUMED)
+    two, one = len(FAMILIES) + len(TP_FAMILIES), 2 * len(FAMILIES)
     assert out["builds"] == [[1] * two, [1] * two, [1] * one]  # 2 ranks' runs, then 1 rank's
 
 
@@ -199,13 +216,15 @@ def test_without_weights_the_models_own_init_is_the_same_on_every_mesh(trained):
     assert not torch.equal(q, llama["model.layers.0.self_attn.q_proj.weight"])
 
 
-def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path):
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path, family):
     paths, out = trained
-    checkpoint = f"{out['qwen3']['two']}/checkpoints/step-3"
+    checkpoint = f"{out[family]['two']}/checkpoints/step-3"
     stored = read_checkpoint_metadata(checkpoint).state_dict_metadata
-    assert "model.model.layers.0.self_attn.q_norm.weight" in stored and "model.lm_head.weight" in stored
+    assert "model.model.layers.0.input_layernorm.weight" in stored and "model.lm_head.weight" in stored
+    dtypes = ("float32", "bfloat16") if family == "qwen3" else ("float32",)
     exported = {}
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         folder = tmp_path / dtype
         assert script_main("export_hf")([checkpoint, str(folder), "--dtype", dtype]) == 0
         model, info = transformers.AutoModelForCausalLM.from_pretrained(folder, output_loading_info=True)
@@ -218,12 +237,13 @@ def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path)
     weights = exported["float32"].state_dict()
     assert sorted(weights) == sorted(trained_state)
     assert all(torch.equal(weights[k], v) for k, v in trained_state.items())
-    bf16 = load_file(tmp_path / "bfloat16" / "model-00001-of-00001.safetensors")
-    assert all(t.dtype == torch.bfloat16 for t in bf16.values())
+    if "bfloat16" in exported:
+        bf16 = load_file(tmp_path / "bfloat16" / "model-00001-of-00001.safetensors")
+        assert all(t.dtype == torch.bfloat16 for t in bf16.values())
     # The same logits as the model of DIR's config holding the trained weights.
-    reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(paths["qwen3"]))
+    reference = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(paths[family]))
     reference.load_state_dict(trained_state)
-    batch = _first_batch(paths["qwen3"])
+    batch = _first_batch(paths[family])
     with torch.no_grad():
         assert torch.equal(exported["float32"](batch).logits, reference(batch).logits)
 
