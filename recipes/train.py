@@ -100,7 +100,8 @@ def main(argv: list[str]) -> int:
         cfg = compose_config([a for a in argv if a not in FLAGS], config_dir=CONFIG_DIR)
         config = validate_config(cfg, world_size)
         if "--cfg" not in argv:
-            check_environment(config.cfg, config.dims, ranks_per_node=ranks_per_node)
+            check_environment(config.cfg, config.dims, ranks_per_node=ranks_per_node,
+                              meta_model=config.meta_model)
     except ConfigError as err:
         # Every rank that meets it says it (torchrun may stop the others before they do).
         print(f"error: {_rank_prefix(argv, world_size)}{err}", file=sys.stderr, flush=True)

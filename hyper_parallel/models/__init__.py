@@ -6,7 +6,7 @@ family chooses each block's feed-forward: ``llama`` (dense SwiGLU) and ``moe`` (
 experts: ``moe_layer``, ``grouped_experts``). ``llama_parallel`` holds their tensor-parallel plan
 and pipeline stage split, ``hf_llama`` / ``hf_moe`` the Hugging Face name maps and configs;
 ``hf_causal_lm`` builds any transformers causal LM for the recipes (``model=hf``), ``hf_weights``
-reads its folder's safetensors; ``float8`` converts their dense linears to torchao's float8 ones
+reads its folder's safetensors, ``hf_sizes`` counts its parameters and FLOPs; ``float8`` converts their dense linears to torchao's float8 ones
 (the output layer kept high precision);
 ``contract`` declares what the recipe needs of every one of these models (:class:`RecipeModel`).
 

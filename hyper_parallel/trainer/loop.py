@@ -29,7 +29,8 @@ from hyper_parallel.trainer.step.evaluation import Evaluator, build_sources
 from hyper_parallel.trainer.job import RunSummary, TrainingJob
 from hyper_parallel.trainer.checkpointing.memory_snapshots import build_snapshots, job_identity
 from hyper_parallel.trainer.observability.metrics import MetricsLogger, moe_record, moe_statistics
-from hyper_parallel.trainer.observability.performance import ProfilerWindow, Throughput, memory_record, peak_tflops
+from hyper_parallel.trainer.observability.performance import (ProfilerWindow, Throughput, memory_record,
+                                                              model_flops_per_token, peak_tflops)
 from hyper_parallel.trainer.setup.optimizer import build_optimizer
 from hyper_parallel.trainer.setup.parallelize import build_mesh, build_model
 from hyper_parallel.trainer.setup.pipeline_parallel import build_pipeline, pipelined_step
@@ -144,7 +145,7 @@ def build_job(cfg: TrainConfig, dims: ParallelDims, platform: Platform,
         state=training_state(parts, optimizer, schedule, loader, RNGState(platform.device_module), dims,
                              pp_group=pipeline.pp_group if pipeline is not None else None),
         log=log, loss_floor=loader.source.loss_floor(),
-        throughput=Throughput(model_config(cfg.model), seq_len=t.seq_len,
+        throughput=Throughput(model_flops_per_token(model_config(cfg.model), t.seq_len, meta_model),
                               tokens_per_step=t.global_batch_size * t.seq_len, world_size=dims.world_size,
                               peak=peak_tflops(platform, t.peak_tflops)),
         started_at=started_at, evaluator=evaluator, profiler=profiler, pipeline=pipeline,

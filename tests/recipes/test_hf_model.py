@@ -48,7 +48,7 @@ FAMILIES = {
     "deepseek_v3": lambda: transformers.DeepseekV3Config(
         **{**SHAPE, "num_key_value_heads": 4}, **MOE, n_routed_experts=4, n_shared_experts=1, n_group=2,
         topk_group=1, first_k_dense_replace=1, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=4,
-        qk_nope_head_dim=4, v_head_dim=8),
+        qk_nope_head_dim=4, v_head_dim=16),
 }
 RUN = ["model=hf", "training.seq_len=16", "training.global_batch_size=4", "training.steps=3", "optim.lr=1e-2",
        "optim.warmup_steps=1", "checkpoint.interval=2", "logging.log_every=1"]
@@ -246,6 +246,32 @@ def test_checkpoints_hold_transformers_names_and_export_loads(trained, tmp_path,
     batch = _first_batch(paths[family])
     with torch.no_grad():
         assert torch.equal(exported["float32"](batch).logits, reference(batch).logits)
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "gemma3", "deepseek_v3"])
+def test_the_flop_count_and_memory_estimate_are_the_models_own(trained, family):
+    """Counted over the model's modules, not a Llama of its sizes: routed experts at top_k / experts,
+    a tied head as a head, a sliding-window layer over its window, latent attention's head sizes."""
+    from hyper_parallel.models import hf_sizes
+    from hyper_parallel.trainer.launch.preflight import estimate_memory
+
+    paths, out = trained
+    config = validate_config(compose_config([*RUN, f"model.path={paths[family]}"]), 1)
+    model, text = config.meta_model, config.meta_model.config
+    assert estimate_memory(config.cfg, config.dims, model).parameters == sum(p.numel() for p in model.parameters())
+    routed = 128 + (4 * 32 * 32 + 4 * 32 * 16) * 2 // 4  # a router, and 2 of 4 experts (gate/up, down)
+    mlps = {"qwen3_moe": [routed, routed], "gemma3": [3 * 32 * 48] * 2,
+            "deepseek_v3": [3 * 32 * 48, routed + 3 * 32 * 16]}[family]  # dense, then experts + a shared one
+    attention = [sum(p.numel() for p in layer.self_attn.parameters() if p.ndim == 2) for layer in model.model.layers]
+    head = 64 * 32  # the output layer (Gemma 3's is tied to the embedding: counted as the head)
+    assert hf_sizes.matmul_params(model) == sum(attention) + sum(mlps) + head
+    qk, v = (8, 16) if family == "deepseek_v3" else (8, 8)  # latent attention: its own head sizes
+    keys = [4, 16] if family == "gemma3" else [16, 16]  # Gemma 3's layer 0 slides over 4 tokens
+    flops = 6 * hf_sizes.matmul_params(model) + sum(6 * 4 * (qk + v) * k for k in keys)
+    assert hf_sizes.flops_per_token(model, 16) == flops
+    # The run's throughput is counted with it: TFLOP/s x world / tokens/s is the count per token.
+    record = json.loads(open(f"{out[family]['one']}/metrics.jsonl").readline())
+    assert record["tflops"] * 1e12 / record["tokens_per_s"] == pytest.approx(flops, rel=1e-6)
 
 
 def test_the_load_balancing_loss_of_output_router_logits_is_trained_as_transformers_adds_it(tmp_path):

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import List, NamedTuple, Optional
+from typing import List, NamedTuple, Optional, Union
 
 import torch
 
@@ -23,6 +23,9 @@ from hyper_parallel.checkpoint import startup_bounds, store_for
 from hyper_parallel.data import MarkovSource, load_tokenizer
 from hyper_parallel.data.text import TEXT_SUFFIXES, expand_paths
 from hyper_parallel.data.tokenizer import check_vocab
+from hyper_parallel.models.contract import RecipeModel
+from hyper_parallel.models.hf_sizes import BlockSizes, block_sizes
+from hyper_parallel.models.llama import LlamaConfig
 from hyper_parallel.models.moe import MoEConfig
 from hyper_parallel.platform import get_platform
 from hyper_parallel.trainer.config.compose import ConfigError, problems_message
@@ -39,8 +42,10 @@ from hyper_parallel.utils.units import format_bytes
 _STATE_BYTES_PER_PARAM = 16
 
 
-def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: int) -> None:
-    """Run every pre-start check on a validated config.
+def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: int,
+                      meta_model: Optional[RecipeModel] = None) -> None:
+    """Run every pre-start check on a validated config (``meta_model``: ``ValidConfig.meta_model``,
+    the ``transformers`` model of ``model=hf`` whose size the memory check counts).
 
     Creates ``output_dir`` and ``checkpoint.folder`` if missing (the job would create them).
 
@@ -56,7 +61,7 @@ def check_environment(cfg: TrainConfig, dims: ParallelDims, *, ranks_per_node: i
     problems = (folders + (output_file_problems(cfg) if not folders else []) + init_from_problems(cfg)
                 + load_from_problems(cfg)
                 + resume + data_problems(cfg) + package_problems(cfg)
-                + memory_problems(cfg, dims, ranks_per_node))
+                + memory_problems(cfg, dims, ranks_per_node, meta_model))
     if problems:
         raise ConfigError(problems_message("cannot start", problems))
 
@@ -187,10 +192,9 @@ class MemoryEstimate(NamedTuple):
         return self.model_state + self.gathered + self.logits + self.rope
 
 
-def estimate_memory(cfg: TrainConfig, dims: ParallelDims) -> MemoryEstimate:
-    """A lower bound of one rank's memory for this config, from shapes alone (nothing allocated)."""
-    llama = model_config(cfg.model)  # a LlamaConfig or an MoEConfig: the fields read here are in both
-    # (how many blocks, the one-block model's overrides): an MoE model's dense first blocks count as dense
+def _sizes(llama: Union[LlamaConfig, MoEConfig]) -> BlockSizes:
+    """The parameter counts of the project's model of ``llama``, from one block of each kind on the
+    meta device (an MoE model's dense first blocks count as dense)."""
     kinds = [(llama.n_layers, {})]
     if isinstance(llama, MoEConfig):
         dense = min(llama.first_k_dense, llama.n_layers)
@@ -203,8 +207,15 @@ def estimate_memory(cfg: TrainConfig, dims: ParallelDims) -> MemoryEstimate:
             size = sum(p.numel() for p in one_block.layers["0"].parameters())
             root = sum(p.numel() for p in one_block.parameters()) - size
             blocks.append((count, size))
-    block = max(size for _, size in blocks)
-    parameters = root + sum(count * size for count, size in blocks)
+    return BlockSizes(root + sum(count * size for count, size in blocks), root, max(size for _, size in blocks))
+
+
+def estimate_memory(cfg: TrainConfig, dims: ParallelDims, meta_model: Optional[RecipeModel] = None) -> MemoryEstimate:
+    """A lower bound of one rank's memory for this config, from shapes alone (nothing allocated).
+    ``meta_model``: with ``model=hf``, the model validation built on the meta device, whose own
+    parameters are counted (else the project's model of the ``model`` keys)."""
+    llama = model_config(cfg.model)  # a LlamaConfig or an MoEConfig: the fields read here are in both
+    parameters, root, block = block_sizes(meta_model) if meta_model is not None else _sizes(llama)
     param_bytes = 2 if cfg.parallel.mixed_precision == "bf16" else 4
     t = cfg.training
     micro_batch = t.global_batch_size // (dims.dp_size * t.grad_accum_steps)
@@ -238,10 +249,11 @@ def available_memory() -> tuple[Optional[int], Optional[int]]:
     return host, accelerators.get_device_properties(platform.local_rank % accelerators.device_count()).total_memory
 
 
-def memory_problems(cfg: TrainConfig, dims: ParallelDims, ranks_per_node: int) -> List[str]:
-    """The estimate against the machine: every rank of this node on the host (CPU training),
-    or one rank per accelerator."""
-    est = estimate_memory(cfg, dims)
+def memory_problems(cfg: TrainConfig, dims: ParallelDims, ranks_per_node: int,
+                    meta_model: Optional[RecipeModel] = None) -> List[str]:
+    """The estimate (:func:`estimate_memory`) against the machine: every rank of this node on the
+    host (CPU training), or one rank per accelerator."""
+    est = estimate_memory(cfg, dims, meta_model)
     host, device = available_memory()
     on_accelerator = device is not None and cfg.training.device == "auto"
     fb = format_bytes

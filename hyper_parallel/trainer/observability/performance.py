@@ -69,12 +69,23 @@ def memory_record(platform: Platform) -> Dict[str, int]:
     return {"memory_bytes": platform.peak_memory_bytes()}
 
 
+def model_flops_per_token(model_cfg: Union[LlamaConfig, MoEConfig], seq_len: int,
+                          meta_model: Optional[torch.nn.Module] = None) -> float:
+    """:func:`flops_per_token` of the project's model of ``model_cfg``, or, given a ``transformers``
+    model (``model=hf``: the one validation built on the meta device), counted over its own
+    modules (:func:`hyper_parallel.models.hf_sizes.flops_per_token`)."""
+    if meta_model is None:
+        return flops_per_token(model_cfg, seq_len)
+    from hyper_parallel.models import hf_sizes
+
+    return hf_sizes.flops_per_token(meta_model, seq_len)
+
+
 class Throughput:
     """``tflops`` per device and ``mfu`` (None where the peak is unknown) from a step's time."""
 
-    def __init__(self, model_cfg: Union[LlamaConfig, MoEConfig], *, seq_len: int, tokens_per_step: int, world_size: int,
-                 peak: Optional[float]):
-        self.flops_per_step = flops_per_token(model_cfg, seq_len) * tokens_per_step
+    def __init__(self, flops_per_token: float, *, tokens_per_step: int, world_size: int, peak: Optional[float]):
+        self.flops_per_step = flops_per_token * tokens_per_step
         self.world_size, self.peak = world_size, peak
 
     def record(self, step_time_s: float) -> Dict[str, Any]:
