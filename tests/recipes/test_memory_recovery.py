@@ -203,15 +203,31 @@ def test_damaged_snapshots_fall_back_to_durable_and_another_jobs_are_ignored(ref
     assert os.listdir(memory) == []  # both jobs finished
 
 
+def _crash_after_without_collective_replicas(step, overrides):
+    """_crash_after with the collective transfer of replicas failing: on one node (the ranks of a
+    pool) a replica is a copy of the source's folder."""
+    from unittest import mock
+
+    from hyper_parallel.trainer.checkpointing import memory_snapshots
+
+    with mock.patch.object(memory_snapshots, "transfer", side_effect=AssertionError("a replica sent on one node")):
+        return _crash_after(step, overrides)
+
+
 def test_an_hsdp_job_resumes_from_memory_on_the_uninterrupted_losses(tmp_path):
-    """HSDP 2x2 (4 gloo ranks: replicated shards, each rank its own snapshot): a job that died
-    after step 5 resumes from its snapshots on the losses of a run that was not interrupted."""
+    """HSDP 2x2 (4 gloo ranks of one node: replicated shards, each rank its own snapshot, the
+    replica of the previous rank's copied within the node): a job that died after step 5 resumes
+    from its snapshots on the losses of a run that was not interrupted."""
     layout = ["parallel.dp_replicate=2", "parallel.dp_shard=2", "training.steps=8"]
     reference = str(tmp_path / "reference")
     run_on_ranks(4, _train, [*layout, f"output_dir={reference}"], timeout=300)
     out, memory = str(tmp_path / "out"), str(tmp_path / "memory")
     job = [*layout, *SNAPSHOTS, f"output_dir={out}", f"checkpoint.memory_dir={memory}"]
-    assert run_on_ranks(4, _crash_after, 5, job, timeout=300) == ["simulated crash"] * 4
+    assert run_on_ranks(4, _crash_after_without_collective_replicas, 5, job, timeout=300) == ["simulated crash"] * 4
+    [job_folder] = os.listdir(memory)
+    for rank in range(4):  # each holds a replica of the previous rank's snapshot, none sent
+        names = os.listdir(f"{memory}/{job_folder}/rank-{rank}")
+        assert any(re.fullmatch(rf"replica-of-{(rank - 1) % 4}-step-\d+", name) for name in names), names
     console = run_on_ranks(4, _train, job, timeout=300)[0]
     [event] = _recovered(out)
     assert event["from"] == "memory" and 1 <= event["step"] <= 5, (event, console)
