@@ -1,17 +1,19 @@
 """``parallel.ep`` with ``model=hf``: transformers' own Qwen3-MoE (its load-balancing loss on)
-and DeepSeek-V3 (a dense layer, a shared expert; activations checkpointed) split their grouped
-3-D experts over 2 ranks (``dp_shard=2 ep=2``), the tokens sent by all-to-all, and train the
-one-process losses; the experts are stored as ``Shard(0)`` in 2 chunks under transformers'
+and DeepSeek-V3 (a dense layer, a shared expert; activations checkpointed; and with CP2) split
+their grouped 3-D experts over 2 ranks (``dp_shard=2 ep=2``), the tokens sent by all-to-all,
+and train the one-process losses; each rank reads only its experts from the folder's
+per-expert tensors; the experts are stored as ``Shard(0)`` in 2 chunks under transformers'
 names, and a 2-rank EP checkpoint resumes on one process on the uninterrupted curve; models
 whose experts cannot be split are refused in one line by ``--check``."""
 
 from __future__ import annotations
 
 import json
-from typing import List
+from typing import List, Tuple
 from unittest import mock
 
 import pytest
+import torch
 import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
@@ -26,10 +28,17 @@ from tests.recipes.test_hf_model import RUN, SHAPE, _write_folder  # noqa: E402
 from tests.recipes.train_in_process import one_line_error  # noqa: E402
 
 EP = ["parallel.ep=2", "parallel.dp_shard=2"]
-LAYOUTS = {"qwen3_moe": [], "deepseek_v3": ["model.activation_checkpointing=true", "checkpoint.interval=3"]}
+# The 2-rank runs: name -> (family, overrides, token dispatches per step: MoE layers x forwards).
+EP_RUNS = {
+    "qwen3_moe": ("qwen3_moe", EP, 2),  # 2 MoE layers
+    # 1 MoE layer (the first is dense), its forward run twice (activation checkpointing)
+    "deepseek_v3": ("deepseek_v3", [*EP, "model.activation_checkpointing=true", "checkpoint.interval=3"], 2),
+    # the experts over the dp_shard x cp ranks (ring attention)
+    "deepseek_v3_cp2": ("deepseek_v3", ["parallel.ep=2", "parallel.dp_shard=1", "parallel.cp=2",
+                                        "checkpoint.interval=3"], 1),
+}
+FAMILIES = ("qwen3_moe", "deepseek_v3")
 RESUMED = "qwen3_moe"
-# 2 MoE layers; 1 MoE layer (the first is dense), its forward run twice (activation checkpointing).
-DISPATCHES_PER_STEP = {"qwen3_moe": 2, "deepseek_v3": 2}
 # transformers' load-balancing loss is each forward's (each rank's on 2 ranks): one process
 # computes it per micro-batch, the rows of one rank (the global micro-batches: the same rows).
 ONE_PROCESS = {"qwen3_moe": ["training.grad_accum_steps=2"], "deepseek_v3": []}
@@ -43,7 +52,7 @@ def _with_router_loss(folder: str) -> None:
 
 
 def _train(runs: List[List[str]]) -> List[int]:
-    """Each run's training on this rank; how many tokens dispatches each made (all-to-all pairs)."""
+    """Each run's training on this rank; how many token dispatches each made (all-to-all pairs)."""
     dispatches = []
     for overrides in runs:
         with mock.patch.object(hf_expert_parallel, "dispatch_tokens",
@@ -53,48 +62,71 @@ def _train(runs: List[List[str]]) -> List[int]:
     return dispatches
 
 
+def _expert_reads(path: str) -> List[Tuple[str, int]]:
+    """The (weight, expert) chunks of layer 1's experts this rank reads from ``path`` when the
+    recipe builds the EP2 model (each expert's gate and up rows once each)."""
+    from hyper_parallel.core.distributed_checkpoint.filesystem.reader import FileSystemReader
+    from hyper_parallel.trainer.setup.parallelize import build_mesh, build_model
+
+    reads, execute_read = [], FileSystemReader.execute_read
+
+    def recording(self, plan, planner):
+        reads.extend((item.storage_index.fqn.rsplit(".", 1)[-1], item.storage_index.offset[0])
+                     for item in plan.items if item.storage_index.fqn.startswith("model.layers.1.mlp.experts."))
+        return execute_read(self, plan, planner)
+
+    config = validate_config(compose_config([*RUN, f"model.path={path}", *EP]), dist.get_world_size())
+    with mock.patch.object(FileSystemReader, "execute_read", recording):
+        build_model(config.cfg.model, mesh=build_mesh(config.dims, "cpu"), device=torch.device("cpu"), seed=0,
+                    ep=2, meta_model=config.meta_model)
+    return sorted(reads)
+
+
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """Each family's folder, its EP2 run, its one-process run, and Qwen3-MoE resumed on one
-    process from its EP2 checkpoint of step 2."""
+    """The EP runs on 2 ranks, each family's one-process run, Qwen3-MoE resumed on one process
+    from its EP2 checkpoint of step 2, and the experts each rank read."""
     root = tmp_path_factory.mktemp("hfep")
-    paths = {family: _write_folder(root / family, family) for family in LAYOUTS}
+    paths = {family: _write_folder(root / family, family) for family in FAMILIES}
     _with_router_loss(paths["qwen3_moe"])
-    out = {family: {kind: str(root / f"{family}-{kind}") for kind in ("ep", "one", "resumed")} for family in paths}
-    dispatches = run_on_ranks(2, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['ep']}", *EP, *LAYOUTS[f]]
-                                          for f in paths], timeout=300)
-    run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f]['one']}", "checkpoint.interval=3",
-                              *ONE_PROCESS[f]] for f in paths]
-                 + [[f"model.path={paths[RESUMED]}", f"output_dir={out[RESUMED]['resumed']}",
-                     f"checkpoint.load_from={out[RESUMED]['ep']}/checkpoints/step-2"]], timeout=300)
-    return out, dispatches
+    out = {name: str(root / name) for name in (*EP_RUNS, *(f"{f}-one" for f in FAMILIES), "resumed")}
+    dispatches = run_on_ranks(2, _train, [[f"model.path={paths[family]}", f"output_dir={out[name]}", *overrides]
+                                          for name, (family, overrides, _) in EP_RUNS.items()], timeout=300)
+    reads = run_on_ranks(2, _expert_reads, paths["qwen3_moe"], timeout=120)
+    run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={out[f + '-one']}", "checkpoint.interval=3",
+                              *ONE_PROCESS[f]] for f in FAMILIES]
+                 + [[f"model.path={paths[RESUMED]}", f"output_dir={out['resumed']}",
+                     f"checkpoint.load_from={out[RESUMED]}/checkpoints/step-2"]], timeout=300)
+    return out, {name: [per_rank[i] for per_rank in dispatches] for i, name in enumerate(EP_RUNS)}, reads
 
 
-@pytest.mark.parametrize("family", list(LAYOUTS))
-def test_expert_parallel_trains_the_one_process_losses(trained, family):
-    out, dispatches = trained
-    one, ep = last_loss_per_step(out[family]["one"]), last_loss_per_step(out[family]["ep"])
+@pytest.mark.parametrize("name", list(EP_RUNS))
+def test_expert_parallel_trains_the_one_process_losses(trained, name):
+    out, dispatches, _ = trained
+    family, _, per_step = EP_RUNS[name]
+    one, ep = last_loss_per_step(out[f"{family}-one"]), last_loss_per_step(out[name])
     assert sorted(one) == sorted(ep) == [1, 2, 3] and one[3] < one[1]
     assert_losses_match(one, ep, rel=1e-5)
-    stored = read_checkpoint_metadata(f"{out[family]['ep']}/checkpoints/step-3").state_dict_metadata
+    stored = read_checkpoint_metadata(f"{out[name]}/checkpoints/step-3").state_dict_metadata
     for weight, size in (("gate_up_proj", (4, 32, 32)), ("down_proj", (4, 32, 16))):
         md = stored[f"model.model.layers.1.mlp.experts.{weight}"]
         offsets = sorted(tuple(md.chunks.offsets_of(i)) for i in range(len(md.chunks)))
         assert tuple(md.size) == size and offsets == [(0, 0, 0), (2, 0, 0)]  # Shard(0): 2 experts a rank
-    # Every rank sent its tokens to the experts' ranks: per MoE layer and step, one dispatch in
-    # the forward (and one more in the recomputation of checkpointed activations).
-    assert _dispatches(dispatches, family) == [3 * DISPATCHES_PER_STEP[family]] * 2
+    # Every rank sent its tokens to the experts' ranks: per MoE layer and forward, one dispatch.
+    assert dispatches[name] == [3 * per_step] * 2
 
 
-def _dispatches(dispatches: List[List[int]], family: str) -> List[int]:
-    """Each rank's token dispatches in ``family``'s EP run."""
-    return [per_rank[list(LAYOUTS).index(family)] for per_rank in dispatches]
+def test_each_rank_reads_only_its_own_experts(trained):
+    _, _, reads = trained
+    # Per expert, its gate rows and its up rows (2 per-expert tensors on disk), and down_proj.
+    assert reads == [sorted([(w, e) for e in experts for w in ("down_proj", "gate_up_proj", "gate_up_proj")])
+                     for experts in ((0, 1), (2, 3))]
 
 
 def test_an_expert_parallel_checkpoint_resumes_on_one_process(trained):
-    out, dispatches = trained
-    assert _dispatches(dispatches, RESUMED) == [3 * DISPATCHES_PER_STEP[RESUMED]] * 2  # the checkpoint is EP's
-    one, resumed = last_loss_per_step(out[RESUMED]["one"]), last_loss_per_step(out[RESUMED]["resumed"])
+    out, dispatches, _ = trained
+    assert dispatches[RESUMED] == [3 * EP_RUNS[RESUMED][2]] * 2  # the checkpoint is an EP run's
+    one, resumed = last_loss_per_step(out[f"{RESUMED}-one"]), last_loss_per_step(out["resumed"])
     assert sorted(resumed) == [3]
     assert_losses_match(one, resumed, range(3, 4), rel=1e-5)
 
