@@ -76,7 +76,9 @@ def grouped_experts(model: nn.Module) -> Dict[str, nn.Module]:
 
 def _layout_problem(name: str, experts: nn.Module) -> str:
     """Why ``experts`` is not the layout :func:`expert_parallel_forward` computes (empty: it is)."""
-    odd = [f"{flag}={vars(experts)[flag]}" for flag, value in _LAYOUT.items() if vars(experts)[flag] != value]
+    # A flag the installed decorator does not set is an option it predates: the default layout.
+    flags = {flag: vars(experts).get(flag, value) for flag, value in _LAYOUT.items()}
+    odd = [f"{flag}={flags[flag]}" for flag, value in _LAYOUT.items() if flags[flag] != value]
     shapes = {key: tuple(p.shape) for key, p in experts.named_parameters()}
     if not odd and sorted(shapes) == sorted(_WEIGHTS):
         (e, two_i, h), (e2, h2, i) = shapes["gate_up_proj"], shapes["down_proj"]
@@ -125,7 +127,8 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> List[nn.Modu
 
     Raises:
         ValueError: as :func:`expert_parallel_problems`, or as
-            :func:`~hyper_parallel.parallel.expert.distribute_experts`.
+            :func:`~hyper_parallel.parallel.expert.distribute_experts`; or ``transformers`` does
+            not let the model's experts implementation be set.
     """
     problems = expert_parallel_problems(model, ep_mesh.size())
     if problems:
@@ -136,6 +139,10 @@ def apply_expert_parallel(model: nn.Module, ep_mesh: DeviceMesh) -> List[nn.Modu
         _EP_MESHES[module] = ep_mesh
     _register()
     model.set_experts_implementation(EXPERT_PARALLEL)
+    unset = sorted({module.config._experts_implementation for module in experts} - {EXPERT_PARALLEL})
+    if unset:
+        raise ValueError(f"parallel.ep: {model.architecture} kept experts implementation {unset[0]!r} "
+                         f"(transformers cannot set {EXPERT_PARALLEL!r} on it); {_INSTEAD}")
     return experts
 
 

@@ -156,3 +156,13 @@ def _folder(folder, case: str) -> str:
 def test_experts_that_cannot_be_split_are_refused_in_one_line(tmp_path, check, case, expected):
     folder = _folder(tmp_path / "dir", case)
     one_line_error(*check("model=hf", f"model.path={folder}", *EP)[::2], expected)
+
+
+def test_expert_parallel_with_tensor_parallel_is_refused(tmp_path):
+    from hyper_parallel.trainer import ConfigError
+
+    folder = _write_folder(tmp_path / "dir", "qwen3_moe", weights=False)
+    with pytest.raises(ConfigError) as err:
+        validate_config(compose_config([*RUN, f"model.path={folder}", *EP, "parallel.tp=2"]), 4)
+    assert ("parallel.ep=2 with parallel.tp=2: model=hf (Qwen3MoeForCausalLM) splits its experts over "
+            "data-parallel ranks only; use one of them") in str(err.value).splitlines()[-1]
