@@ -61,7 +61,7 @@ def _interface_forward_code() -> Any:
     from transformers.integrations.moe import use_experts_implementation
 
     class Probe(nn.Module):
-        def forward(self, hidden_states, top_k_index, top_k_weights):  # pragma: no cover - never called
+        def forward(self, hidden_states, top_k_index, top_k_weights):  # never called
             raise NotImplementedError
 
     return use_experts_implementation(Probe).forward.__code__
@@ -97,9 +97,8 @@ def expert_parallel_problems(model: nn.Module, ep: int) -> List[str]:
     name = model.architecture
     experts = grouped_experts(model)
     if not experts:
-        has_moe = any(("expert" in part or "moe" in part) for key, _ in model.named_modules()
-                      for part in key.rsplit(".", 1)[-1:])
-        if has_moe:
+        leaves = {key.rsplit(".", 1)[-1] for key, _ in model.named_modules()}
+        if any("expert" in leaf or "moe" in leaf for leaf in leaves):  # experts of its own kind
             return [f"parallel.ep={ep}: {name}'s experts do not run through transformers' experts interface "
                     f"(@use_experts_implementation with grouped 3-D weights); {_INSTEAD}"]
         return [f"parallel.ep={ep}: {name} has no experts (a dense model); {_INSTEAD}"]

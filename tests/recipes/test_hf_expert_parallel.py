@@ -138,8 +138,8 @@ def _folder(folder, case: str) -> str:
     elif case == "no_gate":  # Nemotron-H: grouped experts without a gate (up -> act -> down)
         transformers.NemotronHConfig(**SHAPE, n_routed_experts=4, num_experts_per_tok=2).save_pretrained(folder)
     elif case == "not_interface":  # JetMoE: its own experts, outside transformers' experts interface
-        transformers.JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_local_experts=4, kv_channels=8,
-                                  num_key_value_heads=2, num_experts_per_tok=2).save_pretrained(folder)
+        transformers.JetMoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_local_experts=4,
+                                  kv_channels=8, num_key_value_heads=2, num_experts_per_tok=2).save_pretrained(folder)
     else:
         return _write_folder(folder, case, weights=False)
     return str(folder)
