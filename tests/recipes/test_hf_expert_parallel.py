@@ -166,3 +166,19 @@ def test_expert_parallel_with_tensor_parallel_is_refused(tmp_path):
         validate_config(compose_config([*RUN, f"model.path={folder}", *EP, "parallel.tp=2"]), 4)
     assert ("parallel.ep=2 with parallel.tp=2: model=hf (Qwen3MoeForCausalLM) splits its experts over "
             "data-parallel ranks only; use one of them") in str(err.value).splitlines()[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])  # grouped GEMM on CPU; the split path
+def test_the_local_experts_compute_each_experts_gated_mlp(dtype):
+    from hyper_parallel.models.grouped_experts import ExpertMatmul, expert_matmul
+    from hyper_parallel.models.hf_expert_parallel import _local_experts
+
+    generator = torch.Generator().manual_seed(0)
+    x, gate_up, down = (torch.randn(*shape, generator=generator, dtype=dtype)
+                        for shape in ((7, 8), (3, 8, 8), (3, 8, 4)))
+    counts = torch.tensor([3, 0, 4])
+    assert (expert_matmul(x, gate_up, down) is ExpertMatmul.GROUPED_MM) == (dtype == torch.float32)
+    act = torch.nn.GELU()
+    expected = torch.cat([down[e] @ (act(gate_up[e, :4] @ row) * (gate_up[e, 4:] @ row))
+                          for e, rows in zip(range(3), x.split(counts.tolist())) for row in rows]).view(7, 8)
+    torch.testing.assert_close(_local_experts(act, x, counts, gate_up, down), expected)
