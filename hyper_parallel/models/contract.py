@@ -6,7 +6,7 @@ builds (the project's decoders, :class:`~hyper_parallel.models.llama.Transformer
 
 from __future__ import annotations
 
-from typing import ClassVar, Mapping, Optional
+from typing import ClassVar, List, Mapping, Optional
 
 import torch.distributed as dist
 from torch import nn
@@ -21,7 +21,8 @@ class RecipeModel:
     materialised (``to_empty``) and initialised from a seed.
 
     A subclass implements :meth:`apply_tensor_parallel` and :meth:`init_from_seed` and sets the
-    flags that differ from the defaults (a mixture of experts sets all three). A plain base class,
+    flags that differ from the defaults (a mixture of experts sets all three, and implements
+    :meth:`apply_expert_parallel`). A plain base class,
     not an ``abc.ABC``: ``fully_shard`` assigns a module's ``__class__``, which fails ("object layout
     differs") for a module whose class mixes in ``abc.ABC``.
     """
@@ -51,6 +52,21 @@ class RecipeModel:
             ValueError: the model has no plan that runs here (the message says what to use).
         """
         raise NotImplementedError(f"{type(self).__name__} must implement apply_tensor_parallel")
+
+    def apply_expert_parallel(self, ep_mesh: DeviceMesh) -> List[nn.Module]:
+        """Split the routed experts of every MoE layer over the 1-D ``ep_mesh`` (their weights
+        DTensors ``Shard(0)``, ``num_experts / ep`` experts a rank; on the meta device too), their
+        tokens sent to the rank holding their expert and back by all-to-all
+        (:mod:`hyper_parallel.parallel.expert`). Returns the experts modules, which the recipe
+        ``fully_shard``-s over the rest of the data-parallel ranks. A model without experts
+        refuses.
+
+        Raises:
+            ValueError: the model has no experts it can split over ``ep_mesh`` (the message says
+                why and what to use).
+        """
+        raise ValueError(f"parallel.ep={ep_mesh.size()}: {type(self).__name__} has no experts (a dense model); "
+                         "set parallel.ep=1")
 
     def init_from_seed(self, seed: int) -> None:
         """(Re)initialise every parameter and buffer (plain or sharded, e.g. after ``to_empty``)

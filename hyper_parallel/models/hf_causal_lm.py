@@ -13,7 +13,8 @@ every mesh), and :func:`~hyper_parallel.models.hf_weights.load_weights` fills th
 ``DIR``'s safetensors, each rank reading only its own slices (a tied tensor once, experts
 ``transformers`` fuses into 3-D tensors from the per-expert tensors a folder holds).
 :func:`apply_tensor_parallel` shards the decoder layers as the model's own ``base_model_tp_plan``
-says. The recipe reaches both through the model's
+says; :mod:`~hyper_parallel.models.hf_expert_parallel` splits a mixture of experts' experts over
+the ``ep`` ranks. The recipe reaches them through the model's
 :class:`~hyper_parallel.models.contract.RecipeModel` methods.
 """
 
@@ -32,7 +33,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from hyper_parallel._torch_compat import module_buffers, module_parameters
 from hyper_parallel.core.layout import local_part
-from hyper_parallel.models import hf_context_parallel
+from hyper_parallel.models import hf_context_parallel, hf_expert_parallel
 from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.decoder import name_seed
 from hyper_parallel.models.moe_layer import attach_aux_loss, checked_aux_loss_scale
@@ -106,6 +107,11 @@ class CausalLMLogits(RecipeModel):
     def apply_tensor_parallel(self, tp_mesh: DeviceMesh) -> None:
         """:func:`apply_tensor_parallel` (the model's ``base_model_tp_plan``)."""
         apply_tensor_parallel(self, tp_mesh)  # type: ignore[arg-type]
+
+    def apply_expert_parallel(self, ep_mesh: DeviceMesh) -> List[nn.Module]:
+        """:func:`~hyper_parallel.models.hf_expert_parallel.apply_expert_parallel` (registered as
+        a ``transformers`` experts implementation)."""
+        return hf_expert_parallel.apply_expert_parallel(self, ep_mesh)  # type: ignore[arg-type]
 
     def use_ring_attention(self) -> None:
         """:func:`~hyper_parallel.models.hf_context_parallel.use_ring_attention` (the ring

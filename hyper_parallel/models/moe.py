@@ -23,10 +23,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor.parallel import parallelize_module
 
 from hyper_parallel.models.decoder import Decoder, DecoderBlock, DecoderSizes
 from hyper_parallel.models.layers import FeedForward
 from hyper_parallel.models.moe_layer import MoE, checked_aux_loss_scale
+from hyper_parallel.parallel.expert import ExpertParallel
 
 __all__ = ["MOE_CONFIGS", "MemoryPerRank", "MoEBlock", "MoEConfig", "MoETransformer", "ParamCounts",
            "STATE_BYTES_PER_PARAM", "build_moe", "memory_per_rank", "param_counts"]
@@ -141,6 +143,19 @@ class MoETransformer(Decoder):
             ValueError: always.
         """
         raise ValueError(f"{type(self).__name__}: {NO_TENSOR_PARALLEL_PLAN}")
+
+    def apply_expert_parallel(self, ep_mesh: DeviceMesh) -> List[nn.Module]:
+        """Each MoE layer's routed experts split over ``ep_mesh`` by
+        :class:`~hyper_parallel.parallel.expert.ExpertParallel`; the experts modules.
+
+        Raises:
+            ValueError: as :class:`~hyper_parallel.parallel.expert.ExpertParallel` (e.g. the
+                experts do not divide over the mesh).
+        """
+        experts = [moe.experts for moe in self.moe_layers().values()]
+        for module in experts:
+            parallelize_module(module, ep_mesh, ExpertParallel())
+        return experts
 
     def moe_layers(self) -> Dict[str, MoE]:
         """The MoE layers by block name (the dense blocks have none)."""

@@ -29,7 +29,7 @@ import enum
 import types
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, List, Protocol, Tuple
+from typing import Iterator, List, Optional, Protocol, Tuple
 
 import torch
 import torch.distributed as dist
@@ -40,7 +40,8 @@ from torch.distributed.tensor.parallel import ParallelStyle
 
 from hyper_parallel._torch_compat import module_parameters, unflatten_mesh
 
-__all__ = ["ExpertParallel", "GroupedExperts", "Routing", "combine_tokens", "dispatch_tokens", "expert_meshes"]
+__all__ = ["ExpertParallel", "GroupedExperts", "Routing", "combine_tokens", "dispatch_tokens", "distribute_experts",
+           "expert_meshes"]
 
 
 class GroupedExperts(Protocol):
@@ -225,24 +226,36 @@ class ExpertParallel(ParallelStyle):
     """
 
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
-        num_experts = _check_experts(module, device_mesh)
-        for sub in module.modules():
-            params = module_parameters(sub)
-            for name, param in list(params.items()):
-                if param is not None:
-                    sharded = distribute_tensor(param.data, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
-                    params[name] = nn.Parameter(sharded, requires_grad=param.requires_grad)
+        if "forward" in vars(module):
+            raise ValueError(f"ExpertParallel: {type(module).__name__}'s forward is already replaced "
+                             f"(expert parallelism applied twice?)")
+        num_experts = distribute_experts(module, device_mesh, src_data_rank=self.src_data_rank)
         module.forward = types.MethodType(_Forward(type(module).forward, device_mesh, num_experts), module)
         return module
+
+
+def distribute_experts(module: nn.Module, mesh: DeviceMesh, *, src_data_rank: Optional[int] = 0) -> int:
+    """Make every parameter of ``module`` (experts on dim 0) a DTensor ``Shard(0)`` over the 1-D
+    ``mesh``, in place (on the meta device too); returns the number of experts. ``src_data_rank``:
+    as ``distribute_tensor``'s.
+
+    Raises:
+        ValueError: as :class:`ExpertParallel` at apply (mesh, parameters, divisibility).
+    """
+    num_experts = _check_experts(module, mesh)
+    for sub in module.modules():
+        params = module_parameters(sub)
+        for name, param in list(params.items()):
+            if param is not None:
+                sharded = distribute_tensor(param.data, mesh, [Shard(0)], src_data_rank=src_data_rank)
+                params[name] = nn.Parameter(sharded, requires_grad=param.requires_grad)
+    return num_experts
 
 
 def _check_experts(module: nn.Module, mesh: DeviceMesh) -> int:
     """The module's number of experts (its parameters' common dim 0), checked against ``mesh``."""
     if mesh.ndim != 1:
         raise ValueError(f"ExpertParallel needs a 1-D ep mesh, got {mesh.ndim}-D {mesh}")
-    if "forward" in vars(module):
-        raise ValueError(f"ExpertParallel: {type(module).__name__}'s forward is already replaced "
-                         f"(expert parallelism applied twice?)")
     named = list(module.named_parameters())
     if not named:
         raise ValueError(f"ExpertParallel: {type(module).__name__} has no parameters to shard over experts")

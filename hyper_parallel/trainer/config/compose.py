@@ -176,7 +176,7 @@ def validate_config(cfg: DictConfig, world_size: int) -> ValidConfig:
     typed = _typed(values)
     dims, relations = typed.problems(world_size, lambda name: name not in problems)
     if hf_meta_model is not None:
-        relations += hf_model.problems(typed, hf_meta_model, set_keys)
+        relations += hf_model.problems(typed, hf_meta_model, set_keys, dims)
     relations = hf_lines + relations
     listing = list(problems.values()) + relations
     if listing:

@@ -2,11 +2,14 @@
 and the model keys the rest of the recipe reads (vocabulary, sizes) taken from its config.json.
 
 The model itself is :mod:`hyper_parallel.models.hf_causal_lm`'s; what the recipe cannot do with
-it yet (expert and pipeline parallelism, float8, compile, a chunked loss) is refused
-here in one line naming the model and what to use instead; tensor parallelism follows the
-model's own plan (``base_model_tp_plan``) where its styles map to torch's, context parallelism
-runs where the ring attention can replace the model's
-(:func:`~hyper_parallel.models.hf_context_parallel.context_parallel_problems`).
+it yet (pipeline parallelism, float8, compile, a chunked loss) is refused here in one line
+naming the model and what to use instead; tensor parallelism follows the model's own plan
+(``base_model_tp_plan``) where its styles map to torch's, context parallelism runs where the
+ring attention can replace the model's
+(:func:`~hyper_parallel.models.hf_context_parallel.context_parallel_problems`), and expert
+parallelism where the model's experts are ``transformers``' grouped 3-D ones and ``ep`` divides
+them (:func:`~hyper_parallel.models.hf_expert_parallel.expert_parallel_problems`; not with
+tensor parallelism).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 from hyper_parallel.core.distributed_checkpoint.errors import CheckpointError
 
 if TYPE_CHECKING:
+    from hyper_parallel.trainer.config.parallel import ParallelDims
     from hyper_parallel.trainer.config.schema import TrainConfig
 
 # ModelConfig key -> the transformers config key it is read from.
@@ -54,11 +58,13 @@ def read_model_keys(path: str) -> Tuple[Dict[str, Any], List[str], Optional[Any]
     return keys, problems, model
 
 
-def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
+def problems(cfg: "TrainConfig", model: Any, set_keys: List[str], dims: Optional["ParallelDims"] = None) -> List[str]:
     """What the recipe cannot do with a ``transformers`` ``model`` (on the meta device), one line
-    each; ``set_keys``: model shape keys given although config.json decides them."""
+    each; ``set_keys``: model shape keys given although config.json decides them; ``dims``: the
+    world's layout (None: not resolved)."""
     from hyper_parallel.models.hf_causal_lm import tensor_parallel_problems
     from hyper_parallel.models.hf_context_parallel import context_parallel_problems
+    from hyper_parallel.models.hf_expert_parallel import expert_parallel_problems
 
     p, t, m, architecture = cfg.parallel, cfg.training, cfg.model, model.architecture
     found = [f"model.{key} is read from {m.path}/config.json with model=hf: remove the override" for key in set_keys]
@@ -71,9 +77,14 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
     if getattr(text, "output_router_logits", False) and not hasattr(text, "router_aux_loss_coef"):
         found.append(f"{m.path}/config.json: output_router_logits=true, but {architecture} has no load-balancing "
                      "loss (no router_aux_loss_coef); set it to false")
-    for name, degree in (("ep", p.ep), ("pp", p.pp)):
-        if degree > 1:
-            found.append(f"parallel.{name}={degree}: model=hf ({architecture}) does not support it yet; {instead}")
+    if p.ep > 1:
+        experts = expert_parallel_problems(model, p.ep)
+        found += experts or p.ep_rank_problems(dims)
+        if not experts and p.tp > 1:
+            found.append(f"parallel.ep={p.ep} with parallel.tp={p.tp}: model=hf ({architecture}) splits its experts "
+                         "over data-parallel ranks only; use one of them")
+    if p.pp > 1:
+        found.append(f"parallel.pp={p.pp}: model=hf ({architecture}) does not support it yet; {instead}")
     for on, what, alternative in (
             (t.float8, "training.float8=true", "train in parallel.mixed_precision=bf16"),
             (t.loss_chunks > 1, f"training.loss_chunks={t.loss_chunks}", "use training.loss_chunks=1"),

@@ -214,8 +214,14 @@ class ParallelConfig:
         if num_experts % ep:
             problems.append(f"parallel.ep={ep} does not divide model.moe.num_experts={num_experts} "
                             "(each ep rank holds num_experts / ep experts)")
-        if dims is not None and (dims.shard * dims.cp) % ep:
-            ranks = f"{dims.shard} dp_shard" if dims.cp == 1 else f"{dims.shard} x {dims.cp} dp_shard x cp"
-            problems.append(f"parallel.ep={ep} does not divide the {ranks} ranks (expert "
-                            "parallelism splits the experts over ep of them)")
-        return problems
+        return problems + self.ep_rank_problems(dims)
+
+    def ep_rank_problems(self, dims: Optional[ParallelDims]) -> List[str]:
+        """Where ``ep`` does not divide the ``dp_shard x cp`` ranks (of each replica under HSDP)
+        that the experts are split over (empty: it does, or ``ep`` is 1)."""
+        ep = self.ep
+        if not isinstance(ep, int) or ep == 1 or dims is None or not (dims.shard * dims.cp) % ep:
+            return []
+        ranks = f"{dims.shard} dp_shard" if dims.cp == 1 else f"{dims.shard} x {dims.cp} dp_shard x cp"
+        return [f"parallel.ep={ep} does not divide the {ranks} ranks (expert "
+                "parallelism splits the experts over ep of them)"]

@@ -199,7 +199,8 @@ class TrainConfig:
             except (ValueError, TypeError):
                 pass  # ModelConfig.problems reports it
         elif all(ok(f"model.{name}") for name in field_rules(ModelConfig)):
-            problems += p.ep_problems(None, dims) if ok("parallel.ep") else []
+            # model=hf: the experts are config.json's (hf_model.problems checks ep against them)
+            problems += p.ep_problems(None, dims) if ok("parallel.ep") and m.path is None else []
             try:
                 llama = llama_config(m)
             except (ValueError, TypeError):

@@ -9,12 +9,11 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.tensor.parallel import parallelize_module
 from torch.utils.checkpoint import checkpoint
 
 from hyper_parallel.checkpoint import CheckpointError
 from hyper_parallel.core.fully_shard import MixedPrecisionPolicy, fully_shard
-from hyper_parallel.parallel.expert import ExpertParallel, expert_meshes
+from hyper_parallel.parallel.expert import expert_meshes
 from hyper_parallel.models import hf_causal_lm, hf_llama, hf_moe, hf_weights
 from hyper_parallel.models.contract import RecipeModel
 from hyper_parallel.models.llama import LlamaConfig, Transformer
@@ -98,24 +97,28 @@ def _mp_policy(mixed_precision: str) -> MixedPrecisionPolicy:
             if mixed_precision == "bf16" else MixedPrecisionPolicy())
 
 
-def shard_experts(model: MoETransformer, data_mesh: DeviceMesh, ep: int, *, mixed_precision: str,
+def shard_experts(model: RecipeModel, data_mesh: DeviceMesh, ep: int, *, mixed_precision: str,
                   reshard_after_forward: bool) -> None:
     """Expert parallelism: the ``dp_shard`` ranks of the data-parallel mesh ``data_mesh`` (1-D
     ``(shard,)``, or 2-D ``(replicate, shard)`` under HSDP; with context parallelism the
     flattened ``dp_shard_cp`` dim in place of ``shard``; see :func:`dp_mesh`) regrouped into
     ``efsdp`` x ``ep`` (:func:`~hyper_parallel.parallel.expert.expert_meshes`); each MoE
-    block's routed experts split over ``ep`` (:class:`ExpertParallel`, their tokens sent by
-    all-to-all) and ``fully_shard``-ed over ``efsdp`` (HSDP over ``(replicate, efsdp)`` when
-    ``data_mesh`` has a replicate dim). An expert's gradient sums the tokens of its whole ep
+    layer's routed experts split over ``ep`` by the model
+    (:meth:`~hyper_parallel.models.contract.RecipeModel.apply_expert_parallel`: their tokens
+    sent by all-to-all) and ``fully_shard``-ed over ``efsdp`` (HSDP over ``(replicate, efsdp)``
+    when ``data_mesh`` has a replicate dim). An expert's gradient sums the tokens of its whole ep
     group, so it is divided by the whole data-parallel size (``replicate x dp_shard`` (``x cp``), the
     dense average), not by the ``replicate x efsdp`` size that ``fully_shard`` would use. Call before
-    :func:`shard_model`."""
+    :func:`shard_model`.
+
+    Raises:
+        ValueError: the model has no experts it can split (see ``apply_expert_parallel``).
+    """
     ep_mesh, efsdp_mesh = expert_meshes(data_mesh, ep)
-    for moe in model.moe_layers().values():
-        parallelize_module(moe.experts, ep_mesh, ExpertParallel())
-        fully_shard(moe.experts, mesh=efsdp_mesh, reshard_after_forward=reshard_after_forward,
+    for experts in model.apply_expert_parallel(ep_mesh):
+        fully_shard(experts, mesh=efsdp_mesh, reshard_after_forward=reshard_after_forward,
                     mp_policy=_mp_policy(mixed_precision))
-        moe.experts.set_gradient_divide_factor(data_mesh.size())
+        experts.set_gradient_divide_factor(data_mesh.size())
 
 
 def compile_blocks(model: RecipeModel, backend: str, *, fullgraph: bool = True) -> None:
