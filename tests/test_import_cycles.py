@@ -47,7 +47,8 @@ def test_a_lazy_import_closing_a_circle_is_found(tmp_path):
 MAY_IMPORT = {
     "hyper_parallel.models": ("hyper_parallel.models", "hyper_parallel._torch_compat", "hyper_parallel.core",
                               "hyper_parallel.checkpoint", "hyper_parallel.parallel.context",
-                              "hyper_parallel.parallel.ring_attention", "hyper_parallel.chunked_loss",
+                              "hyper_parallel.parallel.ring_attention", "hyper_parallel.parallel.expert",
+                              "hyper_parallel.chunked_loss",
                               "hyper_parallel._optional", "hyper_parallel.utils"),
     "hyper_parallel.parallel": ("hyper_parallel.parallel", "hyper_parallel._torch_compat", "hyper_parallel.core",
                                 "hyper_parallel.chunked_loss", "hyper_parallel.utils"),

@@ -6,13 +6,17 @@ family chooses each block's feed-forward: ``llama`` (dense SwiGLU) and ``moe`` (
 experts: ``moe_layer``, ``grouped_experts``). ``llama_parallel`` holds their tensor-parallel plan
 and pipeline stage split, ``hf_llama`` / ``hf_moe`` the Hugging Face name maps and configs;
 ``hf_causal_lm`` builds any transformers causal LM for the recipes (``model=hf``), ``hf_weights``
-reads its folder's safetensors, ``hf_sizes`` counts its parameters and FLOPs; ``float8`` converts their dense linears to torchao's float8 ones
-(the output layer kept high precision);
+reads its folder's safetensors, ``hf_sizes`` counts its parameters and FLOPs,
+``hf_context_parallel`` / ``hf_expert_parallel`` run its attention as the ring and its experts
+over the ep ranks; ``float8`` converts their dense linears to torchao's float8 ones (the output
+layer kept high precision);
 ``contract`` declares what the recipe needs of every one of these models (:class:`RecipeModel`).
 
 May import (beside torch): ``hyper_parallel._torch_compat``, ``core`` (fully_shard, layout, the
 checkpoint formats for the HF maps), ``checkpoint``, ``parallel.context`` and
 ``parallel.ring_attention`` (context parallelism: the attention's context and ring),
+``parallel.expert`` (expert parallelism: a model's ``apply_expert_parallel`` shards its experts
+and sends their tokens with it),
 ``chunked_loss``, ``_optional`` (the optional extras) and ``utils``; never ``trainer``, ``data``,
 the other parallelisms or the recipes (tests/test_import_cycles.py checks it).
 """
