@@ -57,6 +57,7 @@ def read_model_keys(path: str) -> Tuple[Dict[str, Any], List[str], Optional[Any]
 def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
     """What the recipe cannot do with a ``transformers`` ``model`` (on the meta device), one line
     each; ``set_keys``: model shape keys given although config.json decides them."""
+    from hyper_parallel.models.float8 import float8_linear_problems
     from hyper_parallel.models.hf_causal_lm import tensor_parallel_problems
     from hyper_parallel.models.hf_context_parallel import context_parallel_problems
 
@@ -74,10 +75,9 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
     for name, degree in (("ep", p.ep), ("pp", p.pp)):
         if degree > 1:
             found.append(f"parallel.{name}={degree}: model=hf ({architecture}) does not support it yet; {instead}")
+    if t.float8:
+        found += float8_linear_problems(model, f"in {m.path}/config.json", architecture)
     for on, what, alternative in (
-            (t.float8, "training.float8=true", "train in parallel.mixed_precision=bf16"),
-            (t.loss_chunks > 1, f"training.loss_chunks={t.loss_chunks}", "use training.loss_chunks=1"),
-            (t.compile, "training.compile=true", "run eager"),
             (t.document_mask, "training.document_mask=true", "train without document masks"),
             (m.init_from is not None, "model.init_from", f"put the weights in {m.path}"),
             (m.moe is not None, "model.moe", "the experts are config.json's")):
