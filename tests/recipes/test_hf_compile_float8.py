@@ -3,10 +3,11 @@
 (aot_eager with activation checkpointing: Qwen3-MoE's compiled around the checkpoint under FSDP2,
 Llama's inside it under TP2) and the chunked loss (Qwen3-MoE under FSDP2, Llama under CP2) train
 the eager one-process losses; float8 runs Qwen3-MoE's attention linears in float8 (gathered as
-float8 bytes) and keeps lm_head, the routers and the 3-D experts in high precision. On one
-process, the chunked loss is the model's own (logit soft-capping included, the load-balancing
-loss in its backward) without the whole logits, and with router logits (recorded by hooks dynamo
-cannot trace) the layers compile around them; a model float8 cannot run is refused in one line."""
+float8 bytes) and keeps lm_head, the routers (PhiMoE's, an ``nn.Linear`` subclass, too) and the
+3-D experts in high precision. On one process, the chunked loss is the model's own (logit
+soft-capping included, the load-balancing loss in its backward) without the whole logits, and
+with router logits (recorded by hooks dynamo cannot trace) the layers compile around them; a
+model float8 cannot run is refused in one line."""
 
 from __future__ import annotations
 
@@ -18,8 +19,10 @@ import torch.distributed as dist
 
 transformers = pytest.importorskip("transformers")
 
+from hyper_parallel._optional import available  # noqa: E402
 from hyper_parallel._torch_compat import dynamo_graphs_compiled  # noqa: E402
 from hyper_parallel.models import hf_causal_lm  # noqa: E402
+from hyper_parallel.models.float8 import convert_to_float8  # noqa: E402
 from hyper_parallel.platform import get_platform  # noqa: E402
 from hyper_parallel.trainer import compose_config, run_training, validate_config  # noqa: E402
 from hyper_parallel.trainer.config.model import ModelConfig  # noqa: E402
@@ -89,7 +92,7 @@ def runs(tmp_path_factory):
                                       for f, name, o in RUNS], timeout=300)[0]
     run_on_ranks(1, _train, [[f"model.path={paths[f]}", f"output_dir={root / f'{f}-one'}"] for f in paths], timeout=300)
     float8 = {recipe: run_on_ranks(2, _float8_steps, paths["qwen3_moe"], recipe, timeout=180)
-              for recipe in ("tensorwise", None)}
+              for recipe in ("tensorwise", None)} if available("torchao") else None
     losses = {(f, name): last_loss_per_step(str(root / f"{f}-{name}"))
               for f, name in [(f, name) for f, name, _ in RUNS] + [(f, "one") for f in paths]}
     return {"graphs": dict(zip([(f, name) for f, name, _ in RUNS], graphs)), "losses": losses, "float8": float8}
@@ -105,6 +108,7 @@ def test_two_ranks_compiled_or_chunked_train_the_eager_one_process_losses(runs, 
 
 
 def test_float8_runs_the_dense_linears_and_keeps_the_head_routers_and_experts_high_precision(runs):
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'hyper_parallel[float8]')")
     for (losses, gathered, float8), (reference, _, plain) in zip(*runs["float8"].values()):
         assert not any(plain.values())
         assert {name.split(".", 3)[-1] for name, on in float8.items() if on} == {"self_attn.q_proj",
@@ -115,6 +119,17 @@ def test_float8_runs_the_dense_linears_and_keeps_the_head_routers_and_experts_hi
         # The same model and batches: float8 rounding moves the first loss a little, not more.
         assert losses[0] != reference[0] and abs(losses[0] - reference[0]) < 0.02 * reference[0], (losses, reference)
         assert losses[-1] < losses[0], losses
+
+
+def test_float8_keeps_a_linear_subclass_high_precision():
+    """PhiMoE's router is an ``nn.Linear`` subclass (its forward picks the experts) of a size float8
+    takes (32 -> 16 experts): a float8 linear in its place would drop the routing."""
+    pytest.importorskip("torchao.float8", reason="torchao is not installed (pip install 'hyper_parallel[float8]')")
+    model = hf_causal_lm.build_meta(transformers.PhimoeConfig(**SHAPE, num_local_experts=16, num_experts_per_tok=2))
+    convert_to_float8(model, "tensorwise")
+    layer = model.layers["0"]
+    assert type(layer.mlp.router).__name__ == "PhimoeTopKRouter"
+    assert type(layer.self_attn.q_proj).__name__ == "Float8Linear"
 
 
 def _loss_and_grads(family: str, chunks: int, config_keys: Dict[str, object], compile_backend: Optional[str] = None):
