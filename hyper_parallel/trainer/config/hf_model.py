@@ -2,11 +2,13 @@
 and the model keys the rest of the recipe reads (vocabulary, sizes) taken from its config.json.
 
 The model itself is :mod:`hyper_parallel.models.hf_causal_lm`'s; what the recipe cannot do with
-it yet (expert and pipeline parallelism, float8, compile, a chunked loss) is refused
-here in one line naming the model and what to use instead; tensor parallelism follows the
+it yet (expert and pipeline parallelism, document masks, ``model.init_from``, ``model.moe``) is
+refused here in one line naming the model and what to use instead; tensor parallelism follows the
 model's own plan (``base_model_tp_plan``) where its styles map to torch's, context parallelism
 runs where the ring attention can replace the model's
-(:func:`~hyper_parallel.models.hf_context_parallel.context_parallel_problems`).
+(:func:`~hyper_parallel.models.hf_context_parallel.context_parallel_problems`), float8 where one of
+its linears can run it (:func:`~hyper_parallel.models.float8.float8_linear_problems`); compile and
+the chunked loss run as for the project's models.
 """
 
 from __future__ import annotations
