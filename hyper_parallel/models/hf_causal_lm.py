@@ -96,24 +96,26 @@ class CausalLMLogits(RecipeModel):
         else:
             base = self.base_model(input_ids=input_ids, position_ids=positions,  # type: ignore[attr-defined]
                                    use_cache=False, **router)
-            result = loss(base.last_hidden_state, lambda hidden: self._logits_of(base, hidden, routed).logits)
-            if routed:  # the model's own balancing loss of the base model's router logits; no token's logits
-                out = self._logits_of(base, base.last_hidden_state[:, :0], routed, aux_loss=True)
+            result = loss(base.last_hidden_state, lambda hidden: self._logits_of(base, hidden).logits)
+            # The model's own balancing loss of the base model's router logits (no token's logits).
+            out = self._logits_of(base, base.last_hidden_state[:, :0], aux_loss=True) if routed else None
         if not routed:
             return result
         return attach_aux_loss(result, text.router_aux_loss_coef * self._aux_loss_scale * out.aux_loss)
 
-    def _logits_of(self, base: Any, hidden: torch.Tensor, routed: bool, aux_loss: bool = False) -> Any:
-        """The model's own forward (lm_head, and whatever the architecture does after it: logit
-        soft-capping, scaling; with ``aux_loss`` the balancing loss) on the base model's output
-        ``base`` with ``hidden`` as its last hidden states: the base model is replaced for the call
-        by one that returns them (:class:`_BaseOutput`), so no architecture's head is re-implemented."""
+    def _logits_of(self, base: Any, hidden: torch.Tensor, aux_loss: bool = False) -> Any:
+        """The output of the model's own forward (``lm_head``, and whatever the architecture does
+        to the logits after it, e.g. soft-capping; with ``aux_loss`` the balancing loss) on the
+        base model's output ``base`` with ``hidden`` as its last hidden states: for the call the
+        base model is replaced by one that returns them (:class:`_BaseOutput`), so that no
+        architecture's head is written again here."""
         prefix = self.base_model_prefix  # type: ignore[attr-defined]
         model = getattr(self, prefix)
         setattr(self, prefix, _BaseOutput(type(base)(**{**base, "last_hidden_state": hidden})))
+        routed = records_router_logits(self.config)  # type: ignore[attr-defined]
+        router = {"output_router_logits": aux_loss} if routed else {}
         try:
-            return super().forward(use_cache=False,  # type: ignore[misc]
-                                   **({"output_router_logits": aux_loss} if routed else {}))
+            return super().forward(use_cache=False, **router)  # type: ignore[misc]
         finally:
             setattr(self, prefix, model)
 

@@ -60,7 +60,7 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
     """What the recipe cannot do with a ``transformers`` ``model`` (on the meta device), one line
     each; ``set_keys``: model shape keys given although config.json decides them."""
     from hyper_parallel.models.float8 import float8_linear_problems
-    from hyper_parallel.models.hf_causal_lm import tensor_parallel_problems
+    from hyper_parallel.models.hf_causal_lm import records_router_logits, tensor_parallel_problems
     from hyper_parallel.models.hf_context_parallel import context_parallel_problems
 
     p, t, m, architecture = cfg.parallel, cfg.training, cfg.model, model.architecture
@@ -71,7 +71,7 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str]) -> List[str]:
     if p.cp > 1:
         found += context_parallel_problems(model, t.seq_len)
     text = model.config.get_text_config()
-    if getattr(text, "output_router_logits", False) and not hasattr(text, "router_aux_loss_coef"):
+    if records_router_logits(model.config) and not hasattr(text, "router_aux_loss_coef"):
         found.append(f"{m.path}/config.json: output_router_logits=true, but {architecture} has no load-balancing "
                      "loss (no router_aux_loss_coef); set it to false")
     for name, degree in (("ep", p.ep), ("pp", p.pp)):
