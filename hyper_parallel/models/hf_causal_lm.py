@@ -23,7 +23,7 @@ from __future__ import annotations
 import os
 import re
 from functools import lru_cache
-from typing import Any, Callable, Dict, List, Mapping, Tuple
+from typing import Any, Callable, Dict, List, Mapping, Optional, Tuple
 
 import torch
 from torch import nn
@@ -32,6 +32,7 @@ from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distr
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 from hyper_parallel._torch_compat import module_buffers, module_parameters
+from hyper_parallel.chunked_loss import ChunkedLoss
 from hyper_parallel.core.layout import local_part
 from hyper_parallel.models import hf_context_parallel, hf_expert_parallel
 from hyper_parallel.models.contract import RecipeModel
@@ -76,19 +77,55 @@ class CausalLMLogits(RecipeModel):
 
     _aux_loss_scale = 1.0
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
-        """The logits; with ``output_router_logits`` in the config they carry the model's own
-        load-balancing loss (``router_aux_loss_coef x aux_loss``, over this forward's tokens, what
-        ``transformers`` adds to its loss) into the backward (:meth:`set_aux_loss_scale`). Under
-        context parallelism the rotary positions are the tokens' global ones."""
+    def forward(self, input_ids: torch.Tensor,  # type: ignore[override]
+                loss: Optional[ChunkedLoss] = None) -> torch.Tensor:
+        """The logits; with ``loss``, the summed token loss of its targets instead, the logits made
+        ``loss.chunks`` pieces of the sequence at a time (:class:`ChunkedLoss`: the base model
+        runs once, the model's own forward after it, :meth:`_logits_of`, on each piece). With
+        ``output_router_logits`` in the config the result carries the model's own load-balancing
+        loss (``router_aux_loss_coef x aux_loss``, over this forward's tokens, what ``transformers``
+        adds to its loss) into the backward (:meth:`set_aux_loss_scale`). Under context
+        parallelism the rotary positions are the tokens' global ones."""
         positions = hf_context_parallel.position_ids(self, input_ids)
         text = self.config.get_text_config()  # type: ignore[attr-defined]
-        if not getattr(text, "output_router_logits", False):
-            return super().forward(input_ids=input_ids, position_ids=positions,  # type: ignore[misc]
-                                   use_cache=False).logits
-        out = super().forward(input_ids=input_ids, position_ids=positions, use_cache=False,  # type: ignore[misc]
-                              output_router_logits=True)
-        return attach_aux_loss(out.logits, text.router_aux_loss_coef * self._aux_loss_scale * out.aux_loss)
+        routed = records_router_logits(self.config)  # type: ignore[attr-defined]
+        router = {"output_router_logits": True} if routed else {}
+        if loss is None:
+            out = super().forward(input_ids=input_ids, position_ids=positions,  # type: ignore[misc]
+                                  use_cache=False, **router)
+            result = out.logits
+        else:
+            base = self.base_model(input_ids=input_ids, position_ids=positions,  # type: ignore[attr-defined]
+                                   use_cache=False, **router)
+            result = loss(base.last_hidden_state, lambda hidden: self._logits_of(base, hidden).logits)
+            # The model's own balancing loss of the base model's router logits (no token's logits).
+            out = self._logits_of(base, base.last_hidden_state[:, :0], aux_loss=True) if routed else None
+        if not routed:
+            return result
+        return attach_aux_loss(result, text.router_aux_loss_coef * self._aux_loss_scale * out.aux_loss)
+
+    def _logits_of(self, base: Any, hidden: torch.Tensor, aux_loss: bool = False) -> Any:
+        """The output of the model's own forward (``lm_head``, and whatever the architecture does
+        to the logits after it, e.g. soft-capping; with ``aux_loss`` the balancing loss) on the
+        base model's output ``base`` with ``hidden`` as its last hidden states: for the call the
+        base model is replaced by one that returns them (:class:`_BaseOutput`), so that no
+        architecture's head is written again here."""
+        prefix = self.base_model_prefix  # type: ignore[attr-defined]
+        model = getattr(self, prefix)
+        setattr(self, prefix, _BaseOutput(type(base)(**{**base, "last_hidden_state": hidden})))
+        routed = records_router_logits(self.config)  # type: ignore[attr-defined]
+        router = {"output_router_logits": aux_loss} if routed else {}
+        try:
+            return super().forward(use_cache=False, **router)  # type: ignore[misc]
+        finally:
+            setattr(self, prefix, model)
+
+    @property
+    def blocks_compile_fullgraph(self) -> bool:  # type: ignore[override]
+        """False with ``output_router_logits``: ``transformers`` records the router logits by
+        forward hooks that read a ``ContextVar``, which dynamo cannot trace (a graph break in each
+        layer). Otherwise a decoder layer compiles whole (every tested family, experts included)."""
+        return not records_router_logits(self.config)  # type: ignore[attr-defined]
 
     def set_aux_loss_scale(self, scale: float) -> None:
         """The load-balancing loss's gradients are those of ``scale x`` it (see :meth:`forward`)."""
@@ -122,6 +159,23 @@ class CausalLMLogits(RecipeModel):
         """:func:`init_weights` (the model's own ``_init_weights``; transformers' ``init_weights``
         takes no seed)."""
         init_weights(self, seed)  # type: ignore[arg-type]
+
+
+def records_router_logits(config: Any) -> bool:
+    """Whether the model of ``config`` returns its router logits (and load-balancing loss)."""
+    return bool(getattr(config.get_text_config(), "output_router_logits", False))
+
+
+class _BaseOutput(nn.Module):
+    """Stands in for a causal LM's base model for one call (:meth:`CausalLMLogits._logits_of`):
+    returns ``output`` whatever it is given."""
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.output
 
 
 @lru_cache(maxsize=None)

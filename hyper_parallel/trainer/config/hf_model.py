@@ -2,14 +2,16 @@
 and the model keys the rest of the recipe reads (vocabulary, sizes) taken from its config.json.
 
 The model itself is :mod:`hyper_parallel.models.hf_causal_lm`'s; what the recipe cannot do with
-it yet (pipeline parallelism, float8, compile, a chunked loss) is refused here in one line
-naming the model and what to use instead; tensor parallelism follows the model's own plan
-(``base_model_tp_plan``) where its styles map to torch's, context parallelism runs where the
+it yet (pipeline parallelism, document masks, ``model.init_from``, ``model.moe``) is refused here
+in one line naming the model and what to use instead; tensor parallelism follows the model's own
+plan (``base_model_tp_plan``) where its styles map to torch's, context parallelism runs where the
 ring attention can replace the model's
-(:func:`~hyper_parallel.models.hf_context_parallel.context_parallel_problems`), and expert
+(:func:`~hyper_parallel.models.hf_context_parallel.context_parallel_problems`), expert
 parallelism where the model's experts are ``transformers``' grouped 3-D ones and ``ep`` divides
 them (:func:`~hyper_parallel.models.hf_expert_parallel.expert_parallel_problems`; not with
-tensor parallelism).
+tensor parallelism), float8 where one of its linears can run it
+(:func:`~hyper_parallel.models.float8.float8_linear_problems`); compile and the chunked loss run
+as for the project's models.
 """
 
 from __future__ import annotations
@@ -62,7 +64,8 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str], dims: Optional
     """What the recipe cannot do with a ``transformers`` ``model`` (on the meta device), one line
     each; ``set_keys``: model shape keys given although config.json decides them; ``dims``: the
     world's layout (None: not resolved)."""
-    from hyper_parallel.models.hf_causal_lm import tensor_parallel_problems
+    from hyper_parallel.models.float8 import float8_linear_problems
+    from hyper_parallel.models.hf_causal_lm import records_router_logits, tensor_parallel_problems
     from hyper_parallel.models.hf_context_parallel import context_parallel_problems
     from hyper_parallel.models.hf_expert_parallel import expert_parallel_problems
 
@@ -74,7 +77,7 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str], dims: Optional
     if p.cp > 1:
         found += context_parallel_problems(model, t.seq_len)
     text = model.config.get_text_config()
-    if getattr(text, "output_router_logits", False) and not hasattr(text, "router_aux_loss_coef"):
+    if records_router_logits(model.config) and not hasattr(text, "router_aux_loss_coef"):
         found.append(f"{m.path}/config.json: output_router_logits=true, but {architecture} has no load-balancing "
                      "loss (no router_aux_loss_coef); set it to false")
     if p.ep > 1:
@@ -85,10 +88,9 @@ def problems(cfg: "TrainConfig", model: Any, set_keys: List[str], dims: Optional
                          "over data-parallel ranks only; use one of them")
     if p.pp > 1:
         found.append(f"parallel.pp={p.pp}: model=hf ({architecture}) does not support it yet; {instead}")
+    if t.float8:
+        found += float8_linear_problems(model, f"in {m.path}/config.json", architecture)
     for on, what, alternative in (
-            (t.float8, "training.float8=true", "train in parallel.mixed_precision=bf16"),
-            (t.loss_chunks > 1, f"training.loss_chunks={t.loss_chunks}", "use training.loss_chunks=1"),
-            (t.compile, "training.compile=true", "run eager"),
             (t.document_mask, "training.document_mask=true", "train without document masks"),
             (m.init_from is not None, "model.init_from", f"put the weights in {m.path}"),
             (m.moe is not None, "model.moe", "the experts are config.json's")):

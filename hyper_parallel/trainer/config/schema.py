@@ -235,8 +235,8 @@ class TrainConfig:
         if ok("training.float8") and ok("parallel.pp") and t.float8 and p.pp > 1:
             problems.append(f"training.float8=true with parallel.pp={p.pp} is not supported yet "
                             "(untested with pipeline stages); use one or the other")
-        if ok("training.float8") and t.float8 is True and model_shape is not None:
-            problems += float8_layer_problems(model_shape)
+        if ok("training.float8") and t.float8 is True and model_shape is not None and m.path is None:
+            problems += float8_layer_problems(model_shape)  # model=hf: hf_model checks its own linears
         problems += self._eval_problems(ok)
         problems += t.problems(within("training"))
         problems += self.checkpoint.problems(within("checkpoint"))
