@@ -41,7 +41,7 @@ from hyper_parallel.models.moe_layer import attach_aux_loss, checked_aux_loss_sc
 from hyper_parallel.models.hf_llama import CONFIG_FILE
 
 # The transformers versions the tests ran on (pyproject.toml's "hf" extra says the same).
-TESTED_TRANSFORMERS = ("5.3", "6.0")  # [lower, upper)
+TESTED_TRANSFORMERS = ("5.23", "6.0")  # [lower, upper)
 ATTENTION = "sdpa"
 
 

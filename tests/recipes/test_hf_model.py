@@ -341,5 +341,5 @@ def test_a_bad_folder_or_setting_is_one_line(tmp_path, check, case, overrides, e
 
 def test_a_transformers_version_outside_the_tested_range_is_named():
     assert transformers_problem(transformers.__version__) == []
-    assert "tested with transformers >=5.3,<6.0; this environment has 4.57.1" in transformers_problem("4.57.1")[0]
+    assert "tested with transformers >=5.23,<6.0; this environment has 4.57.1" in transformers_problem("4.57.1")[0]
     assert transformers_problem("6.0.0.dev0")
