@@ -21,10 +21,9 @@ the new one is everywhere.
 
 Partner: the same local rank of the next node (``(rank + ranks_per_node) % world``), so a node
 lost whole leaves its ranks' replicas on the next node. On one node (``world <= ranks_per_node``)
-the partner is the next rank: the replica then protects against a rank's lost or damaged
-snapshot, not against the loss of the machine, and is a file copy within the node's memory
-(no collective: the partner copies its source's folder, in less than half the CPU time of a
-transfer through a gloo group over loopback, and a third of the time).
+the partner is the next rank, which copies its source's folder (half the CPU time of a gloo
+transfer over loopback): the replica then protects against a lost or damaged snapshot, not
+against the loss of the machine.
 
 Snapshots live in a folder of the job's identity (``job-{id}``: a hash of the absolute
 ``output_dir`` and the config, ``checkpoint.memory_dir`` aside), also written into each snapshot
