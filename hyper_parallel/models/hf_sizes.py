@@ -60,9 +60,10 @@ def matmul_params(model: nn.Module) -> int:
 def _attention_keys(text: Any, seq_len: int) -> List[int]:
     """For each decoder layer, the keys a query attends to (0: not an attention layer)."""
     n_layers = text.num_hidden_layers
-    layer_types = getattr(text, "layer_types", None) or ["full_attention"] * n_layers
+    declared = getattr(text, "layer_types", None)
+    layer_types = declared or ["full_attention"] * n_layers
     window = getattr(text, "sliding_window", None)
-    uniform_window = getattr(text, "layer_types", None) is None and window  # e.g. Mistral: every layer
+    uniform_window = declared is None and window  # e.g. Mistral: every layer slides
     keys = []
     for kind in layer_types:
         if kind not in _ATTENTION_LAYER_TYPES:
